@@ -1,0 +1,68 @@
+"""dflash_rocm: fused DFlash draft kernels behind one contract (shared/SPEC.md).
+
+Public API::
+
+    draft_attention(...)                    # paged, non-causal-by-default draft attention
+    precompute_and_store_context_kv(...)    # fused context K/V -> every layer's cache
+    ContextKVWeights                        # the draft tensors the precompute needs
+    BackendUnavailable, explain(...), available_backends(), dispatch_counts()
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import sys
+from pathlib import Path
+
+__version__ = "0.1.0"
+
+
+def _map_source_backends() -> None:
+    """Let a source checkout (``PYTHONPATH=repo``) import ``dflash_rocm.backends``.
+
+    The design card keeps vendor backends in the top-level ``backends/`` folder and the
+    wheel maps it to ``dflash_rocm.backends``; an installed or editable package finds it
+    itself, so this only acts when nothing else provides the subpackage.
+    """
+    if importlib.util.find_spec(__name__ + ".backends") is not None:
+        return
+    source = Path(__file__).resolve().parent.parent / "backends"
+    if not (source / "__init__.py").is_file():
+        return
+    spec = importlib.util.spec_from_file_location(
+        __name__ + ".backends", source / "__init__.py", submodule_search_locations=[str(source)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+
+
+_map_source_backends()
+
+
+def _configure_logging() -> None:
+    """Library etiquette: no handler unless ``DFLASH_ROCM_LOG_LEVEL`` asks for output."""
+    from . import envs
+
+    if not envs.LOG_LEVEL.is_set():
+        return
+    logger = logging.getLogger(__name__)
+    logger.setLevel(getattr(logging, envs.LOG_LEVEL.get().upper(), logging.WARNING))
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[dflash_rocm %(levelname)s] %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+
+
+_configure_logging()
+
+from .api import available_backends, draft_attention, explain, precompute_and_store_context_kv  # noqa: E402
+from .dispatch import BackendUnavailable, dispatch_counts, reset_dispatch_counts  # noqa: E402
+from .weights import ContextKVWeights  # noqa: E402
+
+__all__ = [
+    "ContextKVWeights", "BackendUnavailable", "available_backends", "dispatch_counts",
+    "draft_attention", "explain", "precompute_and_store_context_kv", "reset_dispatch_counts",
+    "__version__",
+]

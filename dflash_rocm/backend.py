@@ -1,0 +1,78 @@
+"""The interface every backend implements, in the style of xformers' ``ops/fmha``.
+
+A backend declares what it supports in class attributes; the generic checks below
+turn those into human-readable reasons, and a backend adds its own (device, missing
+library, kernel limits) by extending ``*_not_supported_reasons``. An empty list means
+"I can serve this call". Dispatch never calls a backend that gave a reason.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from .calls import FP8_DTYPES, QUERY_DTYPES, AttentionCall, PrecomputeCall, dtype_name
+from .platform import Platform, platform_for
+
+
+class Backend:
+    name: ClassVar[str] = "?"
+    description: ClassVar[str] = ""
+
+    QUERY_DTYPES: ClassVar[tuple[torch.dtype, ...]] = QUERY_DTYPES
+    FP8_CACHE_DTYPES: ClassVar[tuple[torch.dtype, ...]] = FP8_DTYPES
+    MAX_HEAD_DIM: ClassVar[int | None] = None
+    HEAD_DIM_MULTIPLE: ClassVar[int] = 1
+    MAX_QUERIES_PER_KV: ClassVar[int | None] = None
+    SUPPORTS_SINKS: ClassVar[bool] = True
+    SUPPORTS_SLIDING_WINDOW: ClassVar[bool] = True
+
+    @classmethod
+    def device_not_supported_reasons(cls, device: torch.device, platform: Platform) -> list[str]:
+        """Reasons that hold for every call on ``device`` (no GPU, library missing)."""
+        return []
+
+    @classmethod
+    def attention_not_supported_reasons(cls, call: AttentionCall) -> list[str]:
+        reasons = cls.device_not_supported_reasons(call.device, platform_for(call.device))
+        if call.dtype not in cls.QUERY_DTYPES:
+            reasons.append(f"query dtype {dtype_name(call.dtype)} not supported")
+        if call.is_fp8 and call.cache_dtype not in cls.FP8_CACHE_DTYPES:
+            reasons.append(f"fp8 cache dtype {dtype_name(call.cache_dtype)} not supported")
+        reasons += cls._head_dim_reasons(call.head_dim)
+        if cls.MAX_QUERIES_PER_KV is not None and call.num_queries_per_kv > cls.MAX_QUERIES_PER_KV:
+            reasons.append(f"GQA ratio {call.num_queries_per_kv} > {cls.MAX_QUERIES_PER_KV}")
+        if call.sinks is not None and not cls.SUPPORTS_SINKS:
+            reasons.append("attention sinks not supported")
+        if call.sliding_window is not None and not cls.SUPPORTS_SLIDING_WINDOW:
+            reasons.append("sliding window not supported")
+        return reasons
+
+    @classmethod
+    def precompute_not_supported_reasons(cls, call: PrecomputeCall) -> list[str]:
+        reasons = cls.device_not_supported_reasons(call.device, platform_for(call.device))
+        if call.dtype not in cls.QUERY_DTYPES:
+            reasons.append(f"context_states dtype {dtype_name(call.dtype)} not supported")
+        if call.is_fp8 and call.cache_dtype not in cls.FP8_CACHE_DTYPES:
+            reasons.append(f"fp8 cache dtype {dtype_name(call.cache_dtype)} not supported")
+        reasons += cls._head_dim_reasons(call.weights.head_dim)
+        return reasons
+
+    @classmethod
+    def _head_dim_reasons(cls, head_dim: int) -> list[str]:
+        if cls.MAX_HEAD_DIM is not None and head_dim > cls.MAX_HEAD_DIM:
+            return [f"head_dim {head_dim} > {cls.MAX_HEAD_DIM}"]
+        if head_dim % cls.HEAD_DIM_MULTIPLE:
+            return [f"head_dim {head_dim} is not a multiple of {cls.HEAD_DIM_MULTIPLE}"]
+        return []
+
+    @classmethod
+    def draft_attention(cls, call: AttentionCall) -> None:
+        """Write the attention of every query row into ``call.out``."""
+        raise NotImplementedError
+
+    @classmethod
+    def precompute(cls, call: PrecomputeCall) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Write K/V into the mapped slots; return ``(k, v)`` iff ``call.return_kv``."""
+        raise NotImplementedError

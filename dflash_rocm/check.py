@@ -1,0 +1,135 @@
+"""``dflash-rocm check``: every backend that can run here against the reference.
+
+One DFlash decode step of a real draft shape (scaled down on a CPU, where Triton runs
+through the interpreter): the fused context-KV precompute and the draft attention,
+each backend's result compared with the reference under SPEC.md's tolerances.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from . import dispatch
+from .api import draft_attention, precompute_and_store_context_kv
+from .calls import FP8_DTYPES, dtype_name, relative_error, spec_tolerance
+from .timing import median_seconds
+from .validation import attention_call, precompute_call
+from .workloads import DraftShape, attention_inputs, precompute_inputs
+
+
+@dataclass
+class CheckRow:
+    op: str
+    backend: str
+    status: str  # PASS, FAIL, ERROR, SKIP, ORACLE
+    rel_err: float | None
+    tolerance: float | None
+    ms_per_call: float | None
+    note: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class CheckPlan:
+    shape: DraftShape
+    dtype: torch.dtype
+    cache_dtype: torch.dtype
+    device: torch.device
+    batch: int
+    context_len: int
+    num_tokens: int
+    repeats: int
+
+    def describe(self) -> str:
+        s = self.shape
+        return (f"{s.name} ({s.note}): hidden {s.hidden}, {s.layers} layers, {s.q_heads}/{s.kv_heads} heads, "
+                f"head dim {s.head_dim}, rotary {s.rope_dim}; {dtype_name(self.dtype)} states, "
+                f"{dtype_name(self.cache_dtype)} cache; attention: {self.batch} requests x "
+                f"{s.block_tokens} queries over {self.context_len} context tokens; precompute: "
+                f"{self.num_tokens} context tokens; on {self.device}")
+
+
+def default_plan(shape: DraftShape, dtype: torch.dtype, cache_dtype: torch.dtype,
+                 device: torch.device, scale_shape: bool = True) -> CheckPlan:
+    """Real sizes on a GPU; on a CPU a short step and (unless ``scale_shape`` is False)
+    a scaled-down draft."""
+    if device.type == "cpu":
+        return CheckPlan(shape.scaled_for_cpu() if scale_shape else shape, dtype, cache_dtype, device,
+                         batch=2, context_len=45, num_tokens=24, repeats=1)
+    return CheckPlan(shape, dtype, cache_dtype, device, batch=4, context_len=4096, num_tokens=256, repeats=10)
+
+
+def _dequantized(cache: torch.Tensor, scale) -> torch.Tensor:
+    return cache.float() * (scale if cache.dtype in FP8_DTYPES else 1.0)
+
+
+def _time(plan: CheckPlan, fn) -> float:
+    warmup = 0 if plan.device.type == "cpu" else 3
+    return median_seconds(lambda _: fn(), plan.device, warmup=warmup, repeats=plan.repeats) * 1e3
+
+
+def _check_backends(op: str, call, run_backend, compare, plan: CheckPlan, backends) -> list[CheckRow]:
+    tol = spec_tolerance(plan.dtype, plan.cache_dtype)
+    rows = [CheckRow(op, "reference", "ORACLE", None, None, _time(plan, lambda: run_backend("reference")), "")]
+    for name in backends:
+        reasons = dispatch.reasons_for(name, op, call)
+        if reasons:
+            rows.append(CheckRow(op, name, "SKIP", None, None, None, "; ".join(reasons)))
+            continue
+        try:
+            err = compare(name)
+            ms = _time(plan, lambda: run_backend(name))
+        except Exception as exc:  # a backend that crashes is reported, not fatal to the table
+            rows.append(CheckRow(op, name, "ERROR", None, tol, None, f"{type(exc).__name__}: {exc}"))
+            continue
+        rows.append(CheckRow(op, name, "PASS" if err <= tol else "FAIL", err, tol, ms, ""))
+    return rows
+
+
+def check_precompute(plan: CheckPlan, backends, weights=None) -> list[CheckRow]:
+    inputs = precompute_inputs(plan.shape, plan.num_tokens, plan.dtype, plan.cache_dtype, plan.device,
+                               weights=weights)
+    call = precompute_call(*inputs.args(), **inputs.kwargs())
+
+    def run_backend(name: str):
+        return precompute_and_store_context_kv(*inputs.args(), **inputs.kwargs(), return_kv=True, backend=name)
+
+    def snapshot():
+        return [_dequantized(c, 1.0 if inputs.k_scales is None else inputs.k_scales[i])
+                for i, c in enumerate(inputs.key_caches)] + [
+                _dequantized(c, 1.0 if inputs.v_scales is None else inputs.v_scales[i])
+                for i, c in enumerate(inputs.value_caches)]
+
+    ref_k, ref_v = run_backend("reference")
+    ref_caches = snapshot()
+
+    def compare(name: str) -> float:
+        for c in inputs.key_caches + inputs.value_caches:
+            c.zero_()
+        k, v = run_backend(name)
+        errors = [relative_error(k, ref_k), relative_error(v, ref_v)]
+        errors += [relative_error(got, want) for got, want in zip(snapshot(), ref_caches)]
+        return max(errors)
+
+    return _check_backends(dispatch.PRECOMPUTE, call, run_backend, compare, plan, backends)
+
+
+def check_attention(plan: CheckPlan, backends) -> list[CheckRow]:
+    inputs = attention_inputs(plan.shape, plan.batch, plan.context_len, plan.dtype, plan.cache_dtype, plan.device)
+    call = attention_call(*inputs.args(), **inputs.kwargs)
+
+    def run_backend(name: str):
+        return draft_attention(*inputs.args(), **inputs.kwargs, backend=name)
+
+    ref = run_backend("reference").clone()
+    return _check_backends(dispatch.ATTENTION, call, run_backend,
+                           lambda name: relative_error(run_backend(name), ref), plan, backends)
+
+
+def run_check(plan: CheckPlan, backends=None, weights=None) -> list[CheckRow]:
+    backends = [b for b in (backends or dispatch.AUTO_ORDER) if b != "reference"]
+    return check_precompute(plan, backends, weights) + check_attention(plan, backends)

