@@ -8,6 +8,7 @@ import torch
 
 import dflash_rocm
 from dflash_rocm.calls import FP8_DTYPES
+from dflash_rocm.validation import attention_call, precompute_call
 
 from dflash_rocm.calls import TOLERANCES as TOLERANCE
 from dflash_rocm.calls import relative_error as rel_err
@@ -32,8 +33,9 @@ def poison(t: torch.Tensor) -> None:
         t.fill_(float("nan"))
 
 
-def check_attention(case, backend: str) -> float:
-    """Run ``backend`` on ``case``; returns the relative error against the reference."""
+def check_attention(case, backend: str, run=None) -> float:
+    """Run ``backend`` on ``case`` (or ``run(call)``, which must write ``call.out``, e.g. a
+    kernel with a pinned launch config); returns the relative error against the reference."""
     query, key_cache, value_cache = case.args[:3]
     ref_kwargs = {k: clone_arg(v) for k, v in case.kwargs.items() if k != "out"}
     ref = dflash_rocm.draft_attention(*clone_arg(case.args), **ref_kwargs, backend="reference")
@@ -43,8 +45,11 @@ def check_attention(case, backend: str) -> float:
         out = torch.empty_like(query)
     poison(out)
     k_before, v_before = key_cache.clone(), value_cache.clone()
-    result = dflash_rocm.draft_attention(*case.args, **kwargs, out=out, backend=backend)
-    assert result is out, "draft_attention must return the out tensor it wrote"
+    if run is None:
+        result = dflash_rocm.draft_attention(*case.args, **kwargs, out=out, backend=backend)
+        assert result is out, "draft_attention must return the out tensor it wrote"
+    else:
+        run(attention_call(*case.args, **kwargs, out=out))
     assert not torch.isnan(out.float()).any(), f"output rows left unwritten or NaN: {case.description}"
     assert torch.isfinite(out.float()).all(), f"non-finite output: {case.description}"
     assert torch.equal(key_cache.view(torch.uint8), k_before.view(torch.uint8)), "attention wrote key_cache"
@@ -61,15 +66,19 @@ def written_rows(slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, to
     return keep, s // block_size, s % block_size
 
 
-def check_precompute(case, backend: str) -> float:
-    """Run ``backend`` on ``case``; returns the worst relative error against the reference."""
+def check_precompute(case, backend: str, run=None) -> float:
+    """Run ``backend`` on ``case`` (or ``run(call)``); returns the worst relative error
+    against the reference."""
     states, positions, weights, key_caches, value_caches, slot_mapping = case.args
     ref_k, ref_v = dflash_rocm.precompute_and_store_context_kv(
         states, positions, weights, None, None, None, backend="reference", return_kv=True)
     for c in list(key_caches) + list(value_caches):
         poison(c)
     before = [c.clone() for c in key_caches] + [c.clone() for c in value_caches]
-    result = dflash_rocm.precompute_and_store_context_kv(*case.args, **case.kwargs, backend=backend)
+    if run is None:
+        result = dflash_rocm.precompute_and_store_context_kv(*case.args, **case.kwargs, backend=backend)
+    else:
+        result = run(precompute_call(*case.args, **case.kwargs))
     cache_dtype = key_caches[0].dtype
     tol = tolerance(states.dtype, cache_dtype)
     errors = [0.0]

@@ -240,3 +240,21 @@ def precompute_cases(draw, sizes: Sizes = CPU_SIZES, dtypes=(torch.float32, torc
     return PrecomputeCase(args=(states, positions, weights, key_caches, value_caches, slot_mapping),
                           kwargs=dict(k_scales=k_scales, v_scales=v_scales, return_kv=return_kv),
                           description=description)
+
+
+@st.composite
+def attention_launch_configs(draw, queries_per_kv: int):
+    """Pinned launch configs of the Triton attention kernel, split-KV included."""
+    from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig
+
+    block_m = draw(st.sampled_from([m for m in (16, 32, 64) if m >= queries_per_kv]))
+    return AttentionLaunchConfig(block_m=block_m, block_n=draw(st.sampled_from([16, 32])),
+                                 num_segments=draw(st.sampled_from([1, 2, 3, 5])))
+
+
+@st.composite
+def precompute_launch_configs(draw):
+    from dflash_rocm.backends.triton.launch_config import PrecomputeLaunchConfig
+
+    return PrecomputeLaunchConfig(block_t=draw(st.sampled_from([16, 32])), block_k=draw(st.sampled_from([16, 32])),
+                                  split_k=draw(st.sampled_from([1, 2, 3])))

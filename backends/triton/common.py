@@ -1,0 +1,32 @@
+"""What every Triton kernel of this package shares: the interpreter switch and dtype names.
+
+``FP32_MATH``: the Triton interpreter computes bfloat16 arithmetic, ``tl.dot`` and
+``tl.sum`` on raw bits (wrongly) while its bf16 loads, stores and casts are right. Kernels
+therefore upcast to float32 right after loading when interpreting, so their bf16 code
+paths (loads, stores, casts, masks, addressing) still run in CI. Triton reads
+``TRITON_INTERPRET`` when a kernel is decorated, i.e. when this package is imported.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton.language as tl
+
+INTERPRETING: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
+FP32_MATH: bool = INTERPRETING
+
+TL_DTYPES = {
+    torch.float16: tl.float16,
+    torch.bfloat16: tl.bfloat16,
+    torch.float32: tl.float32,
+    torch.float8_e4m3fn: tl.float8e4nv,
+    torch.float8_e4m3fnuz: tl.float8e4b8,
+    torch.int32: tl.int32,
+    torch.int64: tl.int64,
+}
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())

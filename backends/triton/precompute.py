@@ -1,0 +1,148 @@
+"""Host side of the fused context-KV precompute: derived weights, the per-layer cache
+table, and one launch (two with a split hidden size) for all layers."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from dflash_rocm.calls import PrecomputeCall
+from dflash_rocm.platform import platform_for
+from dflash_rocm.weights import ContextKVWeights
+
+from .common import FP32_MATH, TL_DTYPES, next_pow2
+from .launch import launch
+from .launch_config import PrecomputeLaunchConfig, default_precompute_config
+from .precompute_kernels import META_COLS, context_kv_kernel, context_kv_split_epilogue_kernel
+
+
+@dataclass(frozen=True)
+class FusedKVWeights:
+    """The K/V rows with the hidden norm weight folded in and each K head's rows permuted
+    so RoPE pairs are adjacent; bias permuted alike; float32 norm weight and cos/sin."""
+
+    weight: torch.Tensor  # [L*2*Hk*D, H], states dtype, contiguous
+    bias: torch.Tensor | None  # [L*2*Hk*D] float32
+    k_norm: torch.Tensor  # [L, D] float32, original dim order
+    cos_sin: torch.Tensor  # [max_position, R] float32, contiguous
+
+
+def rope_pair_order(head_dim: int, rotary_dim: int, is_neox: bool) -> torch.Tensor:
+    """``order[c]`` = the original dim stored in column ``c``: neox pairs ``(i, i + R/2)``
+    become columns ``(2i, 2i + 1)``; GPT-J pairs and pass-through dims are already adjacent."""
+    order = torch.arange(head_dim)
+    if is_neox:
+        half = rotary_dim // 2
+        i = torch.arange(half)
+        order[0:rotary_dim:2] = i
+        order[1:rotary_dim:2] = i + half
+    return order
+
+
+def fused_weights(w: ContextKVWeights) -> FusedKVWeights:
+    def build() -> FusedKVWeights:
+        L, Hk, D = w.num_layers, w.num_kv_heads, w.head_dim
+        order = rope_pair_order(D, w.rotary_dim, w.is_neox).to(w.device)
+        rows = (w.kv_weight.float() * w.hidden_norm_weight.float()[None, :]).view(L, 2, Hk, D, -1)
+        rows[:, 0] = rows[:, 0, :, order]
+        bias = None
+        if w.kv_bias is not None:
+            bias = w.kv_bias.float().view(L, 2, Hk, D).clone()
+            bias[:, 0] = bias[:, 0, :, order]
+            bias = bias.reshape(-1).contiguous()
+        return FusedKVWeights(weight=rows.reshape(L * 2 * Hk * D, -1).to(w.dtype).contiguous(), bias=bias,
+                              k_norm=w.k_norm_weight.float().contiguous(),
+                              cos_sin=w.cos_sin_cache.float().contiguous())
+    return w.derived("triton.fused_kv", build)
+
+
+# Smallest normal exponent of each fp8 cache format (e4m3fn bias 7, e4m3fnuz bias 8).
+_FP8_MIN_NORMAL_EXP = {torch.float8_e4m3fn: -6, torch.float8_e4m3fnuz: -7}
+
+_TABLES: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+_TABLES_KEPT = 32
+
+
+def cache_table(call: PrecomputeCall, slots: list[torch.Tensor | None]) -> torch.Tensor:
+    """int64 ``[L, META_COLS]`` per-layer addresses and strides on the device. Its content
+    is fully determined by the key, so a table built for the same caches is reused
+    (vLLM's caches never move)."""
+    rows = []
+    for layer in range(call.num_layers):
+        s = slots[layer]
+        if s is None:
+            rows.append((0,) * META_COLS)
+            continue
+        kc, vc = call.key_caches[layer], call.value_caches[layer]
+        rows.append((kc.data_ptr(), vc.data_ptr(), s.data_ptr(), kc.shape[1], *kc.stride(), *vc.stride()))
+    key = (call.device, tuple(rows))
+    table = _TABLES.get(key)
+    if table is None:
+        table = torch.tensor(rows, dtype=torch.int64).to(call.device, non_blocking=True)
+        _TABLES[key] = table
+        if len(_TABLES) > _TABLES_KEPT:
+            _TABLES.popitem(last=False)
+    else:
+        _TABLES.move_to_end(key)
+    return table
+
+
+def precompute_config_for(call: PrecomputeCall) -> PrecomputeLaunchConfig:
+    w = call.weights
+    return default_precompute_config(platform_for(call.device), num_tokens=call.num_tokens,
+                                     hidden=w.hidden_size, num_heads_total=2 * w.num_layers * w.num_kv_heads,
+                                     head_dim=w.head_dim)
+
+
+def run_precompute(call: PrecomputeCall, config: PrecomputeLaunchConfig | None = None):
+    w = call.weights
+    N, L, Hk, D = call.num_tokens, w.num_layers, w.num_kv_heads, w.head_dim
+    device, dtype = call.device, call.dtype
+    out_k = out_v = None
+    if call.return_kv:
+        out_k = torch.empty(L, N, Hk, D, dtype=dtype, device=device)
+        out_v = torch.empty(L, N, Hk, D, dtype=dtype, device=device)
+    if N == 0 or not (call.writes or call.return_kv):
+        return (out_k, out_v) if call.return_kv else None
+    config = config or precompute_config_for(call)
+    fused = fused_weights(w)
+    # One slot dtype per launch: a mixed per-layer list is widened to int64 (rare).
+    slots = list(call.slot_mappings)
+    if len({s.dtype for s in slots if s is not None}) > 1:
+        slots = [None if s is None else s.to(torch.int64) for s in slots]
+    slot_dtype = next((s.dtype for s in slots if s is not None), torch.int64)
+    table = cache_table(call, slots)
+    cache_dtype = call.cache_dtype or dtype
+    dummy = call.states
+    rows = 2 * L * Hk
+    grid_t = -(-N // config.block_t)
+    block_d = max(16, next_pow2(D))
+    epilogue = dict(HK=Hk, D=D, R=w.rotary_dim, ROWS=rows, BLOCK_T=config.block_t, BLOCK_D=block_d,
+                    SPLIT_K=config.split_k, HAS_BIAS=fused.bias is not None, IS_NEOX=w.is_neox,
+                    HAS_V_SCALE=w.v_scale is not None, IS_FP8=call.is_fp8,
+                    FP8_MAX=float(torch.finfo(cache_dtype).max) if call.is_fp8 else 0.0,
+                    FP8_MIN_EXP=_FP8_MIN_NORMAL_EXP.get(cache_dtype, 0),
+                    CACHE_DTYPE=TL_DTYPES[cache_dtype], SLOT_DTYPE=TL_DTYPES[slot_dtype],
+                    RETURN_KV=call.return_kv, FP32_MATH=FP32_MATH)
+    tail = (fused.bias if fused.bias is not None else dummy, fused.k_norm, fused.cos_sin, table,
+            call.k_scales if call.k_scales is not None else dummy,
+            call.v_scales if call.v_scales is not None else dummy,
+            out_k if out_k is not None else dummy, out_v if out_v is not None else dummy)
+    v_scale = float(w.v_scale) if w.v_scale is not None else 1.0
+    x = call.states
+    if config.split_k > 1:
+        part_acc = torch.empty(config.split_k * N * rows * D, dtype=torch.float32, device=device)
+        part_ss = torch.empty(config.split_k * N, dtype=torch.float32, device=device)
+    else:
+        part_acc = part_ss = dummy
+    launch(context_kv_kernel, (grid_t, rows, config.split_k), config,
+           x, fused.weight, part_acc, part_ss, call.positions, *tail,
+           N, w.hidden_size, x.stride(0), x.stride(1), fused.cos_sin.stride(0), v_scale, w.eps,
+           BLOCK_K=config.block_k, **epilogue)
+    if config.split_k > 1:
+        launch(context_kv_split_epilogue_kernel, (grid_t, rows), config,
+               part_acc, part_ss, call.positions, *tail,
+               N, w.hidden_size, fused.cos_sin.stride(0), v_scale, w.eps, **epilogue)
+    return (out_k, out_v) if call.return_kv else None

@@ -1,0 +1,230 @@
+"""The Triton backend against the reference (through the interpreter on CPU)."""
+
+import contextlib
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import dflash_rocm
+from checks import check_attention, check_precompute
+from strategies import (CPU_SIZES, attention_cases, attention_launch_configs, make_generator, make_weights,
+                        precompute_cases, precompute_launch_configs)
+from support import needs_interpreter
+
+pytestmark = needs_interpreter
+
+
+@given(attention_cases(CPU_SIZES))
+def test_attention_matches_reference(case):
+    check_attention(case, "triton")
+
+
+@given(st.data())
+def test_attention_matches_reference_for_every_launch_config(data):
+    from dflash_rocm.backends.triton.attention import run_draft_attention
+
+    case = data.draw(attention_cases(CPU_SIZES))
+    G = case.query.shape[1] // case.args[1].shape[2]
+    config = data.draw(attention_launch_configs(G))
+    check_attention(case, "triton", run=lambda call: run_draft_attention(call, config))
+
+
+@given(precompute_cases(CPU_SIZES))
+def test_precompute_matches_reference(case):
+    check_precompute(case, "triton")
+
+
+@given(st.data())
+def test_precompute_matches_reference_for_every_launch_config(data):
+    from dflash_rocm.backends.triton.precompute import run_precompute
+
+    case = data.draw(precompute_cases(CPU_SIZES))
+    config = data.draw(precompute_launch_configs())
+    check_precompute(case, "triton", run=lambda call: run_precompute(call, config))
+
+
+def paged(seq_lens, q_lens, Hk, G, D, block_size, dtype=torch.float32, seed=0):
+    g = make_generator(seed, "cpu")
+    blocks = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks) + 1
+    perm = torch.randperm(num_blocks, generator=g)
+    table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(blocks):
+        table[b, :n] = perm[used:used + n]
+        used += n
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(sum(q_lens), Hk * G, D, generator=g).to(dtype)
+    kc = torch.randn(num_blocks, block_size, Hk, D, generator=g).to(dtype)
+    vc = torch.randn(num_blocks, block_size, Hk, D, generator=g).to(dtype)
+    return q, kc, vc, table, qsl, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_head_dims(head_dim, causal):
+    args = paged([37, 20], [16, 5], Hk=2, G=4, D=head_dim, block_size=16, dtype=torch.bfloat16)
+    ref = dflash_rocm.draft_attention(*args, causal=causal, backend="reference")
+    out = dflash_rocm.draft_attention(*args, causal=causal, backend="triton")
+    assert dflash_rocm.calls.relative_error(out, ref) < 2e-2
+
+
+@pytest.mark.parametrize("G", [1, 4, 16])
+def test_query_longer_than_one_tile_is_not_truncated(G):
+    """Query capacity is a tile setting: a 40-token query spans several tiles."""
+    from dflash_rocm.backends.triton.attention import run_draft_attention
+    from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig
+    from dflash_rocm.validation import attention_call
+
+    args = paged([34, 21], [18, 21], Hk=1, G=G, D=32, block_size=8)
+    config = AttentionLaunchConfig(block_m=16 if G < 16 else 32, block_n=16, num_segments=2)
+    for causal in (False, True):
+        ref = dflash_rocm.draft_attention(*args, causal=causal, sliding_window=9, backend="reference")
+        call = attention_call(*args, causal=causal, sliding_window=9)
+        run_draft_attention(call, config)
+        assert dflash_rocm.calls.relative_error(call.out, ref) < 2e-3
+
+
+def test_attention_reads_vllm_cache_layouts_through_views():
+    """FlashAttention's [2, blocks, bs, Hk, D] and ROCm's [blocks, 2, bs, Hk*D] caches are
+    strided [blocks, bs, Hk, D] views; a strided query and out work as well."""
+    q, kc, vc, table, qsl, lens = paged([30, 9], [6, 3], Hk=2, G=2, D=32, block_size=4)
+    flash = torch.stack([kc, vc])
+    rocm = torch.stack([kc.flatten(2), vc.flatten(2)], dim=1)
+    rocm_k = rocm[:, 0].view(kc.shape[0], 4, 2, 32)
+    rocm_v = rocm[:, 1].view(kc.shape[0], 4, 2, 32)
+    wide_q = torch.zeros(q.shape[0], q.shape[1], 64)
+    wide_q[..., ::2] = q
+    strided_q = wide_q[..., ::2]
+    ref = dflash_rocm.draft_attention(q, kc, vc, table, qsl, lens, backend="reference")
+    for k_view, v_view in ((flash[0], flash[1]), (rocm_k, rocm_v)):
+        out_store = torch.full((q.shape[0], 64, q.shape[1]), float("nan"))
+        out = out_store[:, :32].transpose(1, 2)  # non-contiguous out
+        dflash_rocm.draft_attention(strided_q, k_view, v_view, table, qsl, lens, out=out, backend="triton")
+        assert dflash_rocm.calls.relative_error(out, ref) < 2e-3
+        assert torch.isnan(out_store[:, 32:]).all(), "wrote outside out"
+
+
+def test_precompute_many_tokens_and_odd_hidden_size():
+    g = make_generator(3, "cpu")
+    w = make_weights(g, "cpu", L=2, Hk=1, D=32, H=72, R=16, is_neox=True, bias=True, v_scale=0.5,
+                     dtype=torch.bfloat16)
+    N = 2000
+    states = torch.randn(N, 72, generator=g).to(torch.bfloat16)
+    positions = torch.randint(0, 4096, (N,), generator=g)
+    ref_k, ref_v = dflash_rocm.precompute_and_store_context_kv(states, positions, w, None, None, None,
+                                                               return_kv=True, backend="reference")
+    k, v = dflash_rocm.precompute_and_store_context_kv(states, positions, w, None, None, None,
+                                                       return_kv=True, backend="triton")
+    assert dflash_rocm.calls.relative_error(k, ref_k) < 2e-2 and dflash_rocm.calls.relative_error(v, ref_v) < 2e-2
+
+
+class _CountTritonLaunches:
+    """Counts every Triton kernel launch (compiled or interpreted), whoever makes it."""
+
+    def __init__(self, monkeypatch):
+        import triton.runtime.interpreter as interpreter
+        import triton.runtime.jit as jit
+        self.count = 0
+        for cls in (jit.JITFunction, interpreter.InterpretedFunction):
+            original = cls.run
+
+            def counted(fn_self, *args, _original=original, **kwargs):
+                self.count += 1
+                return _original(fn_self, *args, **kwargs)
+            monkeypatch.setattr(cls, "run", counted)
+
+
+class _AtenOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+# The unfused sequence's work: none of it may run outside the fused kernels.
+_COMPUTE_OPS = {"mm", "addmm", "bmm", "matmul", "linear", "mul", "add", "div", "rsqrt", "pow", "mean", "sum",
+                "cat", "stack", "index_put", "index", "cos", "sin", "neg", "permute", "clone"}
+
+
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_precompute_is_at_most_two_launches_for_all_layers(monkeypatch, split_k):
+    from dflash_rocm.backends.triton.launch_config import PrecomputeLaunchConfig
+    from dflash_rocm.backends.triton.precompute import fused_weights, run_precompute
+    from dflash_rocm.validation import precompute_call
+
+    g = make_generator(4, "cpu")
+    L = 5
+    w = make_weights(g, "cpu", L=L, Hk=2, D=16, H=48, R=16, is_neox=True, bias=True, v_scale=2.0,
+                     dtype=torch.float16)
+    N = 20
+    caches = [torch.zeros(4, 8, 2, 16, dtype=torch.float8_e4m3fn) for _ in range(2 * L)]
+    slots = [torch.randperm(32, generator=g)[:N] for _ in range(L)]
+    slots[2] = None
+    call = precompute_call(torch.randn(N, 48, generator=g).half(), torch.arange(N), w, caches[:L], caches[L:],
+                           slots, k_scales=torch.full((L,), 0.5), v_scales=torch.full((L,), 2.0), return_kv=True)
+    fused_weights(w)  # the one-time weight preparation is not part of a call
+    counter = _CountTritonLaunches(monkeypatch)
+    with _AtenOps() as aten:
+        run_precompute(call, PrecomputeLaunchConfig(block_t=16, block_k=16, split_k=split_k))
+    assert counter.count == (1 if split_k == 1 else 2)
+    assert not (aten.ops & _COMPUTE_OPS), f"unfused torch work in the fused path: {aten.ops & _COMPUTE_OPS}"
+
+
+def test_attention_is_one_launch_unless_split(monkeypatch):
+    from dflash_rocm.backends.triton.attention import run_draft_attention
+    from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig
+    from dflash_rocm.validation import attention_call
+
+    args = paged([40, 17], [16, 16], Hk=2, G=4, D=32, block_size=16)
+    counter = _CountTritonLaunches(monkeypatch)
+    run_draft_attention(attention_call(*args), AttentionLaunchConfig(block_m=64, num_segments=1))
+    assert counter.count == 1
+    run_draft_attention(attention_call(*args), AttentionLaunchConfig(block_m=64, num_segments=4))
+    assert counter.count == 3
+
+
+def test_no_write_outside_slots_even_with_duplicate_free_random_slots():
+    """Every byte of every cache outside the mapping stays, for every layer and both caches."""
+    g = make_generator(5, "cpu")
+    w = make_weights(g, "cpu", L=3, Hk=2, D=16, H=24, R=8, is_neox=False, bias=False, v_scale=None,
+                     dtype=torch.float32)
+    caches = [torch.randn(3, 4, 2, 16, generator=g) for _ in range(6)]
+    before = [c.clone() for c in caches]
+    slots = torch.tensor([11, -1, 0, 7, -1])
+    dflash_rocm.precompute_and_store_context_kv(torch.randn(5, 24, generator=g), torch.arange(5), w,
+                                                caches[:3], caches[3:], slots, backend="triton")
+    written = torch.zeros(12, dtype=torch.bool)
+    written[[11, 0, 7]] = True
+    for c, b in zip(caches, before):
+        assert torch.equal(c.view(12, 2, 16)[~written], b.view(12, 2, 16)[~written])
+        assert not torch.equal(c.view(12, 2, 16)[written], b.view(12, 2, 16)[written])
+
+
+def test_compute_only_call_writes_nothing_and_returns_none():
+    g = make_generator(6, "cpu")
+    w = make_weights(g, "cpu", L=2, Hk=1, D=16, H=24, R=16, is_neox=True, bias=False, v_scale=None,
+                     dtype=torch.float32)
+    result = dflash_rocm.precompute_and_store_context_kv(torch.randn(3, 24, generator=g), torch.arange(3), w,
+                                                         None, None, None, backend="triton")
+    assert result is None
+
+
+def test_backend_declares_its_limits():
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    qsl = torch.tensor([0, 2], dtype=torch.int32)
+    lens = torch.tensor([2], dtype=torch.int32)
+    for head_dim, needle in ((512, "head_dim 512 > 256"), (24, "head_dim 24 is not a multiple of 16")):
+        cache = torch.zeros(1, 4, 1, head_dim)
+        reasons = dflash_rocm.explain("draft_attention", torch.zeros(2, 2, head_dim), cache, cache, table, qsl,
+                                      lens)["triton"]
+        assert needle in reasons
+    cache = torch.zeros(1, 4, 1, 16)
+    reasons = dflash_rocm.explain("draft_attention", torch.zeros(2, 32, 16), cache, cache, table, qsl, lens)
+    assert "GQA ratio 32 > 16" in reasons["triton"] and reasons["reference"] == []
