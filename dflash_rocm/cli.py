@@ -75,6 +75,51 @@ def cmd_check(args) -> int:
     return 1 if failed else 0
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def cmd_bench(args) -> int:
+    from . import bench
+
+    device = _device(args.device)
+    dtype = DTYPES[args.dtype]
+    plan = bench.default_plan(device, shapes=args.shape, tokens=args.tokens, batches=args.batch,
+                              contexts=args.context, ops=args.op and [_OPS[o] for o in args.op],
+                              backends=args.backend, dtype=dtype,
+                              cache_dtype=CACHE_DTYPES[args.kv_cache_dtype] or dtype, repeats=args.repeats,
+                              quick=args.quick)
+
+    def progress(i, total, what):
+        print(f"[{i + 1}/{total}] {what}", file=sys.stderr, flush=True)
+
+    rows, header = bench.run_bench(plan, progress=None if args.quiet else progress)
+    print(header)
+    for note in plan.notes:
+        print(note)
+    print(bench.format_rows(rows))
+    for path, text in ((args.json, lambda: bench.rows_to_json(rows, header, plan)),
+                       (args.csv, lambda: bench.rows_to_csv(rows))):
+        if path == "-":
+            print(text())
+        elif path:
+            with open(path, "w") as f:
+                f.write(text())
+    if args.plot:
+        try:
+            bench.plot_rows(rows, args.plot, header)
+        except ImportError:
+            print("dflash-rocm bench: --plot needs matplotlib (pip install 'dflash-rocm[plot]')", file=sys.stderr)
+            return 2
+    return 0
+
+
+_OPS = {"precompute": "precompute_and_store_context_kv", "attention": "draft_attention"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .dispatch import BACKEND_PATHS
     from .workloads import DEFAULT_SHAPE, SHAPES
@@ -107,6 +152,31 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     check.add_argument("--json", action="store_true", help="machine-readable output")
     check.set_defaults(func=cmd_check)
+
+    bench = sub.add_parser(
+        "bench", help="time both operations per backend against vLLM's unfused sequence and the floor",
+        description="Time the fused context-KV precompute and the draft attention of every backend that can "
+                    "run here, and vLLM's unfused precompute sequence (torch ops, and vLLM's ops where "
+                    "importable), with device events, warm-up, medians and an L2 flush per call. Each row "
+                    "reports achieved bandwidth and the percentage of the hardware floor (the bytes that must "
+                    "move, or FLOPs that must run, at the device's peak). On a CPU it runs a small smoke test.")
+    bench.add_argument("--shape", action="append", choices=sorted(SHAPES), help="draft shape (repeatable)")
+    bench.add_argument("--op", action="append", choices=sorted(_OPS), help="only this operation (repeatable)")
+    bench.add_argument("--tokens", type=_int_list, help="context tokens per step for the precompute, e.g. 1,16,256")
+    bench.add_argument("--batch", type=_int_list, help="requests per step for attention, e.g. 1,4,16")
+    bench.add_argument("--context", type=_int_list, help="context lengths for attention, e.g. 1024,8192")
+    bench.add_argument("--backend", action="append", choices=sorted(BACKEND_PATHS),
+                       help="time only this backend (repeatable; the reference only when named)")
+    bench.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    bench.add_argument("--kv-cache-dtype", choices=list(CACHE_DTYPES), default="auto")
+    bench.add_argument("--repeats", type=int, help="timed repeats per case (median reported)")
+    bench.add_argument("--quick", action="store_true", help="a short sweep (what scripts/gpu_check.sh runs)")
+    bench.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    bench.add_argument("--json", metavar="PATH", help="also write JSON ('-' for stdout)")
+    bench.add_argument("--csv", metavar="PATH", help="also write CSV ('-' for stdout)")
+    bench.add_argument("--plot", metavar="FILE.png", help="bar chart of %% of floor per case (needs matplotlib)")
+    bench.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 

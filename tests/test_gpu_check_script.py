@@ -1,0 +1,27 @@
+"""scripts/gpu_check.sh --dry: the prepared GPU script rehearsed on CPU so it cannot rot."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from support import HAS_GPU, HAS_TRITON
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.skipif(HAS_GPU or not HAS_TRITON, reason="the dry rehearsal is for machines without a GPU")
+def test_gpu_check_dry_run(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for name in ("info.json", "pytest.log", "pytest.xml", "bench.json", "bench.csv", "bench.png", "bench.txt"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    assert "skipped" in (tmp_path / "pytest.log").read_text()
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert any(r["backend"] == "triton" and r["us"] for r in rows)
+    assert result.stdout.rstrip().splitlines()[-1].startswith("draft_attention")  # the table comes last
