@@ -120,6 +120,55 @@ def cmd_bench(args) -> int:
 _OPS = {"precompute": "precompute_and_store_context_kv", "attention": "draft_attention"}
 
 
+def _progress_bar(i: int, total: int, what) -> None:
+    width = 30
+    filled = width * (i + 1) // max(1, total)
+    print(f"\r[{'#' * filled}{'.' * (width - filled)}] {i + 1}/{total} {what}   ", end="", file=sys.stderr,
+          flush=True)
+    if i + 1 == total:
+        print(file=sys.stderr)
+
+
+def cmd_tune(args) -> int:
+    import contextlib
+
+    from .backends.rocm import settings, tuner
+    from .platform import platform_for, simulate_platform
+    from .report import format_table
+    from .workloads import SHAPES
+
+    if args.checkpoint:
+        from .checkpoint import draft_shape
+        shape = draft_shape(args.checkpoint)
+    else:
+        shape = SHAPES[args.shape]
+    device = _device(args.device)
+    context = simulate_platform(args.simulate_arch) if args.simulate_arch else contextlib.nullcontext()
+    with context:
+        platform = platform_for(device)
+        if platform.vendor != "rocm":
+            print(f"dflash-rocm tune: needs an AMD GPU (this is {platform.name}); --simulate-arch ARCH runs the "
+                  "search on CPU through the Triton interpreter", file=sys.stderr)
+            return 2
+        settings.configure(batch_limit=args.batch_limit, max_model_len=args.max_model_len,
+                           query_limit=args.query_limit or shape.block_tokens)
+        dtype = DTYPES[args.dtype]
+        spec = tuner.AttentionSpec(shape.q_heads, shape.kv_heads, shape.head_dim, args.block_size, dtype,
+                                   CACHE_DTYPES[args.kv_cache_dtype] or dtype,
+                                   shape.causal if args.causal is None else args.causal, shape.sliding_window,
+                                   shape.sinks)
+        table = tuner.tune_attention(platform, spec, device, progress=_progress_bar)
+    print(f"tuned {shape.name} on {platform.name} ({platform.arch}); table: {tuner.last_path(spec, platform)}")
+    rows = []
+    for e in sorted(table.entries, key=lambda e: (e.workload.batch, e.workload.key_span)):
+        def brief(c):
+            return f"m{c['block_m']} n{c['block_n']} s{c['num_segments']} w{c['num_warps']} st{c['num_stages']}"
+        rows.append((e.workload.batch, e.workload.query_len, e.workload.key_span, brief(e.default), brief(e.best),
+                     f"{e.speedup:.2f}", "tuned" if e.best != e.default else "table kept", len(e.rejected)))
+    print(format_table(["batch", "query", "keys", "table config", "chosen", "speed-up", "result", "rejected"], rows))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .dispatch import BACKEND_PATHS
     from .workloads import DEFAULT_SHAPE, SHAPES
@@ -177,6 +226,26 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", metavar="FILE.png", help="bar chart of %% of floor per case (needs matplotlib)")
     bench.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     bench.set_defaults(func=cmd_bench)
+
+    tune = sub.add_parser(
+        "tune", help="run the ROCm startup tuning by hand and print the table it chose",
+        description="Time candidate launch configs around the ROCm table's choice for the DFlash workloads "
+                    "within the query limit, batch limit and model length; a candidate must reproduce the "
+                    "table config's output and win clearly (3%%) to be kept. The result is stored under "
+                    "DFLASH_ROCM_CACHE_DIR and used by the rocm backend when DFLASH_ROCM_TUNE is on.")
+    tune.add_argument("--shape", choices=sorted(SHAPES), default=DEFAULT_SHAPE, help="draft shape preset")
+    tune.add_argument("--checkpoint", metavar="DIR", help="take heads and attention mode from a draft checkpoint")
+    tune.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    tune.add_argument("--kv-cache-dtype", choices=list(CACHE_DTYPES), default="auto")
+    tune.add_argument("--block-size", type=int, default=16, help="KV cache page size")
+    tune.add_argument("--query-limit", type=int, help="num_speculative_tokens + 1 (default: the shape's block)")
+    tune.add_argument("--batch-limit", type=int, default=64, help="largest batch to tune for")
+    tune.add_argument("--max-model-len", type=int, default=32768, help="longest sequence to tune for")
+    tune.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
+                      help="tune causal (or --no-causal) attention (default: the shape's)")
+    tune.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    tune.add_argument("--simulate-arch", metavar="ARCH", help="tune on CPU as if on ARCH (interpreter; slow)")
+    tune.set_defaults(func=cmd_tune)
     return parser
 
 

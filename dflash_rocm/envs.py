@@ -42,6 +42,10 @@ TUNE = EnvVar(
 CACHE_DIR = EnvVar(
     "DFLASH_ROCM_CACHE_DIR", "",
     "where tuned launch configs are kept (default: $XDG_CACHE_HOME/dflash_rocm)")
+AITER = EnvVar(
+    "DFLASH_ROCM_AITER", "auto",
+    "rocm: 0 never uses aiter; auto uses its paged attention on CDNA where it serves the call "
+    "(checked against the Triton kernel on first use)")
 VLLM = EnvVar(
     "DFLASH_ROCM_VLLM", "1",
     "0 leaves vLLM untouched even when the plugin is installed")
@@ -50,4 +54,4 @@ TRITON_INTERPRET = EnvVar(
     "1 runs Triton kernels on CPU tensors through the interpreter (read when kernels are "
     "first imported)")
 
-ALL: tuple[EnvVar, ...] = (BACKEND, LOG_LEVEL, QUERY_LIMIT, TUNE, CACHE_DIR, VLLM, TRITON_INTERPRET)
+ALL: tuple[EnvVar, ...] = (BACKEND, LOG_LEVEL, QUERY_LIMIT, TUNE, CACHE_DIR, AITER, VLLM, TRITON_INTERPRET)

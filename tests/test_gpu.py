@@ -105,3 +105,31 @@ def test_real_shape_attention(backend, context, shape):
 
     out, ref = _agree(backend, dispatch.ATTENTION, inputs.args(), inputs.kwargs, run)
     assert dflash_rocm.calls.relative_error(out, ref) < 2e-2
+
+
+@pytest.mark.rocm
+def test_startup_tuning_end_to_end_on_the_gpu(tmp_path, monkeypatch):
+    """Tune a small DFlash space on the real GPU, persist it, and serve from it."""
+    from dflash_rocm.backends import rocm
+    from dflash_rocm.backends.rocm import settings, tuner
+    from dflash_rocm.platform import platform_for
+
+    monkeypatch.setenv("DFLASH_ROCM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("DFLASH_ROCM_TUNE", "1")
+    tuner.forget_tables()
+    previous = settings.current()
+    settings.configure(batch_limit=2, max_model_len=4096, query_limit=16)
+    try:
+        inputs = attention_inputs(QWEN3_8B, 2, 4000, torch.bfloat16, torch.bfloat16, torch.device("cuda"))
+        call = attention_call(*inputs.args(), **inputs.kwargs)
+        table = tuner.tune_attention(platform_for("cuda"), tuner.AttentionSpec.of(call), torch.device("cuda"))
+        assert table.entries and all(e.speedup >= 1.0 for e in table.entries)
+        assert list(tmp_path.glob("attention-*.json"))
+        source, _ = rocm.attention_config(call)
+        out = dflash_rocm.draft_attention(*inputs.args(), **inputs.kwargs, backend="rocm").clone()
+        ref = dflash_rocm.draft_attention(*inputs.args(), **inputs.kwargs, backend="reference")
+        assert source in ("tuned",) + tuple(r.name for r in rocm.tables.rules_for(platform_for("cuda").arch))
+        assert dflash_rocm.calls.relative_error(out, ref) < 2e-2
+    finally:
+        settings.configure(**previous.__dict__)
+        tuner.forget_tables()

@@ -1,0 +1,98 @@
+"""The ROCm backend: the Triton kernels launched from per-architecture tables, startup
+tuning (on by default for RDNA), a query limit, and aiter where it serves (CDNA)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from dflash_rocm.backend import Backend
+from dflash_rocm.backends.triton import INTERPRETING, TritonBackend, fp8_reason
+from dflash_rocm.backends.triton.attention import run_draft_attention
+from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig
+from dflash_rocm.backends.triton.precompute import run_precompute
+from dflash_rocm.calls import AttentionCall, PrecomputeCall
+from dflash_rocm.platform import Platform, platform_for
+
+from . import aiter_attention, settings, tables, tuner
+
+logger = logging.getLogger("dflash_rocm")
+
+
+def attention_workload(call: AttentionCall, platform: Platform) -> tables.AttentionWorkload:
+    span = call.key_span_bound
+    if call.sliding_window is not None:  # keys outside the window never load
+        span = min(span, call.sliding_window + call.query_len_bound - 1)
+    return tables.AttentionWorkload(platform.arch, call.num_seqs, call.query_len_bound, span, call.num_q_heads,
+                                    call.num_kv_heads, call.head_dim, call.is_fp8)
+
+
+def attention_config(call: AttentionCall) -> tuple[str, AttentionLaunchConfig]:
+    """(where it came from, config): the table's rule, ``unsegmented`` past the query
+    limit, or ``tuned`` when startup tuning found a clear winner for this workload."""
+    platform = platform_for(call.device)
+    w = attention_workload(call, platform)
+    name, config = tables.attention_config(w, settings.query_limit())
+    if name != "unsegmented" and settings.tuning_enabled(platform):
+        table = tuner.tune_attention(platform, tuner.AttentionSpec.of(call), call.device)
+        tuned = table.lookup(w.batch, w.query_len, w.key_span)
+        if tuned is not None:
+            return "tuned", AttentionLaunchConfig(**tuned)
+    return name, config
+
+
+class RocmBackend(Backend):
+    name = "rocm"
+    description = "AMD: Triton kernels with per-architecture tables and startup tuning; aiter where it serves"
+    MAX_HEAD_DIM = TritonBackend.MAX_HEAD_DIM
+    HEAD_DIM_MULTIPLE = TritonBackend.HEAD_DIM_MULTIPLE
+    MAX_QUERIES_PER_KV = TritonBackend.MAX_QUERIES_PER_KV
+
+    @classmethod
+    def device_not_supported_reasons(cls, device: torch.device, platform: Platform) -> list[str]:
+        if platform.vendor != "rocm":
+            return [f"needs an AMD GPU with ROCm torch (tensors on {device.type}, platform {platform.vendor})"]
+        if platform.arch not in tables.SUPPORTED_ARCHS:
+            return [f"no launch table for {platform.arch} (tables: {', '.join(tables.SUPPORTED_ARCHS)}); "
+                    "the triton backend serves it"]
+        if device.type == "cpu" and not INTERPRETING:
+            return ["a simulated AMD platform runs on CPU tensors only through the Triton interpreter"]
+        if device.type == "cuda" and INTERPRETING:
+            return ["TRITON_INTERPRET=1 is set, so Triton cannot compile for the GPU"]
+        return []
+
+    @classmethod
+    def attention_not_supported_reasons(cls, call: AttentionCall) -> list[str]:
+        reasons = super().attention_not_supported_reasons(call)
+        if call.is_fp8 and (why := fp8_reason(platform_for(call.device), call.cache_dtype)):
+            reasons.append(why)
+        return reasons
+
+    @classmethod
+    def precompute_not_supported_reasons(cls, call: PrecomputeCall) -> list[str]:
+        reasons = super().precompute_not_supported_reasons(call)
+        if call.is_fp8 and (why := fp8_reason(platform_for(call.device), call.cache_dtype)):
+            reasons.append(why)
+        return reasons
+
+    @classmethod
+    def draft_attention(cls, call: AttentionCall) -> None:
+        platform = platform_for(call.device)
+        source, config = attention_config(call)
+
+        def triton_path(c: AttentionCall) -> None:
+            run_draft_attention(c, config)
+
+        if call.device.type == "cuda" and not aiter_attention.reasons(call, platform):
+            aiter_attention.run(call, triton_path)
+        else:
+            triton_path(call)
+
+    @classmethod
+    def precompute(cls, call: PrecomputeCall):
+        w = call.weights
+        config = tables.precompute_config(platform_for(call.device).arch, num_tokens=call.num_tokens,
+                                          hidden=w.hidden_size, num_heads_total=2 * w.num_layers * w.num_kv_heads,
+                                          head_dim=w.head_dim)
+        return run_precompute(call, config)

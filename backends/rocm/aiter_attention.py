@@ -1,0 +1,126 @@
+"""aiter's paged attention where it is present and serves the call (CDNA).
+
+aiter is never a dependency: it is probed at run time (``find_spec``, then an import
+inside ``try`` since it raises without ROCm) and its features are read from signatures.
+Of its kernels only the CK ``flash_attn_varlen_func`` takes a block table *and*
+``causal=False`` (aiter's Triton ``unified_attention`` is causal-only); it needs pages of
+a multiple of 128 rows, has sinks only where it takes ``sink_ptr`` (not the PyPI 0.1.7
+release), and its fp8 path wants fp8 queries, so fp8 caches stay with the Triton kernel.
+
+Trust, then verify: the first call of each call signature also runs the Triton kernel
+and compares; a disagreement disables aiter for that signature with a warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import inspect
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from dflash_rocm import envs
+from dflash_rocm.calls import AttentionCall, relative_error, spec_tolerance
+from dflash_rocm.platform import Platform
+
+logger = logging.getLogger("dflash_rocm")
+AITER_PAGE_MULTIPLE = 128
+
+
+@dataclass(frozen=True)
+class AiterFeatures:
+    flash_attn_varlen_func: Callable
+    block_table: bool
+    sinks: bool
+
+
+@functools.lru_cache(maxsize=1)
+def probe() -> tuple[AiterFeatures | None, str | None]:
+    """``(features, None)`` or ``(None, why aiter cannot be used)``."""
+    if envs.AITER.get() == "0":
+        return None, f"aiter disabled ({envs.AITER.name}=0)"
+    if importlib.util.find_spec("aiter") is None:
+        return None, "aiter is not installed (pip install amd-aiter in a ROCm environment)"
+    try:
+        aiter = importlib.import_module("aiter")
+    except Exception as exc:  # aiter raises RuntimeError (and more) without a working ROCm
+        return None, f"aiter failed to import ({type(exc).__name__}: {exc})"
+    fn = getattr(aiter, "flash_attn_varlen_func", None)
+    if fn is None:
+        return None, "this aiter has no flash_attn_varlen_func"
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return None, "cannot read aiter.flash_attn_varlen_func's signature"
+    if "block_table" not in params:
+        return None, "this aiter's flash_attn_varlen_func takes no block_table"
+    return AiterFeatures(fn, True, "sink_ptr" in params), None
+
+
+def reasons(call: AttentionCall, platform: Platform) -> list[str]:
+    features, why = probe()
+    if why:
+        return [why]
+    out = []
+    if platform.family != "cdna":
+        out.append(f"aiter's CK attention targets CDNA; {platform.arch} is {platform.family}")
+    if call.block_size % AITER_PAGE_MULTIPLE:
+        out.append(f"aiter's paged path needs pages of a multiple of {AITER_PAGE_MULTIPLE} rows "
+                   f"(block_size {call.block_size})")
+    if call.is_fp8:
+        out.append("aiter's fp8 attention needs fp8 queries")
+    if call.dtype == torch.float32:
+        out.append("aiter takes fp16/bf16 queries")
+    if call.sinks is not None and not features.sinks:
+        out.append("this aiter has no sinks (no sink_ptr: the PyPI 0.1.7 release)")
+    if call.head_dim % 8 or call.head_dim > 256:
+        out.append(f"aiter takes head dims up to 256, multiples of 8 (got {call.head_dim})")
+    return out
+
+
+def aiter_kwargs(call: AttentionCall) -> dict:
+    """SPEC.md's attention in aiter's terms: keys are counted by ``cu_seqlens_k`` over
+    the paged cache; the window's left span is ``W - 1`` (right unbounded unless causal)."""
+    window = (-1, -1)
+    if call.sliding_window is not None:
+        window = (call.sliding_window - 1, 0 if call.causal else -1)
+    cu_seqlens_k = torch.zeros(call.num_seqs + 1, dtype=torch.int32, device=call.device)
+    torch.cumsum(call.seq_lens, 0, out=cu_seqlens_k[1:])
+    kwargs = dict(q=call.query, k=call.key_cache, v=call.value_cache, cu_seqlens_q=call.query_start_loc,
+                  cu_seqlens_k=cu_seqlens_k, max_seqlen_q=call.query_len_bound, max_seqlen_k=call.key_span_bound,
+                  softmax_scale=call.scale, causal=call.causal, window_size=window,
+                  block_table=call.block_table, out=call.out)
+    if call.sinks is not None:
+        kwargs["sink_ptr"] = call.sinks.float()
+    return kwargs
+
+
+_verified: dict[str, bool] = {}
+_lock = threading.Lock()
+
+
+def run(call: AttentionCall, fallback: Callable[[AttentionCall], None]) -> None:
+    """aiter's attention; on the first call of a signature, checked against ``fallback``."""
+    features, _ = probe()
+    key = call.signature()
+    with _lock:
+        state = _verified.get(key)
+    if state is False:
+        fallback(call)
+        return
+    features.flash_attn_varlen_func(**aiter_kwargs(call))
+    if state is None:
+        got = call.out.clone()
+        fallback(call)
+        err = relative_error(got, call.out)
+        ok = err <= spec_tolerance(call.dtype, call.cache_dtype)
+        if not ok:
+            logger.warning("aiter's attention disagrees with the Triton kernel (rel err %.2e) for [%s]; "
+                           "using the Triton kernel for it from now on", err, key)
+        with _lock:
+            _verified[key] = ok

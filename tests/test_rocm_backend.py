@@ -1,0 +1,130 @@
+"""The rocm backend's kernel paths with every architecture's table, through the Triton
+interpreter on CPU (a simulated platform): each table entry runs at least once and is
+compared with the reference."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import dflash_rocm
+from checks import check_attention, check_precompute
+from dflash_rocm.backends import rocm
+from dflash_rocm.backends.rocm import tables
+from dflash_rocm.platform import simulate_platform
+from dflash_rocm.validation import attention_call
+from strategies import CPU_SIZES, attention_cases, precompute_cases
+from support import needs_interpreter
+from test_triton_backend import paged
+
+pytestmark = needs_interpreter
+
+
+def fp8_for(arch):
+    return torch.float8_e4m3fnuz if arch.startswith("gfx94") else torch.float8_e4m3fn
+
+
+def case_for(arch, rule):
+    """Arguments of a call that selects ``rule`` on ``arch``, long enough to be split."""
+    d, q_len, group, fp8 = 64, 8, 4, False
+    if rule.name.endswith("d256"):
+        d = 256
+    if rule.name.endswith("fp8"):
+        fp8 = True
+    if rule.name == "rdna-short-query":
+        q_len = 4
+    if rule.name == "cdna4-wide-lds":
+        d = 128
+    seq = 2 * rule.min_keys_per_segment + 40
+    args = paged([seq], [q_len], Hk=1, G=group, D=d, block_size=16, dtype=torch.bfloat16)
+    if fp8:
+        args = args[:1] + (args[1].to(fp8_for(arch)), args[2].to(fp8_for(arch))) + args[3:]
+    return args
+
+
+def reachable(arch, rule):
+    """gfx950's wide-LDS rule shadows the generic CDNA default there, and is gfx950's only."""
+    if rule.name == "cdna4-wide-lds":
+        return arch == "gfx950"
+    return not (arch == "gfx950" and rule.name == "cdna-default")
+
+
+RULE_CASES = [(arch, rule) for arch in tables.SUPPORTED_ARCHS for rule in tables.rules_for(arch)
+              if reachable(arch, rule)]
+
+
+@pytest.mark.parametrize("arch,rule", RULE_CASES, ids=[f"{a}-{r.name}" for a, r in RULE_CASES])
+def test_every_table_entry_matches_the_reference(arch, rule):
+    args = case_for(arch, rule)
+    with simulate_platform(arch):
+        source, config = rocm.attention_config(attention_call(*args))
+        assert source == rule.name
+        assert config.num_segments >= 2, "the case is long enough to be split"
+        ref = dflash_rocm.draft_attention(*args, backend="reference")
+        out = dflash_rocm.draft_attention(*args, backend="rocm")
+    tol = 6e-2 if args[1].dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz) else 2e-2
+    assert dflash_rocm.calls.relative_error(out, ref) < tol
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx1100"])
+def test_queries_past_the_query_limit_are_served_unsegmented(arch, monkeypatch):
+    monkeypatch.setenv("DFLASH_ROCM_QUERY_LIMIT", "4")
+    args = paged([300], [7], Hk=1, G=4, D=64, block_size=16)
+    with simulate_platform(arch):
+        source, config = rocm.attention_config(attention_call(*args))
+        out = dflash_rocm.draft_attention(*args, backend="rocm")
+    assert source == "unsegmented" and config.num_segments == 1
+    ref = dflash_rocm.draft_attention(*args, backend="reference")
+    assert dflash_rocm.calls.relative_error(out, ref) < 2e-3
+
+
+@pytest.mark.parametrize("arch", tables.SUPPORTED_ARCHS)
+@pytest.mark.parametrize("num_tokens,hidden", [(8, 640), (200, 96)])
+def test_precompute_table_of_every_arch_matches_the_reference(arch, num_tokens, hidden):
+    from strategies import make_generator, make_weights
+    g = make_generator(7, "cpu")
+    w = make_weights(g, "cpu", L=2, Hk=2, D=32, H=hidden, R=16, is_neox=True, bias=False, v_scale=None,
+                     dtype=torch.bfloat16)
+    states = torch.randn(num_tokens, hidden, generator=g).to(torch.bfloat16)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=g)
+    caches = [torch.zeros(-(-num_tokens // 16) + 1, 16, 2, 32, dtype=torch.bfloat16) for _ in range(4)]
+    slots = torch.randperm(caches[0].shape[0] * 16, generator=g)[:num_tokens]
+    config = tables.precompute_config(arch, num_tokens=num_tokens, hidden=hidden, num_heads_total=8, head_dim=32)
+    with simulate_platform(arch):
+        k, v = dflash_rocm.precompute_and_store_context_kv(states, positions, w, caches[:2], caches[2:], slots,
+                                                           return_kv=True, backend="rocm")
+    rk, rv = dflash_rocm.precompute_and_store_context_kv(states, positions, w, None, None, None, return_kv=True,
+                                                         backend="reference")
+    assert dflash_rocm.calls.relative_error(k, rk) < 2e-2 and dflash_rocm.calls.relative_error(v, rv) < 2e-2
+    assert config.block_t in (16, 32, 64) and (num_tokens > 16 or config.split_k > 1)
+
+
+@given(st.sampled_from(tables.SUPPORTED_ARCHS), attention_cases(CPU_SIZES))
+def test_rocm_attention_property(arch, case):
+    with simulate_platform(arch):
+        check_attention(case, "rocm")
+
+
+@given(st.sampled_from(tables.SUPPORTED_ARCHS), precompute_cases(CPU_SIZES))
+def test_rocm_precompute_property(arch, case):
+    with simulate_platform(arch):
+        check_precompute(case, "rocm")
+
+
+def test_auto_never_picks_rocm_for_cpu_tensors_even_when_simulated():
+    args = paged([20], [4], Hk=1, G=2, D=16, block_size=4)
+    with simulate_platform("gfx942"):
+        reasons = dflash_rocm.explain("draft_attention", *args)
+        assert reasons["rocm"] and "auto never runs the rocm kernels" in reasons["rocm"][0]
+        dflash_rocm.reset_dispatch_counts()
+        dflash_rocm.draft_attention(*args)
+        assert ("draft_attention", "rocm") not in dflash_rocm.dispatch_counts()
+
+
+def test_rocm_explains_why_it_cannot_run_here():
+    args = paged([20], [4], Hk=1, G=2, D=16, block_size=4)
+    reasons = dflash_rocm.explain("draft_attention", *args)["rocm"]
+    assert "needs an AMD GPU with ROCm torch" in reasons[0]
+    with simulate_platform("gfx90a"):
+        reasons = dflash_rocm.explain("draft_attention", *args)["rocm"]
+        assert "no launch table for gfx90a" in reasons[0]
