@@ -9,6 +9,7 @@ import torch
 
 from . import __version__, dispatch, envs
 from .platform import platform_for
+from .vllm_plugin import plugin_status
 
 # (what, distributions that provide it, import name)
 _PACKAGES = (
@@ -43,8 +44,23 @@ def collect_info() -> dict:
                      for name, reasons in dispatch.device_reasons(device).items()},
         "auto_order": list(dispatch.AUTO_ORDER),
         "environment": {v.name: {"value": v.get(), "set": v.is_set(), "help": v.help} for v in envs.ALL},
+        "vllm_plugin": plugin_status(),
+        "aiter": aiter_status(),
     }
     return info
+
+
+def aiter_status() -> str:
+    """aiter's availability as the rocm backend sees it (probing imports nothing heavy
+    unless aiter is installed)."""
+    if dispatch.load_backend("rocm") is None:
+        return dispatch.import_error("rocm") or "rocm backend unavailable"
+    from dflash_rocm.backends.rocm import aiter_attention
+
+    features, why = aiter_attention.probe()
+    if why:
+        return why
+    return "usable (paged CK attention" + (", sinks" if features.sinks else ", no sinks") + ")"
 
 
 def format_info(info: dict) -> str:
@@ -60,6 +76,11 @@ def format_info(info: dict) -> str:
                               [(n, "yes" if b["available"] else "no", "; ".join(b["reasons"]))
                                for n, b in info["backends"].items()]))
     lines += ["", f"auto order: {' > '.join(info['auto_order'])}", ""]
+    plugin = info["vllm_plugin"]
+    lines.append(f"vLLM plugin: {'vLLM will load it' if plugin['will_load'] else 'not loaded: ' + '; '.join(plugin['reasons'])}"
+                 f" (vLLM {plugin['vllm'] or 'not installed'})")
+    lines.append(f"aiter: {info['aiter']}")
+    lines.append("")
     lines.append(format_table(["environment variable", "value", "meaning"],
                               [(n, v["value"] + ("" if v["set"] else " (default)"), v["help"])
                                for n, v in info["environment"].items()]))

@@ -1,0 +1,83 @@
+"""The draft layers' attention through :func:`dflash_rocm.draft_attention`.
+
+vLLM keeps choosing the platform's attention backend, building its metadata, allocating
+its cache and writing the query tokens' K/V (``do_kv_cache_update``); only the draft
+layers' ``forward`` is replaced, by giving each draft layer's impl a subclass of its own
+class. Target layers are untouched. Whatever dflash_rocm cannot read (an unknown cache
+layout, per-sequence causality) goes back to the original ``forward``, logged once.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from ..api import draft_attention
+from .cache_views import kv_cache_views
+
+logger = logging.getLogger("dflash_rocm")
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str, *args) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message, *args)
+
+
+def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+    base = self._dflash_base  # vLLM's impl class
+    if attn_metadata is None:  # profiling and warm-up runs
+        return base.forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+    reason = None
+    if args or any(v is not None for v in kwargs.values()):
+        reason = "output quantisation (output_scale) is not a dflash_rocm feature"
+    elif getattr(attn_metadata, "dynamic_causal", None) is not None:
+        reason = "per-sequence causality (dynamic_causal)"
+    views = None if reason else kv_cache_views(self, layer, kv_cache)
+    if isinstance(views, str):
+        reason = views
+    if reason:
+        _warn_once(f"{base.__name__}:{reason}", "draft attention stays on vLLM's %s: %s", base.__name__, reason)
+        return base.forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+    key_cache, value_cache = views
+    n = attn_metadata.num_actual_tokens
+    q = query[:n].view(n, self.num_heads, self.head_size)
+    out = output[:n].view(n, self.num_heads, self.head_size)
+    draft_attention(q, key_cache, value_cache, attn_metadata.block_table, attn_metadata.query_start_loc,
+                    attn_metadata.seq_lens, scale=self.scale,
+                    causal=bool(getattr(attn_metadata, "causal", self.dflash_causal)),
+                    sliding_window=self.dflash_sliding_window, sinks=self.sinks,
+                    k_scale=layer._k_scale, v_scale=layer._v_scale, out=out,
+                    max_query_len=int(attn_metadata.max_query_len), max_seq_len=int(attn_metadata.max_seq_len),
+                    validate=False)  # vLLM built these indices; checking them would sync every layer
+    return output
+
+
+@functools.lru_cache(maxsize=None)
+def draft_impl_class(base: type) -> type:
+    """A direct subclass of vLLM's impl class with dflash_rocm's ``forward``: it adds no
+    slots, so an existing impl object can take it (``__class__`` assignment)."""
+    return type(f"DFlashRocm{base.__name__}", (base,), {"forward": _forward, "_dflash_base": base})
+
+
+def install(draft_model) -> list[str]:
+    """Route every draft layer's attention through dflash_rocm; returns the layer names."""
+    names = []
+    for decoder_layer in draft_model.model.layers:
+        module = decoder_layer.self_attn
+        impl = module.attn.impl
+        if getattr(type(impl), "forward_includes_kv_cache_update", False):
+            _warn_once(type(impl).__name__, "draft attention stays on vLLM's %s: its forward writes the cache",
+                       type(impl).__name__)
+            continue
+        impl.__class__ = draft_impl_class(type(impl))
+        # SPEC.md's window W counts the query's own position (HF meaning), as the draft config does.
+        impl.dflash_sliding_window = module.sliding_window
+        impl.dflash_causal = bool(module.causal)
+        names.append(module.attn.layer_name)
+    return names
+
+
+def uses_dflash_rocm(impl) -> bool:
+    return "_dflash_base" in type(impl).__dict__

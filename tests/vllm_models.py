@@ -1,0 +1,241 @@
+"""Tiny random models for vLLM's DFlash path on CPU: a Qwen3 target and a DFlash draft.
+
+The target is almost a bigram model (lm_head reads dims 0-63); draft layer 0 makes every
+mask slot attend to the bonus token through a marker direction in low-frequency RoPE
+pairs, so the first proposal is usually next(bonus) and gets accepted, while its other
+heads mix in position- and causality-dependent context: proposals vary from step to step
+and change when causality, windows or the context K/V change. ``same_k_norm`` gives both
+draft layers one k_norm weight (vLLM's CPU rms_norm applies row 0 of a grouped weight
+to every layer, so only then is vLLM's own CPU path correct to compare against).
+"""
+
+import json
+import os
+
+import torch
+from safetensors.torch import save_file
+
+HIDDEN = 128
+HEADS = 4
+KV_HEADS = 2
+HEAD_DIM = 32
+INTER = 256
+VOCAB = 1000
+TARGET_LAYERS = 4
+DRAFT_LAYERS = 2
+TARGET_LAYER_IDS = [1, 3]  # DFlash semantics: hidden state *after* layer i
+SPECIALS = ["<unk>", "<pad>", "<eos>", "<mask>"]
+MASK_ID = 3
+EOS_ID = 2
+ROPE_THETA = 1_000_000.0
+MAX_POS = 2048
+
+
+def make_tokenizer(out):
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+    vocab = {t: i for i, t in enumerate(SPECIALS)}
+    for i in range(len(SPECIALS), VOCAB):
+        vocab[f"w{i}"] = i
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    from tokenizers import AddedToken
+
+    tok.add_special_tokens([AddedToken(t, special=True) for t in SPECIALS])
+    tok.save(os.path.join(out, "tokenizer.json"))
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": "<unk>",
+        "pad_token": "<pad>",
+        "eos_token": "<eos>",
+        "mask_token": "<mask>",
+        "model_max_length": MAX_POS,
+        "clean_up_tokenization_spaces": False,
+    }
+    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    with open(os.path.join(out, "special_tokens_map.json"), "w") as f:
+        json.dump({k: v for k, v in cfg.items() if k.endswith("_token")}, f, indent=2)
+
+
+def common_cfg(num_layers):
+    return {
+        "model_type": "qwen3",
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTER,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "vocab_size": VOCAB,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": ROPE_THETA,
+        "rope_parameters": {"rope_type": "default", "rope_theta": ROPE_THETA},
+        "max_position_embeddings": MAX_POS,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "bos_token_id": EOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": 1,
+        "torch_dtype": "float32",
+        "dtype": "float32",
+    }
+
+
+def rand(g, *shape, std=1.0):
+    return torch.randn(*shape, generator=g) * std
+
+
+def make_target(out, g, m, n):
+    os.makedirs(out, exist_ok=True)
+    R, M = slice(0, 64), slice(64, 128)
+    w = {}
+    emb = torch.zeros(VOCAB, HIDDEN)
+    emb[:, R] = rand(g, VOCAB, 64)
+    emb[:, M] = m
+    emb[MASK_ID, R] = 0.0
+    emb[MASK_ID, M] = -m + n  # n: see make_draft (gives <mask> a non-zero value)
+    w["model.embed_tokens.weight"] = emb
+    lm = torch.zeros(VOCAB, HIDDEN)
+    lm[:, R] = rand(g, VOCAB, 64)
+    lm[: len(SPECIALS)] = 0.0  # never generate special tokens
+    w["lm_head.weight"] = lm
+    s = 0.02
+    for i in range(TARGET_LAYERS):
+        p = f"model.layers.{i}."
+        w[p + "self_attn.q_proj.weight"] = rand(g, HEADS * HEAD_DIM, HIDDEN, std=s)
+        w[p + "self_attn.k_proj.weight"] = rand(g, KV_HEADS * HEAD_DIM, HIDDEN, std=s)
+        w[p + "self_attn.v_proj.weight"] = rand(g, KV_HEADS * HEAD_DIM, HIDDEN, std=s)
+        w[p + "self_attn.o_proj.weight"] = rand(g, HIDDEN, HEADS * HEAD_DIM, std=s)
+        w[p + "self_attn.q_norm.weight"] = torch.ones(HEAD_DIM)
+        w[p + "self_attn.k_norm.weight"] = torch.ones(HEAD_DIM)
+        w[p + "mlp.gate_proj.weight"] = rand(g, INTER, HIDDEN, std=s)
+        w[p + "mlp.up_proj.weight"] = rand(g, INTER, HIDDEN, std=s)
+        w[p + "mlp.down_proj.weight"] = rand(g, HIDDEN, INTER, std=s)
+        w[p + "input_layernorm.weight"] = torch.ones(HIDDEN)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(HIDDEN)
+    w["model.norm.weight"] = torch.ones(HIDDEN)
+    save_file({k: v.contiguous() for k, v in w.items()},
+              os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    cfg = common_cfg(TARGET_LAYERS)
+    cfg["architectures"] = ["Qwen3ForCausalLM"]
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    with open(os.path.join(out, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": EOS_ID, "pad_token_id": 1}, f)
+    make_tokenizer(out)
+
+
+def make_draft(out, g, m, n, AB, leak=0.1, same_k_norm=False):
+    os.makedirs(out, exist_ok=True)
+    R, M = slice(0, 64), slice(64, 128)
+    # Low-frequency RoPE pairs (neox layout: pair (i, i+16), inv_freq=theta^(-2i/32));
+    # i >= 8 rotates <= 1e-3 rad/position, i.e. practically position independent.
+    low = list(range(8, 16)) + list(range(24, 32))
+    high = list(range(0, 8)) + list(range(16, 24))
+    w = {}
+    s = 0.02
+    for i in range(DRAFT_LAYERS):
+        p = f"layers.{i}."
+        q = rand(g, HEADS * HEAD_DIM, HIDDEN, std=s)
+        k = rand(g, KV_HEADS * HEAD_DIM, HIDDEN, std=s)
+        v = rand(g, KV_HEADS * HEAD_DIM, HIDDEN, std=s)
+        o = rand(g, HIDDEN, HEADS * HEAD_DIM, std=s)
+        qn = torch.ones(HEAD_DIM)
+        if i == 0:
+            q = rand(g, HEADS * HEAD_DIM, HIDDEN, std=0.1)
+            k.zero_()
+            v.zero_()
+            o.zero_()
+            A, B = AB
+            for h in range(KV_HEADS):
+                kh = slice(h * HEAD_DIM, (h + 1) * HEAD_DIM)
+                k[kh, M] = A + B  # key: marker direction (low + high RoPE pairs)
+                # q head 2h: <mask> query ~ +A m  -> attends the bonus token
+                qh = 2 * h
+                q[qh * HEAD_DIM:(qh + 1) * HEAD_DIM] = 0.0
+                q[qh * HEAD_DIM:(qh + 1) * HEAD_DIM, M] = -A
+                # q head 2h+1: <mask> query ~ phase-rotated high part of a <mask>
+                # key -> attends the other <mask> slots with RoPE-(relative
+                # offset-)dependent, asymmetric weights => position-dependent and
+                # causality-sensitive output (V(<mask>) != 0 via its R dims).
+                qh1 = 2 * h + 1
+                Bq = B.clone()
+                for j in range(8):  # rotate each high-frequency neox pair (j, j+16)
+                    th = 0.9 + 0.3 * j
+                    c, s_ = torch.cos(torch.tensor(th)), torch.sin(torch.tensor(th))
+                    Bq[j], Bq[j + 16] = c * B[j] - s_ * B[j + 16], s_ * B[j] + c * B[j + 16]
+                q[qh1 * HEAD_DIM:(qh1 + 1) * HEAD_DIM] = 0.0
+                q[qh1 * HEAD_DIM:(qh1 + 1) * HEAD_DIM, M] = Bq  # x_mask[M] = -m
+                # V head h copies R dims [32h, 32h+32); plus a rank-1 read of the
+                # n direction (zero for normal tokens since n is orthogonal to m)
+                v[kh, h * 32:(h + 1) * 32] = torch.eye(32)
+                v[kh, M] = torch.outer(rand(g, HEAD_DIM), n / n.dot(n))
+                # o_proj: q head 2h output -> R dims [32h, 32h+32)
+                o[h * 32:(h + 1) * 32, qh * HEAD_DIM:(qh + 1) * HEAD_DIM] = 1.5 * torch.eye(32)
+                # q head 2h+1 output -> R dims through a random matrix
+                o[0:64, qh1 * HEAD_DIM:(qh1 + 1) * HEAD_DIM] = rand(g, 64, HEAD_DIM, std=leak)
+            qn = torch.full((HEAD_DIM,), 4.0)  # sharpen the mask->bonus attention
+        w[p + "self_attn.q_proj.weight"] = q
+        w[p + "self_attn.k_proj.weight"] = k
+        w[p + "self_attn.v_proj.weight"] = v
+        w[p + "self_attn.o_proj.weight"] = o
+        w[p + "self_attn.q_norm.weight"] = qn
+        # distinct per-layer k_norm weights exercise the grouped K-RMSNorm
+        # (ops.rms_norm with a [num_layers, head_dim] weight) of the precompute
+        layer_k_norm = 0.5 + torch.rand(HEAD_DIM, generator=g)
+        w[p + "self_attn.k_norm.weight"] = (
+            torch.ones(HEAD_DIM) if i == 0 or same_k_norm else layer_k_norm)
+        w[p + "mlp.gate_proj.weight"] = rand(g, INTER, HIDDEN, std=s)
+        w[p + "mlp.up_proj.weight"] = rand(g, INTER, HIDDEN, std=s)
+        w[p + "mlp.down_proj.weight"] = rand(g, HIDDEN, INTER, std=s)
+        w[p + "input_layernorm.weight"] = torch.ones(HIDDEN)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(HIDDEN)
+    # fc: [hidden, len(target_layer_ids) * target_hidden]; hidden_norm; final norm
+    w["fc.weight"] = rand(g, HIDDEN, HIDDEN * len(TARGET_LAYER_IDS),
+                          std=(HIDDEN * len(TARGET_LAYER_IDS)) ** -0.5)
+    w["hidden_norm.weight"] = torch.ones(HIDDEN)
+    w["norm.weight"] = torch.ones(HIDDEN)
+    save_file({k: v.contiguous() for k, v in w.items()},
+              os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    cfg = common_cfg(DRAFT_LAYERS)
+    cfg["architectures"] = ["DFlashDraftModel"]
+    cfg["dflash_config"] = {"mask_token_id": MASK_ID,
+                            "target_layer_ids": TARGET_LAYER_IDS}
+    cfg["num_target_layers"] = TARGET_LAYERS
+    cfg["block_size"] = 8  # informational (real DFlash ckpts carry it); vLLM uses
+    #                        speculative_config.num_speculative_tokens
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+def write_models(out, *, seed=0, leak=0.1, same_k_norm=False, dflash_config=None):
+    """Write ``out/target`` and ``out/draft``; ``dflash_config`` entries are merged into
+    the draft's (e.g. ``{"causal": True}`` or ``{"use_swa": True, "swa_window_size": 8}``)."""
+    g = torch.Generator().manual_seed(seed)
+    m = torch.randn(64, generator=g)
+    low = list(range(8, 16)) + list(range(24, 32))
+    high = list(range(0, 8)) + list(range(16, 24))
+    A = torch.zeros(HEAD_DIM, 64)
+    A[low] = torch.randn(len(low), 64, generator=g)
+    B = torch.zeros(HEAD_DIM, 64)
+    B[high] = torch.randn(len(high), 64, generator=g) * 0.7
+    # n: orthogonal to m and to every row of A, B; it only feeds V(<mask>).
+    basis = torch.cat([A[low], B[high], m[None]], 0)
+    _, _, vh = torch.linalg.svd(basis)
+    null = vh[basis.shape[0]:]
+    n = null.t() @ torch.randn(null.shape[0], generator=g)
+    n = n / n.norm() * m.norm()
+    make_target(os.path.join(out, "target"), g, m, n)
+    make_draft(os.path.join(out, "draft"), g, m, n, (A, B), leak, same_k_norm)
+    if dflash_config:
+        path = os.path.join(out, "draft", "config.json")
+        with open(path) as f:
+            cfg = json.load(f)
+        cfg["dflash_config"].update(dflash_config)
+        with open(path, "w") as f:
+            json.dump(cfg, f, indent=2)
+    return os.path.join(out, "target"), os.path.join(out, "draft")
