@@ -34,13 +34,26 @@ class Backend:
         return []
 
     @classmethod
+    def fp8_cache_reasons(cls, cache_dtype: torch.dtype, platform: Platform) -> list[str]:
+        """Why this backend cannot read/write an fp8 cache of ``cache_dtype`` on ``platform``."""
+        if cache_dtype not in cls.FP8_CACHE_DTYPES:
+            return [f"fp8 cache dtype {dtype_name(cache_dtype)} not supported"]
+        return []
+
+    @classmethod
+    def _common_reasons(cls, device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype | None,
+                        head_dim: int, what: str) -> list[str]:
+        platform = platform_for(device)
+        reasons = cls.device_not_supported_reasons(device, platform)
+        if dtype not in cls.QUERY_DTYPES:
+            reasons.append(f"{what} dtype {dtype_name(dtype)} not supported")
+        if cache_dtype in FP8_DTYPES:
+            reasons += cls.fp8_cache_reasons(cache_dtype, platform)
+        return reasons + cls._head_dim_reasons(head_dim)
+
+    @classmethod
     def attention_not_supported_reasons(cls, call: AttentionCall) -> list[str]:
-        reasons = cls.device_not_supported_reasons(call.device, platform_for(call.device))
-        if call.dtype not in cls.QUERY_DTYPES:
-            reasons.append(f"query dtype {dtype_name(call.dtype)} not supported")
-        if call.is_fp8 and call.cache_dtype not in cls.FP8_CACHE_DTYPES:
-            reasons.append(f"fp8 cache dtype {dtype_name(call.cache_dtype)} not supported")
-        reasons += cls._head_dim_reasons(call.head_dim)
+        reasons = cls._common_reasons(call.device, call.dtype, call.cache_dtype, call.head_dim, "query")
         if cls.MAX_QUERIES_PER_KV is not None and call.num_queries_per_kv > cls.MAX_QUERIES_PER_KV:
             reasons.append(f"GQA ratio {call.num_queries_per_kv} > {cls.MAX_QUERIES_PER_KV}")
         if call.sinks is not None and not cls.SUPPORTS_SINKS:
@@ -51,13 +64,8 @@ class Backend:
 
     @classmethod
     def precompute_not_supported_reasons(cls, call: PrecomputeCall) -> list[str]:
-        reasons = cls.device_not_supported_reasons(call.device, platform_for(call.device))
-        if call.dtype not in cls.QUERY_DTYPES:
-            reasons.append(f"context_states dtype {dtype_name(call.dtype)} not supported")
-        if call.is_fp8 and call.cache_dtype not in cls.FP8_CACHE_DTYPES:
-            reasons.append(f"fp8 cache dtype {dtype_name(call.cache_dtype)} not supported")
-        reasons += cls._head_dim_reasons(call.weights.head_dim)
-        return reasons
+        return cls._common_reasons(call.device, call.dtype, call.cache_dtype, call.weights.head_dim,
+                                   "context_states")
 
     @classmethod
     def _head_dim_reasons(cls, head_dim: int) -> list[str]:

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import dispatch
 from .api import draft_attention, precompute_and_store_context_kv
-from .calls import FP8_DTYPES, dtype_name
+from .calls import dtype_name
 from .floors import DevicePeak, attention_cost, measure_copy_bandwidth, peak_for, precompute_cost
 from .platform import platform_for
 from .timing import median_seconds

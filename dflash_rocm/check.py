@@ -82,7 +82,7 @@ def _check_backends(op: str, call, run_backend, compare, plan: CheckPlan, backen
             continue
         try:
             err = compare(name)
-            ms = _time(plan, lambda: run_backend(name))
+            ms = _time(plan, lambda name=name: run_backend(name))
         except Exception as exc:  # a backend that crashes is reported, not fatal to the table
             rows.append(CheckRow(op, name, "ERROR", None, tol, None, f"{type(exc).__name__}: {exc}"))
             continue

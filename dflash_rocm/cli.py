@@ -21,6 +21,23 @@ def _use_interpreter_without_gpu() -> None:
         os.environ["TRITON_INTERPRET"] = "1"
 
 
+def _add_dtype_and_device(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="states/query dtype")
+    parser.add_argument("--kv-cache-dtype", choices=list(CACHE_DTYPES), default="auto",
+                        help="cache dtype (auto: as --dtype)")
+    parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+
+
+def _draft_shape(args):
+    """``--checkpoint DIR``'s shape, else the ``--shape`` preset."""
+    from .workloads import SHAPES
+
+    if args.checkpoint:
+        from .checkpoint import draft_shape
+        return draft_shape(args.checkpoint)
+    return SHAPES[args.shape]
+
+
 def _device(arg: str | None) -> torch.device:
     if arg:
         return torch.device(arg)
@@ -38,20 +55,16 @@ def cmd_info(args) -> int:
 def cmd_check(args) -> int:
     from .check import default_plan, run_check
     from .report import format_table
-    from .workloads import SHAPES
 
     device = _device(args.device)
     dtype = DTYPES[args.dtype]
     cache_dtype = CACHE_DTYPES[args.kv_cache_dtype] or dtype
+    shape = _draft_shape(args)
     weights = None
     if args.checkpoint:
-        from .checkpoint import draft_shape
         from .weights import ContextKVWeights
 
-        shape = draft_shape(args.checkpoint)
         weights = ContextKVWeights.from_checkpoint(args.checkpoint, device=device, dtype=dtype)
-    else:
-        shape = SHAPES[args.shape]
     # A checkpoint's weights fix its shape: on a CPU only the batch and lengths shrink.
     plan = default_plan(shape, dtype, cache_dtype, device, scale_shape=weights is None)
     rows = run_check(plan, args.backend, weights)
@@ -135,13 +148,8 @@ def cmd_tune(args) -> int:
     from .backends.rocm import settings, tuner
     from .platform import platform_for, simulate_platform
     from .report import format_table
-    from .workloads import SHAPES
 
-    if args.checkpoint:
-        from .checkpoint import draft_shape
-        shape = draft_shape(args.checkpoint)
-    else:
-        shape = SHAPES[args.shape]
+    shape = _draft_shape(args)
     device = _device(args.device)
     context = simulate_platform(args.simulate_arch) if args.simulate_arch else contextlib.nullcontext()
     with context:
@@ -193,12 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "down and Triton runs through its interpreter.")
     check.add_argument("--shape", choices=sorted(SHAPES), default=DEFAULT_SHAPE, help="draft shape preset")
     check.add_argument("--checkpoint", metavar="DIR", help="use a DFlash draft checkpoint's weights and shape")
-    check.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="states/query dtype")
-    check.add_argument("--kv-cache-dtype", choices=list(CACHE_DTYPES), default="auto",
-                       help="cache dtype (auto: as --dtype)")
     check.add_argument("--backend", action="append", choices=sorted(BACKEND_PATHS),
                        help="check only this backend (repeatable)")
-    check.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    _add_dtype_and_device(check)
     check.add_argument("--json", action="store_true", help="machine-readable output")
     check.set_defaults(func=cmd_check)
 
@@ -216,11 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--context", type=_int_list, help="context lengths for attention, e.g. 1024,8192")
     bench.add_argument("--backend", action="append", choices=sorted(BACKEND_PATHS),
                        help="time only this backend (repeatable; the reference only when named)")
-    bench.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    bench.add_argument("--kv-cache-dtype", choices=list(CACHE_DTYPES), default="auto")
+    _add_dtype_and_device(bench)
     bench.add_argument("--repeats", type=int, help="timed repeats per case (median reported)")
     bench.add_argument("--quick", action="store_true", help="a short sweep (what scripts/gpu_check.sh runs)")
-    bench.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     bench.add_argument("--json", metavar="PATH", help="also write JSON ('-' for stdout)")
     bench.add_argument("--csv", metavar="PATH", help="also write CSV ('-' for stdout)")
     bench.add_argument("--plot", metavar="FILE.png", help="bar chart of %% of floor per case (needs matplotlib)")
@@ -235,15 +238,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "DFLASH_ROCM_CACHE_DIR and used by the rocm backend when DFLASH_ROCM_TUNE is on.")
     tune.add_argument("--shape", choices=sorted(SHAPES), default=DEFAULT_SHAPE, help="draft shape preset")
     tune.add_argument("--checkpoint", metavar="DIR", help="take heads and attention mode from a draft checkpoint")
-    tune.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    tune.add_argument("--kv-cache-dtype", choices=list(CACHE_DTYPES), default="auto")
+    _add_dtype_and_device(tune)
     tune.add_argument("--block-size", type=int, default=16, help="KV cache page size")
     tune.add_argument("--query-limit", type=int, help="num_speculative_tokens + 1 (default: the shape's block)")
     tune.add_argument("--batch-limit", type=int, default=64, help="largest batch to tune for")
     tune.add_argument("--max-model-len", type=int, default=32768, help="longest sequence to tune for")
     tune.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
                       help="tune causal (or --no-causal) attention (default: the shape's)")
-    tune.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     tune.add_argument("--simulate-arch", metavar="ARCH", help="tune on CPU as if on ARCH (interpreter; slow)")
     tune.set_defaults(func=cmd_tune)
     return parser

@@ -24,7 +24,7 @@ def test_info_lists_every_backend_with_reasons(capsys):
     assert rc == 0
     assert set(info["backends"]) == set(dispatch.AUTO_ORDER)
     assert info["backends"]["reference"]["available"]
-    for name, entry in info["backends"].items():
+    for entry in info["backends"].values():
         assert entry["available"] == (not entry["reasons"])
     assert "DFLASH_ROCM_BACKEND" in info["environment"]
     assert info["packages"]["torch"].startswith(torch.__version__.split("+")[0])

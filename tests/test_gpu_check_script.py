@@ -13,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(HAS_GPU or not HAS_TRITON, reason="the dry rehearsal is for machines without a GPU")
 def test_gpu_check_dry_run(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)

@@ -1,6 +1,5 @@
 """The Triton backend against the reference (through the interpreter on CPU)."""
 
-import contextlib
 
 import pytest
 import torch

@@ -13,7 +13,7 @@ import dflash_rocm
 from dflash_rocm import cli, tuning
 from dflash_rocm.backends.rocm import settings, tables, tuner
 from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig
-from dflash_rocm.platform import platform_for_arch, simulate_platform
+from dflash_rocm.platform import simulate_platform
 from support import needs_interpreter
 
 DEFAULT = AttentionLaunchConfig(block_m=32, block_n=64, num_segments=4, num_warps=4, num_stages=1, waves_per_eu=2)

@@ -11,11 +11,10 @@ import importlib.metadata
 import pytest
 import torch
 
-import dflash_rocm
 from dflash_rocm import vllm_plugin
 from dflash_rocm.vllm_plugin import compat
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 VARIANTS = {
     "non-causal": {},
@@ -192,3 +191,20 @@ def test_model_class_refuses_an_unsupported_vllm_at_start_up(monkeypatch):
     monkeypatch.setattr(model, "incompatibility", lambda: "this is vLLM 9.9")
     with pytest.raises(RuntimeError, match="this is vLLM 9.9.*DFLASH_ROCM_VLLM=0"):
         model.DFlashRocmQwen3ForCausalLM(vllm_config=None)
+
+
+def test_startup_tuning_covers_each_distinct_layer_setup():
+    from types import SimpleNamespace as NS
+    from dflash_rocm.platform import platform_for_arch
+    from dflash_rocm.vllm_plugin.model import tuning_specs
+
+    def layer(causal, window, sinks):
+        return NS(self_attn=NS(num_heads=32, num_kv_heads=8, head_dim=128, causal=causal, sliding_window=window,
+                               attention_sink_bias=torch.zeros(32) if sinks else None))
+    model = NS(model=NS(layers=[layer(False, None, False), layer(True, 512, True), layer(False, None, False)]))
+    config = NS(model_config=NS(dtype=torch.bfloat16), cache_config=NS(cache_dtype="fp8", block_size=16))
+    specs = tuning_specs(model, config, platform_for_arch("gfx942"))
+    assert len(specs) == 2
+    assert {(s.causal, s.sliding_window, s.sinks) for s in specs} == {(False, None, False), (True, 512, True)}
+    assert all(s.cache_dtype == torch.float8_e4m3fnuz and s.block_size == 16 for s in specs)
+    assert {s.cache_dtype for s in tuning_specs(model, config, platform_for_arch("gfx1201"))} == {torch.float8_e4m3fn}

@@ -131,11 +131,7 @@ def make_target(out, g, m, n):
 
 def make_draft(out, g, m, n, AB, leak=0.1, same_k_norm=False):
     os.makedirs(out, exist_ok=True)
-    R, M = slice(0, 64), slice(64, 128)
-    # Low-frequency RoPE pairs (neox layout: pair (i, i+16), inv_freq=theta^(-2i/32));
-    # i >= 8 rotates <= 1e-3 rad/position, i.e. practically position independent.
-    low = list(range(8, 16)) + list(range(24, 32))
-    high = list(range(0, 8)) + list(range(16, 24))
+    M = slice(64, 128)
     w = {}
     s = 0.02
     for i in range(DRAFT_LAYERS):

@@ -7,8 +7,7 @@ import logging
 
 import torch
 
-from dflash_rocm.backend import Backend
-from dflash_rocm.backends.triton import INTERPRETING, TritonBackend, fp8_reason
+from dflash_rocm.backends.triton import INTERPRETING, TritonBackend
 from dflash_rocm.backends.triton.attention import run_draft_attention
 from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig
 from dflash_rocm.backends.triton.precompute import run_precompute
@@ -42,12 +41,11 @@ def attention_config(call: AttentionCall) -> tuple[str, AttentionLaunchConfig]:
     return name, config
 
 
-class RocmBackend(Backend):
+class RocmBackend(TritonBackend):
+    """The Triton backend's kernels and limits, launched the AMD way."""
+
     name = "rocm"
     description = "AMD: Triton kernels with per-architecture tables and startup tuning; aiter where it serves"
-    MAX_HEAD_DIM = TritonBackend.MAX_HEAD_DIM
-    HEAD_DIM_MULTIPLE = TritonBackend.HEAD_DIM_MULTIPLE
-    MAX_QUERIES_PER_KV = TritonBackend.MAX_QUERIES_PER_KV
 
     @classmethod
     def device_not_supported_reasons(cls, device: torch.device, platform: Platform) -> list[str]:
@@ -61,20 +59,6 @@ class RocmBackend(Backend):
         if device.type == "cuda" and INTERPRETING:
             return ["TRITON_INTERPRET=1 is set, so Triton cannot compile for the GPU"]
         return []
-
-    @classmethod
-    def attention_not_supported_reasons(cls, call: AttentionCall) -> list[str]:
-        reasons = super().attention_not_supported_reasons(call)
-        if call.is_fp8 and (why := fp8_reason(platform_for(call.device), call.cache_dtype)):
-            reasons.append(why)
-        return reasons
-
-    @classmethod
-    def precompute_not_supported_reasons(cls, call: PrecomputeCall) -> list[str]:
-        reasons = super().precompute_not_supported_reasons(call)
-        if call.is_fp8 and (why := fp8_reason(platform_for(call.device), call.cache_dtype)):
-            reasons.append(why)
-        return reasons
 
     @classmethod
     def draft_attention(cls, call: AttentionCall) -> None:

@@ -6,7 +6,7 @@ import torch
 
 from dflash_rocm.backend import Backend
 from dflash_rocm.calls import AttentionCall, PrecomputeCall, dtype_name
-from dflash_rocm.platform import Platform, platform_for
+from dflash_rocm.platform import Platform
 
 from .attention import run_draft_attention
 from .common import INTERPRETING
@@ -51,18 +51,9 @@ class TritonBackend(Backend):
         return []
 
     @classmethod
-    def attention_not_supported_reasons(cls, call: AttentionCall) -> list[str]:
-        reasons = super().attention_not_supported_reasons(call)
-        if call.is_fp8 and (why := fp8_reason(platform_for(call.device), call.cache_dtype)):
-            reasons.append(why)
-        return reasons
-
-    @classmethod
-    def precompute_not_supported_reasons(cls, call: PrecomputeCall) -> list[str]:
-        reasons = super().precompute_not_supported_reasons(call)
-        if call.is_fp8 and (why := fp8_reason(platform_for(call.device), call.cache_dtype)):
-            reasons.append(why)
-        return reasons
+    def fp8_cache_reasons(cls, cache_dtype: torch.dtype, platform: Platform) -> list[str]:
+        why = fp8_reason(platform, cache_dtype)
+        return super().fp8_cache_reasons(cache_dtype, platform) + ([why] if why else [])
 
     @classmethod
     def draft_attention(cls, call: AttentionCall) -> None:

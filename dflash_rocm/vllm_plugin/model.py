@@ -54,6 +54,7 @@ class DFlashRocmQwen3ForCausalLM(DFlashQwen3ForCausalLM):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self._dflash_weights: ContextKVWeights | None = None
         self._dflash_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._dflash_vllm_config = vllm_config
         self._dflash_attention_layers = attention.install(self)
         _configure_rocm(vllm_config, self.get_draft_attn_causal())
 
@@ -66,6 +67,7 @@ class DFlashRocmQwen3ForCausalLM(DFlashQwen3ForCausalLM):
             self._dflash_weights = found
             logger.info("context-KV precompute of this draft runs through dflash_rocm (%d layers)",
                         found.num_layers)
+        _startup_tuning(self, self._dflash_vllm_config)
         return loaded
 
     def _cache_scales(self, layers) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,3 +114,40 @@ def _configure_rocm(vllm_config, layer_causal) -> None:
         batch_limit=int(vllm_config.scheduler_config.max_num_seqs),
         max_model_len=int(vllm_config.model_config.max_model_len),
         layer_causal=tuple(bool(c) for c in layer_causal))
+
+
+def tuning_specs(draft_model, vllm_config, platform) -> set:
+    """The distinct attention setups of the draft's layers, as the ROCm tuner keys them."""
+    from ..backends.rocm import tuner
+
+    dtype = vllm_config.model_config.dtype
+    cache_dtype = dtype
+    if str(vllm_config.cache_config.cache_dtype).startswith("fp8"):
+        cache_dtype = torch.float8_e4m3fnuz if platform.arch.startswith("gfx94") else torch.float8_e4m3fn
+    specs = set()
+    for decoder_layer in draft_model.model.layers:
+        module = decoder_layer.self_attn
+        specs.add(tuner.AttentionSpec(module.num_heads, module.num_kv_heads, module.head_dim,
+                                      int(vllm_config.cache_config.block_size), dtype, cache_dtype,
+                                      bool(module.causal), module.sliding_window,
+                                      module.attention_sink_bias is not None))
+    return specs
+
+
+def _startup_tuning(draft_model, vllm_config) -> None:
+    """ROCm startup tuning (DFLASH_ROCM_TUNE; on by default for RDNA) for exactly what
+    this draft runs, before serving starts. A failure costs the tuning, never the server."""
+    try:
+        from ..backends.rocm import settings, tuner
+        from ..platform import platform_for
+    except Exception:  # no Triton: no rocm backend to tune
+        return
+    device = draft_model.model._hidden_norm_weight.device
+    platform = platform_for(device)
+    if platform.vendor != "rocm" or not settings.tuning_enabled(platform):
+        return
+    for spec in tuning_specs(draft_model, vllm_config, platform):
+        try:
+            tuner.tune_attention(platform, spec, device)
+        except Exception as exc:  # tuning is an optimisation
+            logger.warning("ROCm startup tuning failed for %s: %s", spec, exc)
