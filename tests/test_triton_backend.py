@@ -227,3 +227,27 @@ def test_backend_declares_its_limits():
     cache = torch.zeros(1, 4, 1, 16)
     reasons = dflash_rocm.explain("draft_attention", torch.zeros(2, 32, 16), cache, cache, table, qsl, lens)
     assert "GQA ratio 32 > 16" in reasons["triton"] and reasons["reference"] == []
+
+
+def test_index_tensors_of_either_int_width():
+    """int64 block tables and query_start_loc, int32 slot mappings, and a per-layer list
+    mixing both widths all reach the kernels correctly."""
+    q, kc, vc, table, qsl, lens = paged([21, 9], [5, 3], Hk=1, G=2, D=16, block_size=4)
+    ref = dflash_rocm.draft_attention(q, kc, vc, table, qsl, lens, backend="reference")
+    out = dflash_rocm.draft_attention(q, kc, vc, table.long(), qsl.long(), lens.long(), backend="triton")
+    assert dflash_rocm.calls.relative_error(out, ref) < 2e-3
+
+    g = make_generator(8, "cpu")
+    w = make_weights(g, "cpu", L=2, Hk=1, D=16, H=24, R=16, is_neox=True, bias=False, v_scale=None,
+                     dtype=torch.float32)
+    states = torch.randn(4, 24, generator=g)
+    slots = torch.tensor([5, -1, 0, 9])
+    for mapping in (slots.int(), [slots.int(), slots.long()]):
+        got = [torch.zeros(3, 4, 1, 16) for _ in range(4)]
+        want = [torch.zeros(3, 4, 1, 16) for _ in range(4)]
+        dflash_rocm.precompute_and_store_context_kv(states, torch.arange(4), w, got[:2], got[2:], mapping,
+                                                    backend="triton")
+        dflash_rocm.precompute_and_store_context_kv(states, torch.arange(4), w, want[:2], want[2:], slots,
+                                                    backend="reference")
+        for a, b in zip(got, want):
+            assert torch.allclose(a, b, atol=1e-5)

@@ -24,6 +24,8 @@ def fp8_reason(platform: Platform, dtype: torch.dtype) -> str | None:
         return None  # the interpreter converts every format
     if platform.vendor == "cuda" and dtype == torch.float8_e4m3fnuz:
         return "float8_e4m3fnuz caches exist on AMD CDNA3 only"
+    if platform.vendor == "cuda" and platform.arch.startswith("sm_") and int(platform.arch[3:]) < 89:
+        return f"Triton's e4m3 conversions need sm_89 or newer ({platform.arch})"
     if platform.vendor == "rocm" and _AMD_FP8.get(platform.arch) != dtype:
         native = _AMD_FP8.get(platform.arch)
         return (f"{platform.arch} has no {dtype_name(dtype)} conversion"

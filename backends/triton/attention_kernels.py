@@ -22,7 +22,7 @@ LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 def _find_request(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     """The request owning query tile ``tile``: the last ``b`` whose first tile
     ``qsl[b] // BLOCK_Q + b`` is <= ``tile``."""
-    lo = 0
+    lo: tl.int32 = 0  # loop-carried: typed so the compiled loop keeps one type
     hi = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
