@@ -144,6 +144,8 @@ class _Floor:
             parts.append(f"measured copy bandwidth {self.copy_bandwidth / 1e12:.2f} TB/s")
         if self.bandwidth is None:
             parts.append("no peak known: floors not computed")
+        elif not self.peak:
+            parts.append("floors from the measured copy bandwidth (bytes only)")
         return "; ".join(parts)
 
 

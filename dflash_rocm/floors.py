@@ -38,11 +38,14 @@ def peak_for(platform: Platform) -> DevicePeak | None:
     return None
 
 
-def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 29) -> float | None:
-    """Device-to-device copy bandwidth (bytes read + written per second), GPUs only."""
-    if device.type != "cuda":
+def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None) -> float | None:
+    """Copy bandwidth (bytes read + written per second) of ``device``'s memory: 512 MiB
+    on a GPU, 64 MiB on a CPU (where it is the only floor there is)."""
+    if device.type not in ("cuda", "cpu"):
         return None
     from .timing import median_seconds
+
+    nbytes = nbytes or (1 << 29 if device.type == "cuda" else 1 << 26)
 
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)

@@ -65,6 +65,8 @@ def test_bench_smoke_writes_table_json_csv_and_plot(tmp_path, capsys):
     rows = {(r["op"], r["backend"]): r for r in report["rows"]}
     fused = rows[("precompute_and_store_context_kv", "triton")]
     assert fused["us"] > 0 and fused["launches"] == 1 and fused["speedup_vs_unfused"] > 0
+    assert fused["floor_us"] > 0 and fused["pct_floor"] > 0  # from the measured copy bandwidth here
+    assert "floors from the measured copy bandwidth" in out
     assert rows[("precompute_and_store_context_kv", "unfused-torch")]["launches"] > 10
     assert rows[("draft_attention", "triton")]["launches"] == 1
     assert rows[("draft_attention", "cuda")]["note"]  # why it did not run
