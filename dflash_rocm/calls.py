@@ -118,8 +118,18 @@ class AttentionCall:
     def query_len_bound(self) -> int:
         return self.max_query_len if self.max_query_len is not None else self.num_tokens
 
+    def support_key(self) -> tuple:
+        """Every property a backend's ``*_not_supported_reasons`` may read: dispatch caches
+        its choice per key (a backend that starts reading another property adds it here)."""
+        from .platform import platform_for
+
+        contiguous = tuple(t.stride(-1) == 1 for t in (self.query, self.key_cache, self.value_cache, self.out))
+        return (self.device, platform_for(self.device), self.dtype, self.cache_dtype, self.num_q_heads,
+                self.num_kv_heads, self.head_dim, self.block_size, self.causal, self.sliding_window is not None,
+                self.sinks is not None, self.block_table.dtype, contiguous)
+
     def signature(self) -> str:
-        """What decides backend support: logged once per distinct value."""
+        """A readable summary of the call's shape: logged once per distinct value."""
         parts = [f"q={dtype_name(self.dtype)}", f"kv={dtype_name(self.cache_dtype)}",
                  f"Hq={self.num_q_heads}", f"Hk={self.num_kv_heads}", f"D={self.head_dim}",
                  f"bs={self.block_size}", "causal" if self.causal else "non-causal"]
@@ -176,6 +186,12 @@ class PrecomputeCall:
     @property
     def device(self) -> torch.device:
         return self.states.device
+
+    def support_key(self) -> tuple:
+        """See :meth:`AttentionCall.support_key`."""
+        from .platform import platform_for
+
+        return (self.device, platform_for(self.device), self.dtype, self.cache_dtype, self.weights.head_dim)
 
     def signature(self) -> str:
         w = self.weights

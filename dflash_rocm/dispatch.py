@@ -109,8 +109,30 @@ def reasons_for(name: str, op: str, call: AttentionCall | PrecomputeCall, *, aut
     return reasons
 
 
+_choices: dict[tuple, str] = {}
+
+
 def choose(op: str, call: AttentionCall | PrecomputeCall, backend: str | None) -> type[Backend]:
+    """The backend for ``call``. The choice is remembered per (op, requested name, the
+    call's support key), so a hot loop of same-shaped calls (the vLLM plugin's, once per
+    layer and step) walks the reasons once instead of every time."""
     name = resolve_name(backend)
+    key = (op, name, call.support_key())
+    chosen = _choices.get(key)
+    if chosen is None:
+        chosen = _choose(op, call, name).name
+        with _lock:
+            _choices[key] = chosen
+    return load_backend(chosen)
+
+
+def forget_choices() -> None:
+    """Drop remembered choices (after changing what backends can see, e.g. in tests)."""
+    with _lock:
+        _choices.clear()
+
+
+def _choose(op: str, call: AttentionCall | PrecomputeCall, name: str) -> type[Backend]:
     if name != "auto":
         reasons = reasons_for(name, op, call)
         if reasons:

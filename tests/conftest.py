@@ -31,6 +31,15 @@ _SKIPS = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dispatch_choices():
+    """Tests swap backends and platforms: no remembered choice crosses a test."""
+    from dflash_rocm import dispatch
+    dispatch.forget_choices()
+    yield
+    dispatch.forget_choices()
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         for marker, (present, reason) in _SKIPS.items():

@@ -124,3 +124,20 @@ def test_counts_both_ops():
     dflash_rocm.precompute_and_store_context_kv(**precompute_args(), backend="reference")
     assert dflash_rocm.dispatch_counts() == {(dispatch.ATTENTION, "reference"): 1,
                                              (dispatch.PRECOMPUTE, "reference"): 2}
+
+
+def test_choice_is_remembered_per_support_key(monkeypatch):
+    walks = []
+    original = dispatch.reasons_for
+    monkeypatch.setattr(dispatch, "reasons_for", lambda *a, **k: (walks.append(a[0]), original(*a, **k))[1])
+    args = attention_args()
+    for _ in range(3):
+        dflash_rocm.draft_attention(**args)
+    first = len(walks)
+    assert first > 0
+    dflash_rocm.draft_attention(**args, causal=True)  # another support key: walked again
+    assert len(walks) > first
+    monkeypatch.setenv("DFLASH_ROCM_BACKEND", "reference")  # another requested name: walked again
+    before = len(walks)
+    dflash_rocm.draft_attention(**args)
+    assert walks[before:] == ["reference"]
