@@ -77,3 +77,43 @@ def test_unknown_layouts_are_reasons_not_guesses(name):
 def test_per_token_head_quantised_caches_are_refused():
     impl = impl_named("TritonAttentionImpl", _is_per_token_head_quant=True)
     assert "per-token-head" in kv_cache_views(impl, object(), torch.zeros(NB, HK, BS, 2 * D))
+
+
+def test_draft_forward_maps_flash_metadata_onto_the_spec():
+    """The draft impl's forward on a FlashAttention-layout cache and FA-style metadata
+    equals the reference on the same K/V; a causal tensor goes back to vLLM's forward."""
+    from types import SimpleNamespace as NS
+
+    import dflash_rocm
+    from dflash_rocm.vllm_plugin.attention import draft_impl_class
+    from test_triton_backend import paged
+
+    q, kc, vc, table, qsl, lens = paged([23, 11], [5, 5], Hk=2, G=2, D=16, block_size=4)
+    sinks = torch.linspace(-1, 1, 4)
+    base_calls = []
+
+    class FlashAttentionImpl:
+        def __init__(self):
+            self.num_heads, self.num_kv_heads, self.head_size = 4, 2, 16
+            self.scale, self.sinks, self.kv_cache_dtype = 0.3, sinks, "auto"
+
+        def forward(self, *args, **kwargs):
+            base_calls.append(args)
+            return args[6]
+
+    impl = FlashAttentionImpl()
+    impl.__class__ = draft_impl_class(FlashAttentionImpl)
+    impl.dflash_sliding_window, impl.dflash_causal = 6, False
+    kv = torch.cat([kc, vc], dim=-1).transpose(1, 2).contiguous()  # logical [blocks, Hk, bs, 2D]
+    layer = NS(_k_scale=torch.ones(1), _v_scale=torch.ones(1))
+    metadata = NS(num_actual_tokens=10, query_start_loc=qsl, seq_lens=lens, block_table=table, max_query_len=5,
+                  max_seq_len=23, causal=True)
+    output = torch.full((12, 4 * 16), float("nan"))
+    impl.forward(layer, q.reshape(10, -1), None, None, kv, metadata, output)
+    ref = dflash_rocm.draft_attention(q, kc, vc, table, qsl, lens, scale=0.3, causal=True, sliding_window=6,
+                                      sinks=sinks, backend="reference")
+    assert dflash_rocm.calls.relative_error(output[:10].view(10, 4, 16), ref) < 2e-3
+    assert torch.isnan(output[10:]).all() and base_calls == []
+    metadata.causal = torch.tensor([True, False])
+    impl.forward(layer, q.reshape(10, -1), None, None, kv, metadata, output)
+    assert len(base_calls) == 1

@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 import logging
 
+import torch
+
 from ..api import draft_attention
 from .cache_views import kv_cache_views
 
@@ -30,10 +32,11 @@ def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *a
     if attn_metadata is None:  # profiling and warm-up runs
         return base.forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
     reason = None
+    causal = getattr(attn_metadata, "causal", self.dflash_causal)
     if args or any(v is not None for v in kwargs.values()):
         reason = "output quantisation (output_scale) is not a dflash_rocm feature"
-    elif getattr(attn_metadata, "dynamic_causal", None) is not None:
-        reason = "per-sequence causality (dynamic_causal)"
+    elif getattr(attn_metadata, "dynamic_causal", None) is not None or isinstance(causal, torch.Tensor):
+        reason = "per-sequence causality (a causal tensor)"
     views = None if reason else kv_cache_views(self, layer, kv_cache)
     if isinstance(views, str):
         reason = views
@@ -45,13 +48,19 @@ def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *a
     q = query[:n].view(n, self.num_heads, self.head_size)
     out = output[:n].view(n, self.num_heads, self.head_size)
     draft_attention(q, key_cache, value_cache, attn_metadata.block_table, attn_metadata.query_start_loc,
-                    attn_metadata.seq_lens, scale=self.scale,
-                    causal=bool(getattr(attn_metadata, "causal", self.dflash_causal)),
-                    sliding_window=self.dflash_sliding_window, sinks=self.sinks,
+                    attn_metadata.seq_lens, scale=self.scale, causal=bool(causal),
+                    sliding_window=self.dflash_sliding_window, sinks=getattr(self, "sinks", None),
                     k_scale=layer._k_scale, v_scale=layer._v_scale, out=out,
-                    max_query_len=int(attn_metadata.max_query_len), max_seq_len=int(attn_metadata.max_seq_len),
+                    max_query_len=_host_int(attn_metadata, "max_query_len"),
+                    max_seq_len=_host_int(attn_metadata, "max_seq_len"),
                     validate=False)  # vLLM built these indices; checking them would sync every layer
     return output
+
+
+def _host_int(metadata, name: str) -> int | None:
+    """A host-side bound from vLLM's metadata, where this backend's metadata has one."""
+    value = getattr(metadata, name, None)
+    return int(value) if isinstance(value, int) else None
 
 
 @functools.lru_cache(maxsize=None)
