@@ -59,10 +59,6 @@ class Platform:
     # through the Triton interpreter and only an explicitly named backend uses it.
     simulated: bool = False
 
-    @property
-    def is_gpu(self) -> bool:
-        return self.vendor in ("rocm", "cuda")
-
 
 def parse_gcn_arch(gcn_arch_name: str) -> str:
     """``'gfx942:sramecc+:xnack-'`` -> ``'gfx942'`` (feature flags dropped)."""

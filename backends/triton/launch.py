@@ -38,7 +38,3 @@ def launch_in_flight() -> bool:
 
 def launch_counts() -> dict[str, int]:
     return dict(_counts)
-
-
-def reset_launch_counts() -> None:
-    _counts.clear()

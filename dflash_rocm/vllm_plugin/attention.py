@@ -86,7 +86,3 @@ def install(draft_model) -> list[str]:
         impl.dflash_causal = bool(module.causal)
         names.append(module.attn.layer_name)
     return names
-
-
-def uses_dflash_rocm(impl) -> bool:
-    return "_dflash_base" in type(impl).__dict__
