@@ -12,6 +12,7 @@ All functions here are pure: (architecture, call shape) -> launch configuration.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -121,12 +122,14 @@ def unsegmented_config(w: AttentionWorkload) -> tuple[str, AttentionLaunchConfig
         num_warps=4, num_stages=1, waves_per_eu=2)
 
 
+@functools.lru_cache(maxsize=1024)  # pure, and asked once per layer and step
 def attention_config(w: AttentionWorkload, query_limit: int | None) -> tuple[str, AttentionLaunchConfig]:
     if query_limit is not None and w.query_len > query_limit:
         return unsegmented_config(w)
     return segmented_config(w)
 
 
+@functools.lru_cache(maxsize=1024)
 def precompute_config(arch: str, *, num_tokens: int, hidden: int, num_heads_total: int,
                       head_dim: int) -> PrecomputeLaunchConfig:
     """Token tiles grow with N; split the hidden size until the grid covers the CUs.

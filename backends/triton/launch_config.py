@@ -7,6 +7,7 @@ around it, and tests can pin any configuration.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 
 from dflash_rocm.platform import Platform
@@ -88,6 +89,7 @@ def choose_segments(base_programs: int, key_span: int, target_programs: int) -> 
     return max(1, min(wanted, by_keys, MAX_SEGMENTS))
 
 
+@functools.lru_cache(maxsize=1024)  # pure, and asked once per layer and step
 def default_attention_config(platform: Platform, *, num_seqs: int, query_len: int, key_span: int,
                              num_q_heads: int, num_kv_heads: int, head_dim: int,
                              fp8: bool) -> AttentionLaunchConfig:
@@ -106,6 +108,7 @@ def default_attention_config(platform: Platform, *, num_seqs: int, query_len: in
                                  num_warps=4 if head_dim <= 128 else 8, num_stages=2)
 
 
+@functools.lru_cache(maxsize=1024)
 def default_precompute_config(platform: Platform, *, num_tokens: int, hidden: int, num_heads_total: int,
                               head_dim: int) -> PrecomputeLaunchConfig:
     """Tokens per tile grow with N (the GEMM turns compute-bound); split the hidden size

@@ -54,6 +54,8 @@ class DFlashRocmQwen3ForCausalLM(DFlashQwen3ForCausalLM):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self._dflash_weights: ContextKVWeights | None = None
         self._dflash_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._dflash_views_key: tuple | None = None
+        self._dflash_views: list = []
         self._dflash_vllm_config = vllm_config
         self._dflash_attention_layers = attention.install(self)
         _configure_rocm(vllm_config, self.get_draft_attn_causal())
@@ -77,6 +79,15 @@ class DFlashRocmQwen3ForCausalLM(DFlashQwen3ForCausalLM):
                                    torch.cat([a._v_scale.reshape(1).float() for a in layers]))
         return self._dflash_scales
 
+    def _cache_views(self, layers) -> list:
+        """Every layer's (key, value) views, or a reason; rebuilt only when vLLM rebinds its caches."""
+        caches = [_layer_cache(a) for a in layers]
+        key = tuple((c.data_ptr(), tuple(c.shape), c.stride()) for c in caches)
+        if self._dflash_views_key != key:
+            self._dflash_views = [kv_cache_views(a.impl, a, c) for a, c in zip(layers, caches)]
+            self._dflash_views_key = key
+        return self._dflash_views
+
     def precompute_and_store_context_kv(self, context_states, context_positions, context_slot_mapping=None):
         weights = self._dflash_weights
         if weights is None:
@@ -85,7 +96,7 @@ class DFlashRocmQwen3ForCausalLM(DFlashQwen3ForCausalLM):
         k_scales = v_scales = None
         if context_slot_mapping is not None:
             layers = self.model._attn_layers
-            views = [kv_cache_views(a.impl, a, _layer_cache(a)) for a in layers]
+            views = self._cache_views(layers)
             bad = next((v for v in views if isinstance(v, str)), None)
             if bad:
                 attention._warn_once("precompute:" + bad, "context-KV precompute stays on vLLM's path: %s", bad)
