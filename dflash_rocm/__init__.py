@@ -1,10 +1,11 @@
-"""dflash_rocm: fused DFlash draft kernels behind one contract (shared/SPEC.md).
+"""dflash_rocm: fused DFlash draft kernels behind one contract (docs/SPEC.md).
 
 Public API::
 
     draft_attention(...)                    # paged, non-causal-by-default draft attention
     precompute_and_store_context_kv(...)    # fused context K/V -> every layer's cache
     ContextKVWeights                        # the draft tensors the precompute needs
+    load_context_kv_weights(path)           # ... from a DFlash draft checkpoint
     BackendUnavailable, explain(...), available_backends(), dispatch_counts()
 """
 
@@ -15,7 +16,6 @@ import logging
 import sys
 from pathlib import Path
 
-__version__ = "0.1.0"
 
 
 def _map_source_backends() -> None:
@@ -58,11 +58,14 @@ def _configure_logging() -> None:
 _configure_logging()
 
 from .api import available_backends, draft_attention, explain, precompute_and_store_context_kv  # noqa: E402
+from .checkpoint import load_context_kv_weights  # noqa: E402
 from .dispatch import BackendUnavailable, dispatch_counts, reset_dispatch_counts  # noqa: E402
+from .version import __version__  # noqa: E402
 from .weights import ContextKVWeights  # noqa: E402
 
 __all__ = [
     "ContextKVWeights", "BackendUnavailable", "available_backends", "dispatch_counts",
-    "draft_attention", "explain", "precompute_and_store_context_kv", "reset_dispatch_counts",
+    "draft_attention", "explain", "load_context_kv_weights", "precompute_and_store_context_kv",
+    "reset_dispatch_counts",
     "__version__",
 ]

@@ -1,4 +1,4 @@
-"""The public operations (SPEC.md): validate once, choose a backend, run it."""
+"""The public operations (docs/SPEC.md): validate once, choose a backend, run it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 
 from . import dispatch
-from .validation import attention_call, precompute_call
+from .ops import ATTENTION, PRECOMPUTE, op_named
 from .weights import ContextKVWeights
 
 
@@ -24,11 +24,11 @@ def draft_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     (for callers that checked already); ``max_query_len``/``max_seq_len`` are optional
     host-side bounds that let kernels size their launch without reading the device.
     """
-    call = attention_call(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
-                          scale=scale, causal=causal, sliding_window=sliding_window, sinks=sinks,
-                          k_scale=k_scale, v_scale=v_scale, out=out, validate=validate,
-                          max_query_len=max_query_len, max_seq_len=max_seq_len)
-    dispatch.run(dispatch.ATTENTION, call, backend, lambda cls: cls.draft_attention(call))
+    call = ATTENTION.build_call(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
+                                scale=scale, causal=causal, sliding_window=sliding_window, sinks=sinks,
+                                k_scale=k_scale, v_scale=v_scale, out=out, validate=validate,
+                                max_query_len=max_query_len, max_seq_len=max_seq_len)
+    dispatch.run(ATTENTION, call, backend)
     return call.out
 
 
@@ -44,23 +44,18 @@ def precompute_and_store_context_kv(context_states: torch.Tensor, positions: tor
 
     ``validate=False`` skips the position and slot range checks (device syncs).
     """
-    call = precompute_call(context_states, positions, weights, key_caches, value_caches, slot_mapping,
-                           k_scales=k_scales, v_scales=v_scales, return_kv=return_kv, validate=validate)
-    return dispatch.run(dispatch.PRECOMPUTE, call, backend, lambda cls: cls.precompute(call))
+    call = PRECOMPUTE.build_call(context_states, positions, weights, key_caches, value_caches, slot_mapping,
+                                 k_scales=k_scales, v_scales=v_scales, return_kv=return_kv, validate=validate)
+    return dispatch.run(PRECOMPUTE, call, backend)
 
 
 def explain(op: str, *args, **kwargs) -> dict[str, list[str]]:
     """Each backend's reasons for a call of ``op`` with these arguments (empty list: it
-    would serve), in auto's order; the arguments are validated, nothing is computed.
-    ``op`` is ``"draft_attention"`` or ``"precompute_and_store_context_kv"``."""
+    would serve), auto's candidates first in its order; the arguments are validated,
+    nothing is computed. ``op`` is ``"draft_attention"`` or ``"precompute_and_store_context_kv"``."""
     kwargs.pop("backend", None)
-    if op == dispatch.ATTENTION:
-        call = attention_call(*args, **kwargs)
-    elif op == dispatch.PRECOMPUTE:
-        call = precompute_call(*args, **kwargs)
-    else:
-        raise ValueError(f"op: expected one of {', '.join(dispatch.OPS)}; got {op!r}")
-    return dispatch.explain_call(op, call)
+    record = op_named(op)
+    return dispatch.explain_call(record, record.build_call(*args, **kwargs))
 
 
 def available_backends(device: torch.device | str | None = None) -> dict[str, list[str]]:

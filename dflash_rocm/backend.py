@@ -1,24 +1,37 @@
 """The interface every backend implements, in the style of xformers' ``ops/fmha``.
 
-A backend declares what it supports in class attributes; the generic checks below
-turn those into human-readable reasons, and a backend adds its own (device, missing
-library, kernel limits) by extending ``*_not_supported_reasons``. An empty list means
-"I can serve this call". Dispatch never calls a backend that gave a reason.
+A backend declares which ops it implements (``OPS``) and what it supports in class
+attributes; the generic checks below turn those into human-readable reasons, and a
+backend adds its own (device, missing library, kernel limits) by extending
+``*_not_supported_reasons``. An empty list means "I can serve this call". Dispatch
+never calls a backend that gave a reason; not implementing an op is a reason too.
+
+Hooks let the tools above (CLI, bench, the vLLM plugin) talk to a backend without
+importing its internals: :meth:`configure` passes what a serving engine knows,
+:meth:`warm_up` does startup work for a layer's call spec, :meth:`tune` runs a backend's
+tuner by hand, :meth:`status` reports backend-specific state for ``info``.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
-from .calls import FP8_DTYPES, QUERY_DTYPES, AttentionCall, PrecomputeCall, dtype_name
+from .contract import FP8_DTYPES, QUERY_DTYPES, dtype_name
+from .ops import Op
+from .ops.attention import AttentionCall, AttentionSpec
+from .ops.precompute import PrecomputeCall
 from .platform import Platform, platform_for
+
+# What serving engines pass to :meth:`Backend.configure` (a backend ignores what it does not use).
+SETTINGS = ("query_limit", "batch_limit", "max_model_len", "layer_causal")
 
 
 class Backend:
     name: ClassVar[str] = "?"
     description: ClassVar[str] = ""
+    OPS: ClassVar[frozenset[str]] = frozenset({"draft_attention", "precompute_and_store_context_kv"})
 
     QUERY_DTYPES: ClassVar[tuple[torch.dtype, ...]] = QUERY_DTYPES
     FP8_CACHE_DTYPES: ClassVar[tuple[torch.dtype, ...]] = FP8_DTYPES
@@ -27,6 +40,14 @@ class Backend:
     MAX_QUERIES_PER_KV: ClassVar[int | None] = None
     SUPPORTS_SINKS: ClassVar[bool] = True
     SUPPORTS_SLIDING_WINDOW: ClassVar[bool] = True
+
+    # -- what it supports ------------------------------------------------------------------
+    @classmethod
+    def not_supported_reasons(cls, op: Op, call) -> list[str]:
+        """Why this backend cannot serve ``call`` of ``op`` (empty: it can)."""
+        if op.name not in cls.OPS:
+            return [f"does not implement {op.name}"]
+        return getattr(cls, op.reasons_method)(call)
 
     @classmethod
     def device_not_supported_reasons(cls, device: torch.device, platform: Platform) -> list[str]:
@@ -75,12 +96,29 @@ class Backend:
             return [f"head_dim {head_dim} is not a multiple of {cls.HEAD_DIM_MULTIPLE}"]
         return []
 
+    # -- running ---------------------------------------------------------------------------
     @classmethod
-    def draft_attention(cls, call: AttentionCall) -> None:
-        """Write the attention of every query row into ``call.out``."""
-        raise NotImplementedError
+    def run(cls, op: Op, call):
+        return getattr(cls, op.run_method)(call)
+
+    # -- hooks for the tools above ---------------------------------------------------------
+    @classmethod
+    def configure(cls, **settings: Any) -> None:
+        """What a serving engine knows (names in ``SETTINGS``); ignored unless used."""
 
     @classmethod
-    def precompute(cls, call: PrecomputeCall) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Write K/V into the mapped slots; return ``(k, v)`` iff ``call.return_kv``."""
-        raise NotImplementedError
+    def warm_up(cls, op: Op, spec: AttentionSpec, device: torch.device) -> None:
+        """Startup work for a layer about to be served with ``spec`` (default: none).
+        Raises only for bugs; an optimisation that fails is logged and skipped."""
+
+    @classmethod
+    def tune(cls, op: Op, spec: AttentionSpec, device: torch.device, *,
+             progress: Callable[[int, int, Any], None] | None = None):
+        """Run this backend's tuner for ``spec`` now and return its table; None when
+        this backend has no tuner."""
+        return None
+
+    @classmethod
+    def status(cls) -> dict[str, str]:
+        """Backend-specific facts for ``dflash-rocm info`` (label -> text)."""
+        return {}

@@ -17,14 +17,15 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import dispatch
+from . import dispatch, launches, registry
 from .api import draft_attention, precompute_and_store_context_kv
-from .calls import dtype_name
-from .floors import DevicePeak, attention_cost, measure_copy_bandwidth, peak_for, precompute_cost
+from .contract import dtype_name
+from .arch import Product
+from .floors import attention_cost, measure_copy_bandwidth, peak_for, precompute_cost
 from .platform import platform_for
 from .timing import median_seconds
 from .unfused import TorchOps, VllmOps, unfused_precompute
-from .validation import attention_call, precompute_call
+from .ops import ATTENTION, OPS, PRECOMPUTE
 from .workloads import SHAPES, DraftShape, attention_inputs, precompute_inputs
 
 GPU_TOKENS = (1, 16, 64, 256, 1024, 8192)
@@ -78,9 +79,9 @@ def default_plan(device: torch.device, *, shapes=None, tokens=None, batches=None
         tokens=list(tokens or ((4, 16) if cpu else (16, 256, 4096) if quick else GPU_TOKENS)),
         batches=list(batches or ((1, 2) if cpu else (1, 16) if quick else GPU_BATCHES)),
         contexts=list(contexts or ((32, 64) if cpu else (8192, 32768) if quick else GPU_CONTEXTS)),
-        ops=list(ops or dispatch.OPS),
+        ops=list(ops or OPS),
         # The reference is the oracle, not a contender: timed only when named.
-        backends=list(backends) if backends else [b for b in dispatch.AUTO_ORDER if b != "reference"],
+        backends=list(backends) if backends else [b for b in registry.NAMES if b != "reference"],
         repeats=repeats or (2 if cpu else 20), warmup=0 if cpu else 3, notes=notes)
 
 
@@ -106,23 +107,17 @@ class _KernelOps(TorchDispatchMode):
 
 
 def count_launches(fn) -> int:
-    """Kernel launches of one call: Triton launches plus torch ops that run kernels."""
-    if dispatch.load_backend("triton") is None:
-        with _KernelOps(lambda: False) as ops:
-            fn()
-        return ops.count
-    from dflash_rocm.backends.triton.launch import launch_counts, launch_in_flight
-
-    before = sum(launch_counts().values())
-    with _KernelOps(launch_in_flight) as ops:
+    """Kernel launches of one call: launches backends report plus torch ops that run kernels."""
+    before = launches.total()
+    with _KernelOps(launches.in_flight) as ops:
         fn()
-    return ops.count + sum(launch_counts().values()) - before
+    return ops.count + launches.total() - before
 
 
 class _Floor:
     def __init__(self, device: torch.device):
         self.platform = platform_for(device)
-        self.peak: DevicePeak | None = peak_for(self.platform)
+        self.peak: Product | None = peak_for(self.platform)
         self.copy_bandwidth = measure_copy_bandwidth(device)
 
     @property
@@ -181,7 +176,7 @@ def bench_precompute(plan: BenchPlan, shape: DraftShape, num_tokens: int, floor:
     case = f"N={num_tokens}"
     contenders = {}
     for name in plan.backends:
-        reasons = dispatch.reasons_for(name, dispatch.PRECOMPUTE, precompute_call(*sets[0].args(), **sets[0].kwargs()))
+        reasons = dispatch.reasons_for(name, PRECOMPUTE, PRECOMPUTE.build_call(*sets[0].args(), **sets[0].kwargs()))
         if reasons:
             contenders[name] = "; ".join(reasons)
         else:
@@ -194,9 +189,9 @@ def bench_precompute(plan: BenchPlan, shape: DraftShape, num_tokens: int, floor:
     except Exception as exc:  # vLLM absent: its row says so
         contenders["unfused-vllm"] = f"vLLM ops not importable ({type(exc).__name__})"
     for name, ops in baselines:
-        calls = [precompute_call(*s.args(), **s.kwargs(), validate=False) for s in sets]
+        calls = [PRECOMPUTE.build_call(*s.args(), **s.kwargs(), validate=False) for s in sets]
         contenders[name] = [lambda c=c, o=ops: unfused_precompute(c, o) for c in calls]
-    return _time_contenders(plan, dispatch.PRECOMPUTE, shape, case, contenders, cost, floor)
+    return _time_contenders(plan, PRECOMPUTE.name, shape, case, contenders, cost, floor)
 
 
 def bench_attention(plan: BenchPlan, shape: DraftShape, batch: int, context: int, floor: _Floor) -> list[BenchRow]:
@@ -210,13 +205,13 @@ def bench_attention(plan: BenchPlan, shape: DraftShape, batch: int, context: int
     case = f"B={batch} ctx={context}"
     contenders = {}
     for name in plan.backends:
-        reasons = dispatch.reasons_for(name, dispatch.ATTENTION, attention_call(*sets[0].args(), **sets[0].kwargs))
+        reasons = dispatch.reasons_for(name, ATTENTION, ATTENTION.build_call(*sets[0].args(), **sets[0].kwargs))
         if reasons:
             contenders[name] = "; ".join(reasons)
         else:
             contenders[name] = [lambda s=s, n=name: draft_attention(*s.args(), **s.kwargs, backend=n, validate=False)
                                 for s in sets]
-    return _time_contenders(plan, dispatch.ATTENTION, shape, case, contenders, cost, floor)
+    return _time_contenders(plan, ATTENTION.name, shape, case, contenders, cost, floor)
 
 
 def _time_contenders(plan, op, shape, case, contenders, cost, floor) -> list[BenchRow]:
@@ -249,9 +244,9 @@ def run_bench(plan: BenchPlan, progress=None) -> tuple[list[BenchRow], str]:
     rows: list[BenchRow] = []
     cases = []
     for shape in plan.shapes:
-        if dispatch.PRECOMPUTE in plan.ops:
+        if PRECOMPUTE.name in plan.ops:
             cases += [("p", shape, n) for n in plan.tokens]
-        if dispatch.ATTENTION in plan.ops:
+        if ATTENTION.name in plan.ops:
             cases += [("a", shape, (b, c)) for b in plan.batches for c in plan.contexts
                       if b * c <= MAX_CACHE_TOKENS]
     for i, (kind, shape, arg) in enumerate(cases):
@@ -299,9 +294,9 @@ def plot_rows(rows: list[BenchRow], path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ops = [op for op in dispatch.OPS if any(r.op == op and r.pct_floor is not None for r in rows)]
+    ops = [op for op in OPS if any(r.op == op and r.pct_floor is not None for r in rows)]
     if not ops:
-        ops = [op for op in dispatch.OPS if any(r.op == op and r.us for r in rows)]
+        ops = [op for op in OPS if any(r.op == op and r.us for r in rows)]
     fig, axes = plt.subplots(len(ops) or 1, 1, figsize=(12, 4 * max(1, len(ops))), squeeze=False)
     for ax, op in zip(axes[:, 0], ops):
         timed = [r for r in rows if r.op == op and r.us]

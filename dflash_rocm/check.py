@@ -11,11 +11,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from . import dispatch
+from . import dispatch, registry
 from .api import draft_attention, precompute_and_store_context_kv
-from .calls import FP8_DTYPES, dtype_name, relative_error, spec_tolerance
+from .contract import FP8_DTYPES, dtype_name, relative_error
 from .timing import median_seconds
-from .validation import attention_call, precompute_call
+from .ops import ATTENTION, PRECOMPUTE, Op
 from .workloads import DraftShape, attention_inputs, precompute_inputs
 
 
@@ -72,28 +72,28 @@ def _time(plan: CheckPlan, fn) -> float:
     return median_seconds(lambda _: fn(), plan.device, warmup=warmup, repeats=plan.repeats) * 1e3
 
 
-def _check_backends(op: str, call, run_backend, compare, plan: CheckPlan, backends) -> list[CheckRow]:
-    tol = spec_tolerance(plan.dtype, plan.cache_dtype)
-    rows = [CheckRow(op, "reference", "ORACLE", None, None, _time(plan, lambda: run_backend("reference")), "")]
+def _check_backends(op: Op, call, run_backend, compare, plan: CheckPlan, backends) -> list[CheckRow]:
+    tol = op.tolerance(call)
+    rows = [CheckRow(op.name, "reference", "ORACLE", None, None, _time(plan, lambda: run_backend("reference")), "")]
     for name in backends:
         reasons = dispatch.reasons_for(name, op, call)
         if reasons:
-            rows.append(CheckRow(op, name, "SKIP", None, None, None, "; ".join(reasons)))
+            rows.append(CheckRow(op.name, name, "SKIP", None, None, None, "; ".join(reasons)))
             continue
         try:
             err = compare(name)
             ms = _time(plan, lambda name=name: run_backend(name))
         except Exception as exc:  # a backend that crashes is reported, not fatal to the table
-            rows.append(CheckRow(op, name, "ERROR", None, tol, None, f"{type(exc).__name__}: {exc}"))
+            rows.append(CheckRow(op.name, name, "ERROR", None, tol, None, f"{type(exc).__name__}: {exc}"))
             continue
-        rows.append(CheckRow(op, name, "PASS" if err <= tol else "FAIL", err, tol, ms, ""))
+        rows.append(CheckRow(op.name, name, "PASS" if err <= tol else "FAIL", err, tol, ms, ""))
     return rows
 
 
 def check_precompute(plan: CheckPlan, backends, weights=None) -> list[CheckRow]:
     inputs = precompute_inputs(plan.shape, plan.num_tokens, plan.dtype, plan.cache_dtype, plan.device,
                                weights=weights)
-    call = precompute_call(*inputs.args(), **inputs.kwargs())
+    call = PRECOMPUTE.build_call(*inputs.args(), **inputs.kwargs())
 
     def run_backend(name: str):
         return precompute_and_store_context_kv(*inputs.args(), **inputs.kwargs(), return_kv=True, backend=name)
@@ -115,21 +115,21 @@ def check_precompute(plan: CheckPlan, backends, weights=None) -> list[CheckRow]:
         errors += [relative_error(got, want) for got, want in zip(snapshot(), ref_caches)]
         return max(errors)
 
-    return _check_backends(dispatch.PRECOMPUTE, call, run_backend, compare, plan, backends)
+    return _check_backends(PRECOMPUTE, call, run_backend, compare, plan, backends)
 
 
 def check_attention(plan: CheckPlan, backends) -> list[CheckRow]:
     inputs = attention_inputs(plan.shape, plan.batch, plan.context_len, plan.dtype, plan.cache_dtype, plan.device)
-    call = attention_call(*inputs.args(), **inputs.kwargs)
+    call = ATTENTION.build_call(*inputs.args(), **inputs.kwargs)
 
     def run_backend(name: str):
         return draft_attention(*inputs.args(), **inputs.kwargs, backend=name)
 
     ref = run_backend("reference").clone()
-    return _check_backends(dispatch.ATTENTION, call, run_backend,
+    return _check_backends(ATTENTION, call, run_backend,
                            lambda name: relative_error(run_backend(name), ref), plan, backends)
 
 
 def run_check(plan: CheckPlan, backends=None, weights=None) -> list[CheckRow]:
-    backends = [b for b in (backends or dispatch.AUTO_ORDER) if b != "reference"]
+    backends = [b for b in (backends or registry.NAMES) if b != "reference"]
     return check_precompute(plan, backends, weights) + check_attention(plan, backends)

@@ -152,21 +152,3 @@ def layer_attention_modes(config: dict[str, Any]) -> list[tuple[int | None, bool
             causal = bool(layer_types) and layer_types[i] == "sliding_attention"
         modes.append((window, causal))
     return modes
-
-
-def draft_shape(path: str | os.PathLike):
-    """The :class:`~dflash_rocm.workloads.DraftShape` of a checkpoint (its first layer's
-    attention mode; sinks when ``dflash_config.attention_sink_bias`` is set)."""
-    from .workloads import DraftShape
-
-    config = read_draft_config(path)
-    Hq = int(config["num_attention_heads"])
-    D = int(config.get("head_dim") or config["hidden_size"] // Hq)
-    window, causal = layer_attention_modes(config)[0]
-    dflash = config.get("dflash_config") or {}
-    return DraftShape(
-        name=Path(path).name, hidden=int(config["hidden_size"]), layers=int(config["num_hidden_layers"]),
-        q_heads=Hq, kv_heads=int(config.get("num_key_value_heads", Hq)), head_dim=D,
-        rotary_dim=rotary_dim_for(D, rope_parameters_of(config)), sliding_window=window, causal=causal,
-        sinks=bool(dflash.get("attention_sink_bias", config.get("add_swa_attention_sink_bias", False))),
-        is_neox=bool(config.get("is_neox_style", True)), note=f"checkpoint {path}")

@@ -9,6 +9,8 @@ import sys
 
 import torch
 
+from .ops import OPS
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3fn": torch.float8_e4m3fn,
                 "fp8_e4m3fnuz": torch.float8_e4m3fnuz}
@@ -30,10 +32,9 @@ def _add_dtype_and_device(parser: argparse.ArgumentParser) -> None:
 
 def _draft_shape(args):
     """``--checkpoint DIR``'s shape, else the ``--shape`` preset."""
-    from .workloads import SHAPES
+    from .workloads import SHAPES, draft_shape
 
     if args.checkpoint:
-        from .checkpoint import draft_shape
         return draft_shape(args.checkpoint)
     return SHAPES[args.shape]
 
@@ -62,9 +63,9 @@ def cmd_check(args) -> int:
     shape = _draft_shape(args)
     weights = None
     if args.checkpoint:
-        from .weights import ContextKVWeights
+        from .checkpoint import load_context_kv_weights
 
-        weights = ContextKVWeights.from_checkpoint(args.checkpoint, device=device, dtype=dtype)
+        weights = load_context_kv_weights(args.checkpoint, device=device, dtype=dtype)
     # A checkpoint's weights fix its shape: on a CPU only the batch and lengths shrink.
     plan = default_plan(shape, dtype, cache_dtype, device, scale_shape=weights is None)
     rows = run_check(plan, args.backend, weights)
@@ -130,7 +131,7 @@ def cmd_bench(args) -> int:
     return 0
 
 
-_OPS = {"precompute": "precompute_and_store_context_kv", "attention": "draft_attention"}
+_OPS = {op.short: op.name for op in OPS.values()}
 
 
 def _progress_bar(i: int, total: int, what) -> None:
@@ -145,28 +146,31 @@ def _progress_bar(i: int, total: int, what) -> None:
 def cmd_tune(args) -> int:
     import contextlib
 
-    from .backends.rocm import settings, tuner
+    from .dispatch import backend
+    from .ops import ATTENTION
+    from .ops.attention import AttentionSpec
     from .platform import platform_for, simulate_platform
     from .report import format_table
+    from .tuning import table_path
 
     shape = _draft_shape(args)
     device = _device(args.device)
+    rocm = backend("rocm")
     context = simulate_platform(args.simulate_arch) if args.simulate_arch else contextlib.nullcontext()
     with context:
         platform = platform_for(device)
-        if platform.vendor != "rocm":
+        if platform.vendor != "rocm" or rocm is None:
             print(f"dflash-rocm tune: needs an AMD GPU (this is {platform.name}); --simulate-arch ARCH runs the "
                   "search on CPU through the Triton interpreter", file=sys.stderr)
             return 2
-        settings.configure(batch_limit=args.batch_limit, max_model_len=args.max_model_len,
-                           query_limit=args.query_limit or shape.block_tokens)
+        rocm.configure(batch_limit=args.batch_limit, max_model_len=args.max_model_len,
+                       query_limit=args.query_limit or shape.block_tokens)
         dtype = DTYPES[args.dtype]
-        spec = tuner.AttentionSpec(shape.q_heads, shape.kv_heads, shape.head_dim, args.block_size, dtype,
-                                   CACHE_DTYPES[args.kv_cache_dtype] or dtype,
-                                   shape.causal if args.causal is None else args.causal, shape.sliding_window,
-                                   shape.sinks)
-        table = tuner.tune_attention(platform, spec, device, progress=_progress_bar)
-    print(f"tuned {shape.name} on {platform.name} ({platform.arch}); table: {tuner.last_path(spec, platform)}")
+        spec = AttentionSpec(shape.q_heads, shape.kv_heads, shape.head_dim, args.block_size, dtype,
+                             CACHE_DTYPES[args.kv_cache_dtype] or dtype,
+                             shape.causal if args.causal is None else args.causal, shape.sliding_window, shape.sinks)
+        table = rocm.tune(ATTENTION, spec, device, progress=_progress_bar)
+    print(f"tuned {shape.name} on {platform.name} ({platform.arch}); table: {table_path(table.identity)}")
     rows = []
     for e in sorted(table.entries, key=lambda e: (e.workload.batch, e.workload.key_span)):
         def brief(c):
@@ -178,7 +182,7 @@ def cmd_tune(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .dispatch import BACKEND_PATHS
+    from .registry import NAMES
     from .workloads import DEFAULT_SHAPE, SHAPES
 
     parser = argparse.ArgumentParser(
@@ -201,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "down and Triton runs through its interpreter.")
     check.add_argument("--shape", choices=sorted(SHAPES), default=DEFAULT_SHAPE, help="draft shape preset")
     check.add_argument("--checkpoint", metavar="DIR", help="use a DFlash draft checkpoint's weights and shape")
-    check.add_argument("--backend", action="append", choices=sorted(BACKEND_PATHS),
+    check.add_argument("--backend", action="append", choices=sorted(NAMES),
                        help="check only this backend (repeatable)")
     _add_dtype_and_device(check)
     check.add_argument("--json", action="store_true", help="machine-readable output")
@@ -219,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tokens", type=_int_list, help="context tokens per step for the precompute, e.g. 1,16,256")
     bench.add_argument("--batch", type=_int_list, help="requests per step for attention, e.g. 1,4,16")
     bench.add_argument("--context", type=_int_list, help="context lengths for attention, e.g. 1024,8192")
-    bench.add_argument("--backend", action="append", choices=sorted(BACKEND_PATHS),
+    bench.add_argument("--backend", action="append", choices=sorted(NAMES),
                        help="time only this backend (repeatable; the reference only when named)")
     _add_dtype_and_device(bench)
     bench.add_argument("--repeats", type=int, help="timed repeats per case (median reported)")

@@ -1,44 +1,30 @@
-"""Choosing a backend per call: a lazy registry, a priority walk, reasons for every no.
+"""Choosing a backend per call: a priority walk over the registry, reasons for every no.
 
-Backend classes are imported on first use by dotted path (as vLLM's attention
-registry does), so a broken or absent vendor stack only costs that backend: its
-import error becomes its reason. ``auto`` takes the first backend of
-``AUTO_ORDER`` that supports the call; a named backend that cannot serve raises
-:class:`BackendUnavailable` with its reasons. Each new (op, backend, call signature)
-is logged once with the reasons of the backends passed over, and every served call
-is counted (``dispatch_counts()``), which is how tests and users confirm what ran.
+``auto`` takes the first backend of the platform's priority list (``registry.PRIORITIES``)
+that supports the call; a named backend that cannot serve raises
+:class:`BackendUnavailable` with its reasons. The choice is remembered per (op, requested
+name, the call's support key), so a hot loop of same-shaped calls walks the reasons
+once. Each new (op, backend, call signature) is logged once with the reasons of the
+backends passed over, and every served call is counted (``dispatch_counts()``), which
+is how tests and users confirm what ran. All shared state is guarded by one lock.
 """
 
 from __future__ import annotations
 
 import collections
-import importlib
 import logging
 import threading
-from typing import Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 
-from . import envs
-from .backend import Backend
-from .calls import AttentionCall, PrecomputeCall
+from . import envs, registry
+from .backend import SETTINGS, Backend
+from .ops import Op
+from .ops.attention import AttentionSpec
 from .platform import platform_for
 
 logger = logging.getLogger("dflash_rocm")
-
-BACKEND_PATHS: dict[str, str] = {
-    "reference": "dflash_rocm.reference:ReferenceBackend",
-    "triton": "dflash_rocm.backends.triton:TritonBackend",
-    "rocm": "dflash_rocm.backends.rocm:RocmBackend",
-    "cuda": "dflash_rocm.backends.cuda:CudaBackend",
-}
-AUTO_ORDER: tuple[str, ...] = ("rocm", "cuda", "triton", "reference")
-VALID_NAMES: tuple[str, ...] = ("auto", *BACKEND_PATHS)
-VENDOR_BACKENDS = frozenset({"rocm", "cuda"})
-
-ATTENTION = "draft_attention"
-PRECOMPUTE = "precompute_and_store_context_kv"
-OPS = (ATTENTION, PRECOMPUTE)
 
 
 class BackendUnavailable(RuntimeError):
@@ -51,35 +37,9 @@ class BackendUnavailable(RuntimeError):
 
 
 _lock = threading.Lock()
-_classes: dict[str, type[Backend]] = {}
-_import_errors: dict[str, str] = {}
 _logged: set[tuple[str, str, str]] = set()
 _counts: collections.Counter = collections.Counter()
-
-
-def load_backend(name: str) -> type[Backend] | None:
-    """The backend class, or None when its module cannot be imported (see ``import_error``)."""
-    if name not in BACKEND_PATHS:
-        raise ValueError(f"unknown backend {name!r}; valid names: {', '.join(VALID_NAMES)}")
-    with _lock:
-        if name in _classes:
-            return _classes[name]
-        if name in _import_errors:
-            return None
-    module_name, _, attr = BACKEND_PATHS[name].partition(":")
-    try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except Exception as exc:  # a vendor stack can fail in many ways; it only costs this backend
-        with _lock:
-            _import_errors[name] = f"cannot import {module_name}: {type(exc).__name__}: {exc}"
-        return None
-    with _lock:
-        _classes[name] = cls
-    return cls
-
-
-def import_error(name: str) -> str | None:
-    return _import_errors.get(name)
+_choices: dict[tuple, type[Backend]] = {}
 
 
 def resolve_name(backend: str | None) -> str:
@@ -90,40 +50,33 @@ def resolve_name(backend: str | None) -> str:
     if not isinstance(backend, str):
         raise TypeError(f"backend: expected a str or None, got {type(backend).__name__}")
     name = backend.strip().lower()
-    if name not in VALID_NAMES:
-        raise ValueError(f"{source} {backend!r} is not a backend; valid names: {', '.join(VALID_NAMES)}")
+    if name != "auto" and name not in registry.BY_NAME:
+        raise ValueError(f"{source} {backend!r} is not a backend; valid names: auto, {', '.join(registry.NAMES)}")
     return name
 
 
-def reasons_for(name: str, op: str, call: AttentionCall | PrecomputeCall, *, auto: bool = False) -> list[str]:
-    """Why backend ``name`` cannot serve ``call`` (empty: it can)."""
-    cls = load_backend(name)
+def reasons_for(name: str, op: Op, call) -> list[str]:
+    """Why backend ``name`` cannot serve ``call`` of ``op`` (empty: it can)."""
+    cls = registry.load(name)
     if cls is None:
-        return [import_error(name) or "cannot import"]
-    if op == ATTENTION:
-        reasons = cls.attention_not_supported_reasons(call)
-    else:
-        reasons = cls.precompute_not_supported_reasons(call)
-    if not reasons and auto and name in VENDOR_BACKENDS and call.device.type == "cpu":
-        reasons = [f"auto never runs the {name} kernels on CPU tensors (name the backend to simulate a GPU)"]
-    return reasons
+        return [registry.import_error(name) or "cannot import"]
+    return cls.not_supported_reasons(op, call)
 
 
-_choices: dict[tuple, str] = {}
+def priority(call) -> tuple[str, ...]:
+    return registry.priority_for(platform_for(call.device), call.device.type)
 
 
-def choose(op: str, call: AttentionCall | PrecomputeCall, backend: str | None) -> type[Backend]:
-    """The backend for ``call``. The choice is remembered per (op, requested name, the
-    call's support key), so a hot loop of same-shaped calls (the vLLM plugin's, once per
-    layer and step) walks the reasons once instead of every time."""
+def choose(op: Op, call, backend: str | None) -> type[Backend]:
+    """The backend class for ``call`` (remembered per support key)."""
     name = resolve_name(backend)
-    key = (op, name, call.support_key())
+    key = (op.name, name, call.support_key())
     chosen = _choices.get(key)
     if chosen is None:
-        chosen = _choose(op, call, name).name
+        chosen = _choose(op, call, name)
         with _lock:
             _choices[key] = chosen
-    return load_backend(chosen)
+    return chosen
 
 
 def forget_choices() -> None:
@@ -132,46 +85,54 @@ def forget_choices() -> None:
         _choices.clear()
 
 
-def _choose(op: str, call: AttentionCall | PrecomputeCall, name: str) -> type[Backend]:
+def _choose(op: Op, call, name: str) -> type[Backend]:
     if name != "auto":
         reasons = reasons_for(name, op, call)
         if reasons:
-            raise BackendUnavailable(name, op, {name: reasons})
+            raise BackendUnavailable(name, op.name, {name: reasons})
         _log_choice(op, name, call, {}, explicit=True)
-        return load_backend(name)
+        return registry.load(name)
     passed_over: dict[str, list[str]] = {}
-    for candidate in AUTO_ORDER:
-        reasons = reasons_for(candidate, op, call, auto=True)
+    for candidate in priority(call):
+        reasons = reasons_for(candidate, op, call)
         if not reasons:
             _log_choice(op, candidate, call, passed_over, explicit=False)
-            return load_backend(candidate)
+            return registry.load(candidate)
         passed_over[candidate] = reasons
-    raise BackendUnavailable("auto", op, passed_over)
+    raise BackendUnavailable("auto", op.name, passed_over)
 
 
-def _log_choice(op: str, name: str, call, passed_over: dict[str, list[str]], explicit: bool) -> None:
-    key = (op, name, call.signature())
+def _log_choice(op: Op, name: str, call, passed_over: dict[str, list[str]], explicit: bool) -> None:
+    key = (op.name, name, call.signature())
     with _lock:
         if key in _logged:
             return
         _logged.add(key)
     why = "named explicitly" if explicit else "auto"
     skipped = "".join(f"; {n} passed over: {', '.join(r)}" for n, r in passed_over.items())
-    logger.info("%s [%s] -> %s (%s)%s", op, key[2], name, why, skipped)
+    logger.info("%s [%s] -> %s (%s)%s", op.name, key[2], name, why, skipped)
 
 
-def run(op: str, call, backend: str | None, invoke: Callable[[type[Backend]], object]):
-    """Choose a backend for ``call``, run ``invoke(cls)`` and count who served it."""
+def run(op: Op, call, backend: str | None):
+    """Choose a backend for ``call``, run it and count who served it."""
     cls = choose(op, call, backend)
-    result = invoke(cls)
+    result = cls.run(op, call)
     with _lock:
-        _counts[(op, cls.name)] += 1
+        _counts[(op.name, cls.name)] += 1
     return result
 
 
-def explain_call(op: str, call: AttentionCall | PrecomputeCall) -> dict[str, list[str]]:
-    """Every backend's reasons for ``call`` in ``AUTO_ORDER`` (empty list: would serve)."""
-    return {name: reasons_for(name, op, call, auto=True) for name in AUTO_ORDER}
+def explain_call(op: Op, call) -> dict[str, list[str]]:
+    """Every backend's reasons for ``call``: auto's candidates first, in its order, then
+    the backends only a caller can name (empty list: would serve)."""
+    order = priority(call)
+    result = {name: reasons_for(name, op, call) for name in order}
+    for name in registry.NAMES:
+        if name not in result:
+            reasons = reasons_for(name, op, call)
+            result[name] = reasons + ([] if reasons else ["not in auto's order for these tensors; "
+                                                         "serves when named"])
+    return result
 
 
 def device_reasons(device: torch.device | str | None = None) -> dict[str, list[str]]:
@@ -180,14 +141,46 @@ def device_reasons(device: torch.device | str | None = None) -> dict[str, list[s
         torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     platform = platform_for(device)
     result = {}
-    for name in AUTO_ORDER:
-        cls = load_backend(name)
-        result[name] = [import_error(name)] if cls is None else cls.device_not_supported_reasons(device, platform)
+    for name in registry.NAMES:
+        cls = registry.load(name)
+        result[name] = ([registry.import_error(name) or "cannot import"] if cls is None
+                        else cls.device_not_supported_reasons(device, platform))
     return result
 
 
+def backend(name: str) -> type[Backend] | None:
+    """A backend class by name, for its hooks (None when it cannot be imported here)."""
+    return registry.load(name)
+
+
+def configure(device: torch.device | None = None, **settings: Any) -> None:
+    """Pass what a serving engine knows to every backend ``auto`` may pick on ``device``."""
+    unknown = set(settings) - set(SETTINGS)
+    if unknown:
+        raise ValueError(f"unknown setting(s) {', '.join(sorted(unknown))}; known: {', '.join(SETTINGS)}")
+    for cls in _candidates(device):
+        cls.configure(**settings)
+
+
+def warm_up(op: Op, spec: AttentionSpec, device: torch.device) -> None:
+    """Startup work (ROCm: tuning) by every backend ``auto`` may pick on ``device``. An
+    optimisation that fails costs itself, never the caller."""
+    for cls in _candidates(device):
+        try:
+            cls.warm_up(op, spec, device)
+        except Exception as exc:  # warm-up is an optimisation
+            logger.warning("%s warm-up failed for %s: %s", cls.name, spec, exc)
+
+
+def _candidates(device: torch.device | None) -> list[type[Backend]]:
+    device = torch.device(device) if device is not None else (
+        torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    names = registry.priority_for(platform_for(device), device.type)
+    return [cls for cls in (registry.load(n) for n in names) if cls is not None]
+
+
 def dispatch_counts() -> dict[tuple[str, str], int]:
-    """How many calls each (op, backend) served since start or the last reset."""
+    """How many calls each (op name, backend) served since start or the last reset."""
     with _lock:
         return dict(_counts)
 

@@ -1,5 +1,5 @@
 """The hardware floor of each operation: bytes that must move, FLOPs that must run, and
-the device peaks they are divided by (vendor figures; shared/NOTES.md)."""
+the device peaks they are divided by (vendor figures, kept per product in ``arch.py``)."""
 
 from __future__ import annotations
 
@@ -7,35 +7,15 @@ from dataclasses import dataclass
 
 import torch
 
+from .arch import Product
 from .platform import Platform
+from .timing import median_seconds
 
 
-@dataclass(frozen=True)
-class DevicePeak:
-    name: str
-    arch: str
-    name_hint: str  # substring of the device name that tells parts of one arch apart
-    bandwidth: float  # bytes/s
-    bf16_flops: float  # dense FLOP/s
-
-
-PEAKS: tuple[DevicePeak, ...] = (
-    DevicePeak("MI325X", "gfx942", "MI325", 6.0e12, 1307e12),
-    DevicePeak("MI300X", "gfx942", "", 5.3e12, 1307e12),
-    DevicePeak("MI355X", "gfx950", "", 8.0e12, 2500e12),
-    DevicePeak("RX 7900 XTX", "gfx1100", "", 0.96e12, 123e12),
-    DevicePeak("Radeon AI PRO R9700", "gfx1201", "", 0.64e12, 195e12),
-    DevicePeak("H200", "sm_90", "H200", 4.8e12, 990e12),
-    DevicePeak("H100 SXM", "sm_90", "", 3.35e12, 990e12),
-)
-
-
-def peak_for(platform: Platform) -> DevicePeak | None:
-    """The first table entry for this arch whose name hint the device name contains."""
-    for peak in PEAKS:
-        if peak.arch == platform.arch and peak.name_hint.lower() in platform.name.lower():
-            return peak
-    return None
+def peak_for(platform: Platform) -> Product | None:
+    """The product of ``platform``'s architecture its device name matches (None: unknown)."""
+    info = platform.arch_info
+    return info.product_for(platform.name) if info else None
 
 
 def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None) -> float | None:
@@ -43,8 +23,6 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None) -> f
     on a GPU, 64 MiB on a CPU (where it is the only floor there is)."""
     if device.type not in ("cuda", "cpu"):
         return None
-    from .timing import median_seconds
-
     nbytes = nbytes or (1 << 29 if device.type == "cuda" else 1 << 26)
 
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)

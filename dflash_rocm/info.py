@@ -7,8 +7,9 @@ import importlib.util
 
 import torch
 
-from . import __version__, dispatch, envs
+from . import dispatch, envs, registry
 from .platform import platform_for
+from .version import __version__
 from .vllm_plugin import plugin_status
 
 # (what, distributions that provide it, import name)
@@ -42,25 +43,22 @@ def collect_info() -> dict:
                    "wave_size": p.wave_size, "compute_units": p.compute_units, "name": p.name},
         "backends": {name: {"available": not reasons, "reasons": reasons}
                      for name, reasons in dispatch.device_reasons(device).items()},
-        "auto_order": list(dispatch.AUTO_ORDER),
+        "auto_order": list(registry.priority_for(p, device.type)),
         "environment": {v.name: {"value": v.get(), "set": v.is_set(), "help": v.help} for v in envs.ALL},
         "vllm_plugin": plugin_status(),
-        "aiter": aiter_status(),
+        "backend_status": backend_status(),
     }
     return info
 
 
-def aiter_status() -> str:
-    """aiter's availability as the rocm backend sees it (probing imports nothing heavy
-    unless aiter is installed)."""
-    if dispatch.load_backend("rocm") is None:
-        return dispatch.import_error("rocm") or "rocm backend unavailable"
-    from dflash_rocm.backends.rocm import aiter_attention
-
-    features, why = aiter_attention.probe()
-    if why:
-        return why
-    return "usable (paged CK attention" + (", sinks" if features.sinks else ", no sinks") + ")"
+def backend_status() -> dict[str, str]:
+    """What the backends that import here report of themselves (aiter's probe, tuning)."""
+    status: dict[str, str] = {}
+    for name in registry.NAMES:
+        cls = dispatch.backend(name)
+        if cls is not None:
+            status.update(cls.status())
+    return status
 
 
 def format_info(info: dict) -> str:
@@ -79,7 +77,7 @@ def format_info(info: dict) -> str:
     plugin = info["vllm_plugin"]
     lines.append(f"vLLM plugin: {'vLLM will load it' if plugin['will_load'] else 'not loaded: ' + '; '.join(plugin['reasons'])}"
                  f" (vLLM {plugin['vllm'] or 'not installed'})")
-    lines.append(f"aiter: {info['aiter']}")
+    lines += [f"{label}: {text}" for label, text in info["backend_status"].items()]
     lines.append("")
     lines.append(format_table(["environment variable", "value", "meaning"],
                               [(n, v["value"] + ("" if v["set"] else " (default)"), v["help"])

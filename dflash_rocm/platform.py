@@ -18,32 +18,7 @@ from typing import Iterator
 
 import torch
 
-
-@dataclass(frozen=True)
-class ArchInfo:
-    """Static facts about one GPU architecture (vendor figures, see shared/NOTES.md)."""
-
-    family: str  # "cdna" | "rdna" | "nvidia"
-    wave_size: int
-    lds_bytes: int  # shared memory (LDS) per CU / SM usable by one workgroup
-    compute_units: int  # of the flagship part; detection reads the real count
-    example: str
-
-
-KNOWN_ARCHS: dict[str, ArchInfo] = {
-    "gfx90a": ArchInfo("cdna", 64, 64 * 1024, 110, "MI210/MI250X"),
-    "gfx942": ArchInfo("cdna", 64, 64 * 1024, 304, "MI300X/MI325X"),
-    "gfx950": ArchInfo("cdna", 64, 160 * 1024, 256, "MI350X/MI355X"),
-    "gfx1100": ArchInfo("rdna", 32, 128 * 1024, 96, "RX 7900 XTX"),
-    "gfx1101": ArchInfo("rdna", 32, 128 * 1024, 60, "RX 7800 XT"),
-    "gfx1151": ArchInfo("rdna", 32, 128 * 1024, 40, "Ryzen AI Max (Strix Halo)"),
-    "gfx1200": ArchInfo("rdna", 32, 128 * 1024, 32, "RX 9060 XT"),
-    "gfx1201": ArchInfo("rdna", 32, 128 * 1024, 64, "RX 9070 XT / AI PRO R9700"),
-    "sm_80": ArchInfo("nvidia", 32, 164 * 1024, 108, "A100"),
-    "sm_89": ArchInfo("nvidia", 32, 100 * 1024, 128, "L40S / RTX 4090"),
-    "sm_90": ArchInfo("nvidia", 32, 228 * 1024, 132, "H100/H200"),
-    "sm_100": ArchInfo("nvidia", 32, 228 * 1024, 148, "B200"),
-}
+from .arch import ArchInfo, arch_info
 
 
 @dataclass(frozen=True)
@@ -59,6 +34,11 @@ class Platform:
     # through the Triton interpreter and only an explicitly named backend uses it.
     simulated: bool = False
 
+    @property
+    def arch_info(self) -> ArchInfo | None:
+        """The architecture's record (None for CPUs and other non-GPU devices)."""
+        return arch_info(self.arch) if self.vendor in ("rocm", "cuda") else None
+
 
 def parse_gcn_arch(gcn_arch_name: str) -> str:
     """``'gfx942:sramecc+:xnack-'`` -> ``'gfx942'`` (feature flags dropped)."""
@@ -68,32 +48,13 @@ def parse_gcn_arch(gcn_arch_name: str) -> str:
     return arch
 
 
-def family_of(arch: str) -> str:
-    """gfx9xx is CDNA (wave64), gfx10-12 RDNA (wave32), sm_* NVIDIA."""
-    if arch in KNOWN_ARCHS:
-        return KNOWN_ARCHS[arch].family
-    if arch.startswith("sm_"):
-        return "nvidia"
-    if arch.startswith("gfx9"):
-        return "cdna"
-    if arch.startswith(("gfx10", "gfx11", "gfx12")):
-        return "rdna"
-    if arch == "cpu":
-        return "cpu"
-    raise ValueError(f"unknown architecture {arch!r}")
-
-
 def platform_for_arch(arch: str, *, compute_units: int | None = None, name: str = "",
                       simulated: bool = False) -> Platform:
-    """A Platform built from the static table (used by detection and simulation)."""
-    family = family_of(arch)
-    info = KNOWN_ARCHS.get(arch)
-    wave = info.wave_size if info else (64 if family == "cdna" else 32)
-    lds = info.lds_bytes if info else (64 * 1024 if family == "cdna" else 128 * 1024)
-    cus = compute_units or (info.compute_units if info else 1)
-    vendor = "cuda" if family == "nvidia" else "rocm"
-    return Platform(vendor, arch, family, wave, cus, lds, name or (info.example if info else arch),
-                    simulated)
+    """A Platform of ``arch`` (used by detection and simulation): the architecture's record,
+    with the device's own compute-unit count and name where known."""
+    info = arch_info(arch)
+    return Platform(info.vendor, arch, info.family, info.wave_size, compute_units or info.compute_units,
+                    info.lds_bytes, name or info.example, simulated)
 
 
 CPU_PLATFORM = Platform("cpu", "cpu", "cpu", 1, os.cpu_count() or 1, 0, "cpu")

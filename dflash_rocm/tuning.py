@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from . import envs
-from .calls import relative_error
+from .contract import relative_error
 
 logger = logging.getLogger("dflash_rocm")
 

@@ -12,8 +12,10 @@ import importlib
 import torch
 import torch.nn.functional as F
 
-from .calls import FP8_DTYPES, PrecomputeCall
-from .reference import apply_rope, quantize_for_cache
+from .contract import FP8_DTYPES
+from .derived import DerivedCache
+from .ops.precompute import PrecomputeCall
+from .ops.precompute.reference import apply_rope, quantize_for_cache
 
 
 class TorchOps:
@@ -90,6 +92,9 @@ def _has_op(namespace: str, name: str) -> bool:
         return False
 
 
+_COS_SIN = DerivedCache()
+
+
 def unfused_precompute(call: PrecomputeCall, ops: TorchOps):
     """SPEC.md section 2 the way vLLM computes it, with ``ops`` supplying each step."""
     w = call.weights
@@ -102,7 +107,7 @@ def unfused_precompute(call: PrecomputeCall, ops: TorchOps):
     k = torch.empty_like(k_raw)
     ops.grouped_rms_norm(k, k_raw, w.k_norm_weight, w.eps)
     # vLLM's rotary kernel reads the table in the activations' dtype.
-    cos_sin = w.derived(("cos_sin", call.dtype), lambda: w.cos_sin_cache.to(call.dtype))
+    cos_sin = _COS_SIN.get((w.cos_sin_cache,), call.dtype, lambda: w.cos_sin_cache.to(call.dtype))
     ops.rotary(call.positions.long().repeat(L), k.view(L * N, Hk * D), D, cos_sin, w.is_neox)
     if w.v_scale is not None:
         v.mul_(w.v_scale)

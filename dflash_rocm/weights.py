@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Sequence
+import math
+import numbers
+from dataclasses import dataclass, fields
+from typing import Sequence
 
 import torch
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from .contract import QUERY_DTYPES
+
+
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -16,9 +19,10 @@ class ContextKVWeights:
     """K/V projection, norms and RoPE table of every draft layer (SPEC.md section 2).
 
     ``kv_weight`` is layer-major: for layer ``l`` the ``Hk*D`` K rows, then the
-    ``Hk*D`` V rows (the K/V rows of each layer's ``qkv_proj``, stacked). The tensors
-    are treated as immutable: backends derive and cache their own layouts from them
-    once (see :meth:`derived`), so build a new object after changing weights.
+    ``Hk*D`` V rows (the K/V rows of each layer's ``qkv_proj``, stacked). Backends derive
+    their own layouts from these tensors and rebuild them when a tensor changes in place
+    (:mod:`dflash_rocm.derived`). Load one from a checkpoint with
+    :func:`dflash_rocm.load_context_kv_weights`.
     """
 
     hidden_norm_weight: torch.Tensor
@@ -32,7 +36,6 @@ class ContextKVWeights:
     head_dim: int
     kv_bias: torch.Tensor | None = None
     v_scale: float | None = None
-    _derived: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         L, Hk, D = self.num_layers, self.num_kv_heads, self.head_dim
@@ -47,7 +50,7 @@ class ContextKVWeights:
         for name, t in tensors.items():
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"ContextKVWeights.{name}: expected a torch.Tensor, got {type(t).__name__}")
-            if t.dtype not in _FLOAT_DTYPES:
+            if t.dtype not in QUERY_DTYPES:
                 raise TypeError(f"ContextKVWeights.{name}: expected float16/bfloat16/float32, got {t.dtype}")
             if t.device != self.kv_weight.device:
                 raise ValueError(f"ContextKVWeights.{name}: on {t.device}, kv_weight on {self.kv_weight.device}")
@@ -67,10 +70,13 @@ class ContextKVWeights:
                 f"2 <= R <= head_dim={D}, got {tuple(cs.shape)}")
         if not isinstance(self.is_neox, bool):
             raise TypeError(f"ContextKVWeights.is_neox: expected bool, got {type(self.is_neox).__name__}")
-        if not (isinstance(self.eps, (int, float)) and self.eps > 0):
-            raise ValueError(f"ContextKVWeights.eps: expected a positive float, got {self.eps!r}")
-        if self.v_scale is not None and not isinstance(self.v_scale, (int, float)):
-            raise TypeError(f"ContextKVWeights.v_scale: expected a float or None, got {self.v_scale!r}")
+        if not _is_real(self.eps) or not (math.isfinite(self.eps) and self.eps > 0):
+            raise ValueError(f"ContextKVWeights.eps: expected a positive finite float, got {self.eps!r}")
+        if self.v_scale is not None:
+            if not _is_real(self.v_scale):
+                raise TypeError(f"ContextKVWeights.v_scale: expected a float or None, got {self.v_scale!r}")
+            if not math.isfinite(self.v_scale):
+                raise ValueError(f"ContextKVWeights.v_scale: expected a finite float, got {self.v_scale!r}")
 
     # Shapes the kernels and validation read.
     @property
@@ -93,12 +99,6 @@ class ContextKVWeights:
     def dtype(self) -> torch.dtype:
         return self.kv_weight.dtype
 
-    def derived(self, key: Any, build: Callable[[], Any]) -> Any:
-        """A backend's own layout of these weights, built on first use and kept."""
-        if key not in self._derived:
-            self._derived[key] = build()
-        return self._derived[key]
-
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
            ) -> "ContextKVWeights":
         """A copy on ``device`` with float tensors in ``dtype`` (cos/sin stays float32)."""
@@ -106,7 +106,7 @@ class ContextKVWeights:
             if t is None:
                 return None
             return t.to(device=device, dtype=None if keep_dtype else dtype)
-        kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        kwargs = {f.name: getattr(self, f.name) for f in fields(self)}
         for name in ("hidden_norm_weight", "kv_weight", "k_norm_weight", "kv_bias"):
             kwargs[name] = move(kwargs[name])
         kwargs["cos_sin_cache"] = move(self.cos_sin_cache, keep_dtype=True)
@@ -136,14 +136,11 @@ class ContextKVWeights:
                    cos_sin_cache=cos_sin_cache, is_neox=is_neox, eps=float(eps), v_scale=v_scale,
                    num_layers=n, num_kv_heads=num_kv_heads, head_dim=head_dim)
 
-    @classmethod
-    def from_checkpoint(cls, path: str | os.PathLike, *, device: torch.device | str = "cpu",
-                        dtype: torch.dtype | None = None) -> "ContextKVWeights":
-        """Load from a DFlash draft checkpoint directory (``config.json`` + ``*.safetensors``)."""
-        from .checkpoint import load_context_kv_weights
-        return load_context_kv_weights(path, device=device, dtype=dtype)
-
 
 def _expect_shape(name: str, t: torch.Tensor, shape: tuple[int, ...], words: str) -> None:
     if tuple(t.shape) != shape:
         raise ValueError(f"ContextKVWeights.{name}: expected {words} = {list(shape)}, got {tuple(t.shape)}")
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)

@@ -5,12 +5,15 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
-from .calls import FP8_DTYPES
-from .rope import build_cos_sin_cache
+from .checkpoint import layer_attention_modes, read_draft_config, rope_parameters_of
+from .contract import FP8_DTYPES
+from .rope import build_cos_sin_cache, rotary_dim_for
 from .weights import ContextKVWeights
 
 
@@ -51,6 +54,22 @@ SHAPES: dict[str, DraftShape] = {s.name: s for s in (
                note="gemma-style draft: sliding-window causal layers with attention sinks"),
 )}
 DEFAULT_SHAPE = "qwen3-8b-dflash-b16"
+
+
+def draft_shape(path: str | os.PathLike):
+    """The :class:`DraftShape` of a checkpoint (its first layer's attention mode; sinks
+    when ``dflash_config.attention_sink_bias`` is set)."""
+    config = read_draft_config(path)
+    Hq = int(config["num_attention_heads"])
+    D = int(config.get("head_dim") or config["hidden_size"] // Hq)
+    window, causal = layer_attention_modes(config)[0]
+    dflash = config.get("dflash_config") or {}
+    return DraftShape(
+        name=Path(path).name, hidden=int(config["hidden_size"]), layers=int(config["num_hidden_layers"]),
+        q_heads=Hq, kv_heads=int(config.get("num_key_value_heads", Hq)), head_dim=D,
+        rotary_dim=rotary_dim_for(D, rope_parameters_of(config)), sliding_window=window, causal=causal,
+        sinks=bool(dflash.get("attention_sink_bias", config.get("add_swa_attention_sink_bias", False))),
+        is_neox=bool(config.get("is_neox_style", True)), note=f"checkpoint {path}")
 
 
 def _generator(seed: int, device: torch.device) -> torch.Generator:

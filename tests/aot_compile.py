@@ -86,7 +86,8 @@ def variants():
     from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig, PrecomputeLaunchConfig
     from dflash_rocm.backends.triton.precompute import run_precompute
     from dflash_rocm.platform import simulate_platform
-    from dflash_rocm.validation import attention_call, precompute_call
+    from dflash_rocm.ops.attention import attention_call
+from dflash_rocm.ops.precompute import precompute_call
     from strategies import make_generator, make_weights
     from test_triton_backend import paged
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 import torch
 
 import dflash_rocm
-from dflash_rocm.calls import FP8_DTYPES
-from dflash_rocm.validation import attention_call, precompute_call
+from dflash_rocm.contract import FP8_DTYPES
+from dflash_rocm.ops.attention import attention_call
+from dflash_rocm.ops.precompute import precompute_call
 
-from dflash_rocm.calls import TOLERANCES as TOLERANCE
-from dflash_rocm.calls import relative_error as rel_err
-from dflash_rocm.calls import spec_tolerance as tolerance
+from dflash_rocm.contract import TOLERANCES as TOLERANCE
+from dflash_rocm.contract import relative_error as rel_err
+from dflash_rocm.contract import spec_tolerance as tolerance
 
 
 def clone_arg(x):

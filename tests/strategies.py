@@ -15,7 +15,7 @@ import torch
 from hypothesis import strategies as st
 
 from dflash_rocm import ContextKVWeights
-from dflash_rocm.calls import FP8_DTYPES
+from dflash_rocm.contract import FP8_DTYPES
 from dflash_rocm.rope import build_cos_sin_cache
 
 

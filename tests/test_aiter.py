@@ -8,10 +8,11 @@ import pytest
 import torch
 
 import dflash_rocm
-from dflash_rocm.backends.rocm import aiter_attention
+from dflash_rocm.backends.aiter import AiterBackend
+from dflash_rocm.backends.aiter import attention as aiter_attention
 from dflash_rocm.platform import platform_for_arch
-from dflash_rocm.reference import attention as reference_attention
-from dflash_rocm.validation import attention_call
+from dflash_rocm.ops.attention import reference as reference_attention
+from dflash_rocm.ops.attention import attention_call
 from test_triton_backend import paged
 
 CK_STANDIN = '''
@@ -113,11 +114,20 @@ def paged_call(block_size=128, **kwargs):
 
 def test_reasons_name_every_limit(fake_aiter):
     fake_aiter(sinks=False)
-    cdna = platform_for_arch("gfx942")
-    assert aiter_attention.reasons(paged_call(), cdna) == []
-    assert any("targets CDNA" in r for r in aiter_attention.reasons(paged_call(), platform_for_arch("gfx1100")))
-    assert any("multiple of 128" in r for r in aiter_attention.reasons(paged_call(block_size=16), cdna))
-    assert any("no sinks" in r for r in aiter_attention.reasons(paged_call(sinks=torch.zeros(8)), cdna))
+    cdna, rdna = platform_for_arch("gfx942"), platform_for_arch("gfx1100")
+    assert aiter_attention.platform_reasons(cdna) == [] and aiter_attention.call_reasons(paged_call()) == []
+    assert any("targets CDNA" in r for r in aiter_attention.platform_reasons(rdna))
+    assert any("multiple of 128" in r for r in aiter_attention.call_reasons(paged_call(block_size=16)))
+    assert any("no sinks" in r for r in aiter_attention.call_reasons(paged_call(sinks=torch.zeros(8))))
+
+
+def test_the_backend_reports_the_probe_and_implements_attention_only(fake_aiter):
+    fake_aiter()
+    reasons = dflash_rocm.explain("draft_attention", *paged([40], [4], Hk=2, G=4, D=64, block_size=128,
+                                                            dtype=torch.bfloat16))["aiter"]
+    assert reasons == ["aiter runs on GPU tensors only (tensors on cpu)"] or "targets CDNA" in reasons[0]
+    assert "usable" in AiterBackend.status()["aiter"]
+    assert "draft_attention" in AiterBackend.OPS and "precompute_and_store_context_kv" not in AiterBackend.OPS
 
 
 @pytest.mark.parametrize("kwargs", [dict(), dict(causal=True), dict(sliding_window=40),
@@ -131,7 +141,7 @@ def test_argument_mapping_computes_the_spec(fake_aiter, kwargs):
     aiter_attention.run(call, fallback=lambda c: reference_attention(c))
     aiter_attention.run(call, fallback=lambda c: reference_attention(c))
     assert len(module.calls) == 2  # verified once, then trusted
-    assert dflash_rocm.calls.relative_error(call.out, ref_call.out) < 2e-2
+    assert dflash_rocm.contract.relative_error(call.out, ref_call.out) < 2e-2
 
 
 def test_a_disagreeing_aiter_is_disabled_for_that_signature(fake_aiter, caplog):
@@ -142,6 +152,6 @@ def test_a_disagreeing_aiter_is_disabled_for_that_signature(fake_aiter, caplog):
     with caplog.at_level(logging.WARNING, logger="dflash_rocm"):
         aiter_attention.run(call, fallback=lambda c: reference_attention(c))
     assert "disagrees" in caplog.text
-    assert dflash_rocm.calls.relative_error(call.out, ref_call.out) < 2e-2  # the fallback's result stands
+    assert dflash_rocm.contract.relative_error(call.out, ref_call.out) < 2e-2  # the fallback's result stands
     aiter_attention.run(call, fallback=lambda c: reference_attention(c))
     assert len(module.calls) == 1

@@ -38,7 +38,7 @@ def write_draft(path, *, layers=2, heads=4, kv_heads=2, head_dim=8, hidden=16, n
 
 def test_from_checkpoint_stacks_layers_in_spec_order(tmp_path):
     tensors = write_draft(tmp_path, bias=True)
-    w = dflash_rocm.ContextKVWeights.from_checkpoint(tmp_path)
+    w = dflash_rocm.load_context_kv_weights(tmp_path)
     assert (w.num_layers, w.num_kv_heads, w.head_dim, w.hidden_size) == (2, 2, 8, 16)
     expected = torch.cat([tensors["layers.0.self_attn.k_proj.weight"], tensors["layers.0.self_attn.v_proj.weight"],
                           tensors["layers.1.self_attn.k_proj.weight"], tensors["layers.1.self_attn.v_proj.weight"]])
@@ -53,21 +53,21 @@ def test_from_checkpoint_stacks_layers_in_spec_order(tmp_path):
 def test_from_checkpoint_reads_partial_rotary_value_scale_and_dtype(tmp_path):
     write_draft(tmp_path, config={"partial_rotary_factor": 0.5, "is_neox_style": False,
                                   "dflash_config": {"attention_value_scale": 0.25}})
-    w = dflash_rocm.ContextKVWeights.from_checkpoint(tmp_path, dtype=torch.bfloat16)
+    w = dflash_rocm.load_context_kv_weights(tmp_path, dtype=torch.bfloat16)
     assert w.rotary_dim == 4 and not w.is_neox and w.v_scale == 0.25
     assert w.kv_weight.dtype == torch.bfloat16 and w.cos_sin_cache.dtype == torch.float32
 
 
 def test_midlayer_prefix_of_older_drafts_is_layer_zero(tmp_path):
     tensors = write_draft(tmp_path, layers=1, names=lambda k: k.replace("layers.0.", "midlayer."))
-    w = dflash_rocm.ContextKVWeights.from_checkpoint(tmp_path)
+    w = dflash_rocm.load_context_kv_weights(tmp_path)
     assert torch.equal(w.kv_weight[:16], tensors["midlayer.self_attn.k_proj.weight"])
 
 
 def test_missing_tensors_are_named(tmp_path):
     write_draft(tmp_path, names=lambda k: k.replace("layers.1.self_attn.v_proj", "layers.1.self_attn.vv"))
     with pytest.raises(ValueError, match=r"missing tensors layers\.1\.self_attn\.v_proj\.weight"):
-        dflash_rocm.ContextKVWeights.from_checkpoint(tmp_path)
+        dflash_rocm.load_context_kv_weights(tmp_path)
 
 
 def test_a_target_model_is_not_a_draft(tmp_path):
@@ -76,12 +76,12 @@ def test_a_target_model_is_not_a_draft(tmp_path):
     del cfg["dflash_config"]
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="not a DFlash draft"):
-        dflash_rocm.ContextKVWeights.from_checkpoint(tmp_path)
+        dflash_rocm.load_context_kv_weights(tmp_path)
 
 
 def test_empty_directory_is_refused(tmp_path):
     with pytest.raises(ValueError, match="no config.json"):
-        dflash_rocm.ContextKVWeights.from_checkpoint(tmp_path)
+        dflash_rocm.load_context_kv_weights(tmp_path)
 
 
 def test_unknown_rope_type_is_refused():

@@ -7,8 +7,9 @@ import sys
 import pytest
 import torch
 
-from dflash_rocm import cli, dispatch
-from dflash_rocm.reference import ReferenceBackend
+from dflash_rocm import cli, registry
+from dflash_rocm.ops import OPS
+from dflash_rocm.backends.reference import ReferenceBackend
 from support import needs_interpreter
 
 
@@ -22,7 +23,7 @@ def test_info_lists_every_backend_with_reasons(capsys):
     rc, out, _ = run_cli(capsys, "info", "--json")
     info = json.loads(out)
     assert rc == 0
-    assert set(info["backends"]) == set(dispatch.AUTO_ORDER)
+    assert set(info["backends"]) == set(registry.NAMES)
     assert info["backends"]["reference"]["available"]
     for entry in info["backends"].values():
         assert entry["available"] == (not entry["reasons"])
@@ -32,7 +33,7 @@ def test_info_lists_every_backend_with_reasons(capsys):
 
 def test_info_table(capsys):
     rc, out, _ = run_cli(capsys, "info")
-    assert rc == 0 and "backend" in out and "auto order: rocm > cuda > triton > reference" in out
+    assert rc == 0 and "backend" in out and "auto order: " + " > ".join(registry.PRIORITIES["cpu"]) in out
 
 
 @needs_interpreter
@@ -41,11 +42,11 @@ def test_check_passes_and_reports_every_backend(capsys):
     report = json.loads(out)
     assert rc == 0 and report["ok"]
     rows = {(r["op"], r["backend"]): r for r in report["rows"]}
-    for op in dispatch.OPS:
+    for op in OPS:
         assert rows[(op, "reference")]["status"] == "ORACLE"
         assert rows[(op, "triton")]["status"] == "PASS"
         assert rows[(op, "triton")]["rel_err"] <= rows[(op, "triton")]["tolerance"]
-        for name in ("rocm", "cuda"):
+        for name in ("rocm", "aiter", "cuda"):
             assert rows[(op, name)]["status"] == "SKIP" and rows[(op, name)]["note"]
 
 
@@ -59,7 +60,7 @@ class AlwaysZero(ReferenceBackend):
 
 
 def test_check_exits_1_when_a_backend_disagrees(capsys, monkeypatch):
-    monkeypatch.setitem(dispatch._classes, "triton", AlwaysZero)
+    monkeypatch.setitem(registry._classes, "triton", AlwaysZero)
     rc, out, _ = run_cli(capsys, "check", "--backend", "triton")
     assert rc == 1
     assert "FAILED: draft_attention/triton" in out
@@ -77,7 +78,7 @@ def test_check_on_a_checkpoint(tmp_path, capsys):
 
 def test_bad_backend_environment_is_refused(capsys, monkeypatch):
     monkeypatch.setenv("DFLASH_ROCM_BACKEND", "nonsense")
-    with pytest.raises(ValueError, match="valid names: auto, reference, triton, rocm, cuda"):
+    with pytest.raises(ValueError, match="valid names: auto, reference, triton, rocm, aiter, cuda"):
         import dflash_rocm
         from test_validation import attention_args
         dflash_rocm.draft_attention(**attention_args())

@@ -42,7 +42,7 @@ def test_cuda_precompute_uses_vllm_ops_with_per_layer_norm_off_cuda(monkeypatch)
     assert calls == [(24,), (16,), (16,), (16,)]
     ref, _ = dflash_rocm.precompute_and_store_context_kv(x, torch.arange(4), w, None, None, None,
                                                          return_kv=True, backend="reference")
-    assert dflash_rocm.calls.relative_error(k, ref) < 1e-5
+    assert dflash_rocm.contract.relative_error(k, ref) < 1e-5
 
 
 def fake_flash_attn_varlen_func(*, q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k, softmax_scale,

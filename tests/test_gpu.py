@@ -13,7 +13,9 @@ from hypothesis import HealthCheck, assume, given, settings
 import dflash_rocm
 from checks import check_attention, check_precompute
 from dflash_rocm import dispatch
-from dflash_rocm.validation import attention_call, precompute_call
+from dflash_rocm.ops import ATTENTION, PRECOMPUTE
+from dflash_rocm.ops.attention import attention_call
+from dflash_rocm.ops.precompute import precompute_call
 from dflash_rocm.workloads import SHAPES, attention_inputs, precompute_inputs
 from strategies import GPU_SIZES, attention_cases, precompute_cases
 
@@ -49,7 +51,7 @@ def test_backend_serves_this_gpu(backend):
                             cache_dtypes=("same", torch.float8_e4m3fn, torch.float8_e4m3fnuz)))
 def test_attention_on_gpu(backend, case):
     call = attention_call(*case.args, **case.kwargs)
-    assume(not dispatch.reasons_for(backend, dispatch.ATTENTION, call))
+    assume(not dispatch.reasons_for(backend, ATTENTION, call))
     check_attention(case, backend)
 
 
@@ -59,12 +61,12 @@ def test_attention_on_gpu(backend, case):
                              cache_dtypes=("same", torch.float8_e4m3fn, torch.float8_e4m3fnuz)))
 def test_precompute_on_gpu(backend, case):
     call = precompute_call(*case.args, **case.kwargs)
-    assume(not dispatch.reasons_for(backend, dispatch.PRECOMPUTE, call))
+    assume(not dispatch.reasons_for(backend, PRECOMPUTE, call))
     check_precompute(case, backend)
 
 
 def _agree(backend, op, args, kwargs, run):
-    call = (attention_call if op == dispatch.ATTENTION else precompute_call)(*args, **kwargs)
+    call = op.build_call(*args, **kwargs)
     reasons = dispatch.reasons_for(backend, op, call)
     if reasons:
         pytest.skip(f"{backend} does not serve this call here: {reasons}")
@@ -86,11 +88,11 @@ def test_qwen3_8b_precompute(backend, num_tokens, fp8):
                                                            backend=name)
         return k, v, [c.float() for c in inputs.key_caches]
 
-    (k, v, caches), (rk, rv, rcaches) = _agree(backend, dispatch.PRECOMPUTE, inputs.args(), inputs.kwargs(), run)
-    assert dflash_rocm.calls.relative_error(k, rk) < 2e-2 and dflash_rocm.calls.relative_error(v, rv) < 2e-2
+    (k, v, caches), (rk, rv, rcaches) = _agree(backend, PRECOMPUTE, inputs.args(), inputs.kwargs(), run)
+    assert dflash_rocm.contract.relative_error(k, rk) < 2e-2 and dflash_rocm.contract.relative_error(v, rv) < 2e-2
     tol = 6e-2 if fp8 else 2e-2
     for got, want in zip(caches, rcaches):
-        assert dflash_rocm.calls.relative_error(got, want) < tol
+        assert dflash_rocm.contract.relative_error(got, want) < tol
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -103,8 +105,8 @@ def test_real_shape_attention(backend, context, shape):
     def run(name):
         return dflash_rocm.draft_attention(*inputs.args(), **inputs.kwargs, backend=name).clone()
 
-    out, ref = _agree(backend, dispatch.ATTENTION, inputs.args(), inputs.kwargs, run)
-    assert dflash_rocm.calls.relative_error(out, ref) < 2e-2
+    out, ref = _agree(backend, ATTENTION, inputs.args(), inputs.kwargs, run)
+    assert dflash_rocm.contract.relative_error(out, ref) < 2e-2
 
 
 @pytest.mark.rocm
@@ -122,14 +124,14 @@ def test_startup_tuning_end_to_end_on_the_gpu(tmp_path, monkeypatch):
     try:
         inputs = attention_inputs(QWEN3_8B, 2, 4000, torch.bfloat16, torch.bfloat16, torch.device("cuda"))
         call = attention_call(*inputs.args(), **inputs.kwargs)
-        table = tuner.tune_attention(platform_for("cuda"), tuner.AttentionSpec.of(call), torch.device("cuda"))
+        table = tuner.tune_attention(platform_for("cuda"), call.spec, torch.device("cuda"))
         assert table.entries and all(e.speedup >= 1.0 for e in table.entries)
         assert list(tmp_path.glob("attention-*.json"))
         source, _ = rocm.attention_config(call)
         out = dflash_rocm.draft_attention(*inputs.args(), **inputs.kwargs, backend="rocm").clone()
         ref = dflash_rocm.draft_attention(*inputs.args(), **inputs.kwargs, backend="reference")
         assert source in ("tuned",) + tuple(r.name for r in rocm.tables.rules_for(platform_for("cuda").arch))
-        assert dflash_rocm.calls.relative_error(out, ref) < 2e-2
+        assert dflash_rocm.contract.relative_error(out, ref) < 2e-2
     finally:
         settings.configure(**previous.__dict__)
         tuner.forget_tables()

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from dflash_rocm import platform
+from dflash_rocm.arch import family_of
 
 
 @pytest.mark.parametrize("name,arch", [("gfx942:sramecc+:xnack-", "gfx942"), ("gfx1100", "gfx1100"),
@@ -34,7 +35,7 @@ def test_lds_differs_between_cdna_and_rdna():
 
 def test_unknown_arch_is_refused():
     with pytest.raises(ValueError, match="unknown architecture"):
-        platform.family_of("tpu_v5")
+        family_of("tpu_v5")
 
 
 def test_cpu_tensors_report_cpu_unless_simulated():

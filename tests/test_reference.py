@@ -7,7 +7,7 @@ from hypothesis import given, settings
 
 import dflash_rocm
 from checks import rel_err
-from dflash_rocm.calls import FP8_DTYPES
+from dflash_rocm.contract import FP8_DTYPES
 from strategies import CPU_SIZES, Sizes, attention_cases, precompute_cases
 
 TINY = Sizes(max_seqs=2, max_query=4, max_context=12, head_dims=(8,), block_sizes=(1, 3, 4),

@@ -119,3 +119,31 @@ def test_tuning_mode(monkeypatch, mode, arch, expected):
     monkeypatch.setenv("DFLASH_ROCM_TUNE", "sometimes")
     with pytest.raises(ValueError, match="DFLASH_ROCM_TUNE"):
         settings.tuning_enabled(platform_for_arch(arch))
+
+
+def test_grids_use_the_detected_compute_unit_count():
+    """A 228-CU MI300A is not sized like a 304-CU MI300X: the backend passes the detected
+    count into the table (one request x 16 KV heads is 16 programs, and the split aims
+    for two programs per CU)."""
+    import torch
+
+    from dflash_rocm.backends import rocm
+    from dflash_rocm.ops.attention import attention_call
+    from dflash_rocm.platform import simulate_platform
+
+    def call():
+        q = torch.zeros(16, 32, 128, dtype=torch.bfloat16)
+        cache = torch.zeros(2048, 16, 16, 128, dtype=torch.bfloat16)
+        return attention_call(q, cache, cache, torch.zeros(1, 2048, dtype=torch.int32),
+                              torch.tensor([0, 16], dtype=torch.int32), torch.tensor([32768], dtype=torch.int32),
+                              validate=False, max_query_len=16, max_seq_len=32768)
+
+    with simulate_platform("gfx942") as flagship:
+        w = rocm.attention_workload(call(), flagship)
+        assert w.compute_units == 304 and rocm.attention_config(call())[1].num_segments == 64
+    with simulate_platform("gfx942", compute_units=228) as mi300a:
+        w = rocm.attention_workload(call(), mi300a)
+        assert w.compute_units == 228 and rocm.attention_config(call())[1].num_segments == 32
+    small = tables.precompute_config("gfx942", num_tokens=16, hidden=4096, num_heads_total=80, head_dim=128,
+                                     compute_units=8)
+    assert small.split_k == 1  # 80 programs already cover 2 x 8 CUs

@@ -68,7 +68,7 @@ def test_attention_head_dims(head_dim, causal):
     args = paged([37, 20], [16, 5], Hk=2, G=4, D=head_dim, block_size=16, dtype=torch.bfloat16)
     ref = dflash_rocm.draft_attention(*args, causal=causal, backend="reference")
     out = dflash_rocm.draft_attention(*args, causal=causal, backend="triton")
-    assert dflash_rocm.calls.relative_error(out, ref) < 2e-2
+    assert dflash_rocm.contract.relative_error(out, ref) < 2e-2
 
 
 @pytest.mark.parametrize("G", [1, 4, 16])
@@ -76,7 +76,7 @@ def test_query_longer_than_one_tile_is_not_truncated(G):
     """Query capacity is a tile setting: a 40-token query spans several tiles."""
     from dflash_rocm.backends.triton.attention import run_draft_attention
     from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig
-    from dflash_rocm.validation import attention_call
+    from dflash_rocm.ops.attention import attention_call
 
     args = paged([34, 21], [18, 21], Hk=1, G=G, D=32, block_size=8)
     config = AttentionLaunchConfig(block_m=16 if G < 16 else 32, block_n=16, num_segments=2)
@@ -84,7 +84,7 @@ def test_query_longer_than_one_tile_is_not_truncated(G):
         ref = dflash_rocm.draft_attention(*args, causal=causal, sliding_window=9, backend="reference")
         call = attention_call(*args, causal=causal, sliding_window=9)
         run_draft_attention(call, config)
-        assert dflash_rocm.calls.relative_error(call.out, ref) < 2e-3
+        assert dflash_rocm.contract.relative_error(call.out, ref) < 2e-3
 
 
 def test_attention_reads_vllm_cache_layouts_through_views():
@@ -103,7 +103,7 @@ def test_attention_reads_vllm_cache_layouts_through_views():
         out_store = torch.full((q.shape[0], 64, q.shape[1]), float("nan"))
         out = out_store[:, :32].transpose(1, 2)  # non-contiguous out
         dflash_rocm.draft_attention(strided_q, k_view, v_view, table, qsl, lens, out=out, backend="triton")
-        assert dflash_rocm.calls.relative_error(out, ref) < 2e-3
+        assert dflash_rocm.contract.relative_error(out, ref) < 2e-3
         assert torch.isnan(out_store[:, 32:]).all(), "wrote outside out"
 
 
@@ -118,7 +118,7 @@ def test_precompute_many_tokens_and_odd_hidden_size():
                                                                return_kv=True, backend="reference")
     k, v = dflash_rocm.precompute_and_store_context_kv(states, positions, w, None, None, None,
                                                        return_kv=True, backend="triton")
-    assert dflash_rocm.calls.relative_error(k, ref_k) < 2e-2 and dflash_rocm.calls.relative_error(v, ref_v) < 2e-2
+    assert dflash_rocm.contract.relative_error(k, ref_k) < 2e-2 and dflash_rocm.contract.relative_error(v, ref_v) < 2e-2
 
 
 class _CountTritonLaunches:
@@ -156,7 +156,7 @@ _COMPUTE_OPS = {"mm", "addmm", "bmm", "matmul", "linear", "mul", "add", "div", "
 def test_precompute_is_at_most_two_launches_for_all_layers(monkeypatch, split_k):
     from dflash_rocm.backends.triton.launch_config import PrecomputeLaunchConfig
     from dflash_rocm.backends.triton.precompute import fused_weights, run_precompute
-    from dflash_rocm.validation import precompute_call
+    from dflash_rocm.ops.precompute import precompute_call
 
     g = make_generator(4, "cpu")
     L = 5
@@ -179,7 +179,7 @@ def test_precompute_is_at_most_two_launches_for_all_layers(monkeypatch, split_k)
 def test_attention_is_one_launch_unless_split(monkeypatch):
     from dflash_rocm.backends.triton.attention import run_draft_attention
     from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig
-    from dflash_rocm.validation import attention_call
+    from dflash_rocm.ops.attention import attention_call
 
     args = paged([40, 17], [16, 16], Hk=2, G=4, D=32, block_size=16)
     counter = _CountTritonLaunches(monkeypatch)
@@ -235,7 +235,7 @@ def test_index_tensors_of_either_int_width():
     q, kc, vc, table, qsl, lens = paged([21, 9], [5, 3], Hk=1, G=2, D=16, block_size=4)
     ref = dflash_rocm.draft_attention(q, kc, vc, table, qsl, lens, backend="reference")
     out = dflash_rocm.draft_attention(q, kc, vc, table.long(), qsl.long(), lens.long(), backend="triton")
-    assert dflash_rocm.calls.relative_error(out, ref) < 2e-3
+    assert dflash_rocm.contract.relative_error(out, ref) < 2e-3
 
     g = make_generator(8, "cpu")
     w = make_weights(g, "cpu", L=2, Hk=1, D=16, H=24, R=16, is_neox=True, bias=False, v_scale=None,

@@ -182,7 +182,7 @@ def test_workloads_are_bounded_by_the_limits():
 def test_rocm_backend_uses_the_tuned_config(monkeypatch):
     from test_triton_backend import paged
     from dflash_rocm.backends import rocm
-    from dflash_rocm.validation import attention_call
+    from dflash_rocm.ops.attention import attention_call
 
     monkeypatch.setenv("DFLASH_ROCM_TUNE", "1")
     previous = settings.current()
@@ -191,7 +191,7 @@ def test_rocm_backend_uses_the_tuned_config(monkeypatch):
         args = paged([60], [4], Hk=1, G=2, D=32, block_size=16)
         with simulate_platform("gfx1100") as platform:
             call = attention_call(*args)
-            spec = tuner.AttentionSpec.of(call)
+            spec = call.spec
             default = tables.segmented_config(rocm.attention_workload(call, platform))[1]
             faster = AttentionLaunchConfig(**{**default.as_dict(), "block_n": 16})
             real = tuner.gpu_runner  # validation runs the real kernel; only the clock is fake
@@ -206,7 +206,7 @@ def test_rocm_backend_uses_the_tuned_config(monkeypatch):
             out = dflash_rocm.draft_attention(*args, backend="rocm")
         assert source == "tuned" and config == faster
         ref = dflash_rocm.draft_attention(*args, backend="reference")
-        assert dflash_rocm.calls.relative_error(out, ref) < 2e-3
+        assert dflash_rocm.contract.relative_error(out, ref) < 2e-3
     finally:
         settings.configure(**previous.__dict__)
 

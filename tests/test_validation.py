@@ -171,6 +171,8 @@ def test_weights_refuse_inconsistent_shapes():
                            (dict(cos_sin_cache=torch.ones(8, 18)), "cos_sin_cache"),
                            (dict(hidden_norm_weight=torch.ones(23)), "hidden_norm_weight"),
                            (dict(kv_bias=torch.ones(3)), "kv_bias"), (dict(eps=0.0), "eps"),
+                           (dict(eps=float("inf")), "eps"), (dict(eps=True), "eps"),
+                           (dict(v_scale=float("nan")), "v_scale"), (dict(v_scale="2"), "v_scale"),
                            (dict(kv_weight=w.kv_weight.int()), "kv_weight")]:
         with pytest.raises((ValueError, TypeError)) as info:
             dflash_rocm.ContextKVWeights(**{**fields, **change})

@@ -112,7 +112,7 @@ def test_draft_forward_maps_flash_metadata_onto_the_spec():
     impl.forward(layer, q.reshape(10, -1), None, None, kv, metadata, output)
     ref = dflash_rocm.draft_attention(q, kc, vc, table, qsl, lens, scale=0.3, causal=True, sliding_window=6,
                                       sinks=sinks, backend="reference")
-    assert dflash_rocm.calls.relative_error(output[:10].view(10, 4, 16), ref) < 2e-3
+    assert dflash_rocm.contract.relative_error(output[:10].view(10, 4, 16), ref) < 2e-3
     assert torch.isnan(output[10:]).all() and base_calls == []
     metadata.causal = torch.tensor([True, False])
     impl.forward(layer, q.reshape(10, -1), None, None, kv, metadata, output)

@@ -100,8 +100,8 @@ def test_context_kv_lands_in_vllms_cache_with_each_layers_k_norm(models):
     """With distinct per-layer k_norm weights the plugin's cache writes follow SPEC.md
     (layer-wise norm) where vLLM's own CPU path would apply layer 0's weight."""
     import vllm_harness
-    from dflash_rocm.reference import context_kv
-    from dflash_rocm.validation import precompute_call
+    from dflash_rocm.ops.precompute.reference import context_kv
+    from dflash_rocm.ops.precompute import precompute_call
 
     def inspect(model):
         inner = model.model
@@ -195,16 +195,18 @@ def test_model_class_refuses_an_unsupported_vllm_at_start_up(monkeypatch):
 
 def test_startup_tuning_covers_each_distinct_layer_setup():
     from types import SimpleNamespace as NS
-    from dflash_rocm.platform import platform_for_arch
-    from dflash_rocm.vllm_plugin.model import tuning_specs
+    from dflash_rocm.platform import simulate_platform
+    from dflash_rocm.vllm_plugin.model import attention_specs
 
     def layer(causal, window, sinks):
         return NS(self_attn=NS(num_heads=32, num_kv_heads=8, head_dim=128, causal=causal, sliding_window=window,
                                attention_sink_bias=torch.zeros(32) if sinks else None))
     model = NS(model=NS(layers=[layer(False, None, False), layer(True, 512, True), layer(False, None, False)]))
     config = NS(model_config=NS(dtype=torch.bfloat16), cache_config=NS(cache_dtype="fp8", block_size=16))
-    specs = tuning_specs(model, config, platform_for_arch("gfx942"))
+    with simulate_platform("gfx942"):
+        specs = attention_specs(model, config, torch.device("cpu"))
     assert len(specs) == 2
     assert {(s.causal, s.sliding_window, s.sinks) for s in specs} == {(False, None, False), (True, 512, True)}
     assert all(s.cache_dtype == torch.float8_e4m3fnuz and s.block_size == 16 for s in specs)
-    assert {s.cache_dtype for s in tuning_specs(model, config, platform_for_arch("gfx1201"))} == {torch.float8_e4m3fn}
+    with simulate_platform("gfx1201"):
+        assert {s.cache_dtype for s in attention_specs(model, config, torch.device("cpu"))} == {torch.float8_e4m3fn}

@@ -15,7 +15,8 @@ import functools
 import torch
 
 from dflash_rocm.backend import Backend
-from dflash_rocm.calls import AttentionCall, PrecomputeCall
+from dflash_rocm.ops.attention import AttentionCall
+from dflash_rocm.ops.precompute import PrecomputeCall
 from dflash_rocm.platform import Platform
 from dflash_rocm.unfused import VllmOps, unfused_precompute
 

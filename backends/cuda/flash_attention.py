@@ -7,7 +7,8 @@ from typing import Callable
 
 import torch
 
-from dflash_rocm.calls import AttentionCall
+from dflash_rocm.ops.attention import AttentionCall
+from dflash_rocm.ops.attention.varlen import varlen_kwargs
 
 
 @functools.lru_cache(maxsize=1)
@@ -27,20 +28,10 @@ def load_flash_attention() -> tuple[Callable | None, int, str | None]:
 
 
 def flash_attention_kwargs(call: AttentionCall, fa_version: int) -> dict:
-    """The FlashAttention arguments that compute SPEC.md's attention for ``call``.
-
-    Window: SPEC.md's key ``j`` is visible iff ``j > p - W``, a left span of ``W - 1``.
-    vLLM's own FlashAttention backend passes ``(W - 1, W - 1)`` for non-causal layers;
-    the two agree whenever ``W >= q_len`` (DFlash windows are hundreds of tokens, blocks
-    16), and SPEC.md is the contract, so the right side is unbounded here.
-    """
-    window = [-1, -1]
-    if call.sliding_window is not None:
-        window = [call.sliding_window - 1, 0 if call.causal else -1]
-    kwargs = dict(q=call.query, k=call.key_cache, v=call.value_cache, max_seqlen_q=call.query_len_bound,
-                  cu_seqlens_q=call.query_start_loc, max_seqlen_k=call.key_span_bound, seqused_k=call.seq_lens,
-                  softmax_scale=call.scale, causal=call.causal, window_size=window,
-                  block_table=call.block_table, out=call.out, fa_version=fa_version)
+    """The FlashAttention arguments that compute SPEC.md's attention for ``call``: keys
+    counted by ``seqused_k``, sinks through ``s_aux`` (FA3/4)."""
+    kwargs = varlen_kwargs(call)
+    kwargs.update(seqused_k=call.seq_lens, fa_version=fa_version)
     if call.sinks is not None:
         kwargs["s_aux"] = call.sinks.float()
     return kwargs

@@ -1,5 +1,6 @@
 """The ROCm backend: the Triton kernels launched from per-architecture tables, startup
-tuning (on by default for RDNA), a query limit, and aiter where it serves (CDNA)."""
+tuning (on by default for RDNA) and a query limit. aiter is a backend of its own
+(``backends/aiter``), tried before this one on ROCm."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ from dflash_rocm.backends.triton import INTERPRETING, TritonBackend
 from dflash_rocm.backends.triton.attention import run_draft_attention
 from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig
 from dflash_rocm.backends.triton.precompute import run_precompute
-from dflash_rocm.calls import AttentionCall, PrecomputeCall
+from dflash_rocm.ops import ATTENTION, Op
+from dflash_rocm.ops.attention import AttentionCall, AttentionSpec
+from dflash_rocm.ops.precompute import PrecomputeCall
 from dflash_rocm.platform import Platform, platform_for
+from dflash_rocm.tuning import cache_dir
 
-from . import aiter_attention, settings, tables, tuner
+from . import settings, tables, tuner
 
 logger = logging.getLogger("dflash_rocm")
 
@@ -24,7 +28,7 @@ def attention_workload(call: AttentionCall, platform: Platform) -> tables.Attent
     if call.sliding_window is not None:  # keys outside the window never load
         span = min(span, call.sliding_window + call.query_len_bound - 1)
     return tables.AttentionWorkload(platform.arch, call.num_seqs, call.query_len_bound, span, call.num_q_heads,
-                                    call.num_kv_heads, call.head_dim, call.is_fp8)
+                                    call.num_kv_heads, call.head_dim, call.is_fp8, platform.compute_units)
 
 
 def attention_config(call: AttentionCall) -> tuple[str, AttentionLaunchConfig]:
@@ -34,7 +38,7 @@ def attention_config(call: AttentionCall) -> tuple[str, AttentionLaunchConfig]:
     w = attention_workload(call, platform)
     name, config = tables.attention_config(w, settings.query_limit())
     if name != "unsegmented" and settings.tuning_enabled(platform):
-        table = tuner.tune_attention(platform, tuner.AttentionSpec.of(call), call.device)
+        table = tuner.tune_attention(platform, call.spec, call.device)
         tuned = table.lookup(w.batch, w.query_len, w.key_span)
         if tuned is not None:
             return "tuned", AttentionLaunchConfig(**tuned)
@@ -45,7 +49,7 @@ class RocmBackend(TritonBackend):
     """The Triton backend's kernels and limits, launched the AMD way."""
 
     name = "rocm"
-    description = "AMD: Triton kernels with per-architecture tables and startup tuning; aiter where it serves"
+    description = "AMD: Triton kernels with per-architecture tables and startup tuning"
 
     @classmethod
     def device_not_supported_reasons(cls, device: torch.device, platform: Platform) -> list[str]:
@@ -62,21 +66,37 @@ class RocmBackend(TritonBackend):
 
     @classmethod
     def draft_attention(cls, call: AttentionCall) -> None:
-        platform = platform_for(call.device)
-        source, config = attention_config(call)
-
-        def triton_path(c: AttentionCall) -> None:
-            run_draft_attention(c, config)
-
-        if call.device.type == "cuda" and not aiter_attention.reasons(call, platform):
-            aiter_attention.run(call, triton_path)
-        else:
-            triton_path(call)
+        run_draft_attention(call, attention_config(call)[1])
 
     @classmethod
     def precompute(cls, call: PrecomputeCall):
         w = call.weights
-        config = tables.precompute_config(platform_for(call.device).arch, num_tokens=call.num_tokens,
-                                          hidden=w.hidden_size, num_heads_total=2 * w.num_layers * w.num_kv_heads,
-                                          head_dim=w.head_dim)
+        platform = platform_for(call.device)
+        config = tables.precompute_config(platform.arch, num_tokens=call.num_tokens, hidden=w.hidden_size,
+                                          num_heads_total=2 * w.num_layers * w.num_kv_heads, head_dim=w.head_dim,
+                                          compute_units=platform.compute_units)
         return run_precompute(call, config)
+
+    # -- hooks -----------------------------------------------------------------------------
+    @classmethod
+    def configure(cls, **known) -> None:
+        settings.configure(**{k: v for k, v in known.items() if k in settings.RocmSettings.__dataclass_fields__})
+
+    @classmethod
+    def warm_up(cls, op: Op, spec: AttentionSpec, device: torch.device) -> None:
+        """Startup tuning (``DFLASH_ROCM_TUNE``; on by default for RDNA) before serving starts."""
+        platform = platform_for(device)
+        if op is ATTENTION and platform.vendor == "rocm" and settings.tuning_enabled(platform):
+            tuner.tune_attention(platform, spec, device)
+
+    @classmethod
+    def tune(cls, op: Op, spec: AttentionSpec, device: torch.device, *, progress=None):
+        if op is not ATTENTION:
+            return None
+        return tuner.tune_attention(platform_for(device), spec, device, progress=progress)
+
+    @classmethod
+    def status(cls) -> dict[str, str]:
+        limit = settings.query_limit()
+        return {"rocm query limit": "none (8192)" if limit is None else str(limit),
+                "rocm tuning cache": str(cache_dir())}

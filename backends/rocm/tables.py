@@ -36,6 +36,7 @@ class AttentionWorkload:
     num_kv_heads: int
     head_dim: int
     fp8: bool
+    compute_units: int | None = None  # the device's own count (None: the architecture's flagship)
 
     @property
     def group(self) -> int:
@@ -43,7 +44,7 @@ class AttentionWorkload:
 
     @property
     def platform(self) -> Platform:
-        return platform_for_arch(self.arch)
+        return platform_for_arch(self.arch, compute_units=self.compute_units)
 
 
 @dataclass(frozen=True)
@@ -131,10 +132,11 @@ def attention_config(w: AttentionWorkload, query_limit: int | None) -> tuple[str
 
 @functools.lru_cache(maxsize=1024)
 def precompute_config(arch: str, *, num_tokens: int, hidden: int, num_heads_total: int,
-                      head_dim: int) -> PrecomputeLaunchConfig:
-    """Token tiles grow with N; split the hidden size until the grid covers the CUs.
-    CDNA takes 64-token tiles sooner (wave64, MFMA 32x32) and 8 warps for them."""
-    platform = platform_for_arch(arch)
+                      head_dim: int, compute_units: int | None = None) -> PrecomputeLaunchConfig:
+    """Token tiles grow with N; split the hidden size until the grid covers the CUs (the
+    device's own count; None: the flagship's). CDNA takes 64-token tiles sooner (wave64,
+    MFMA 32x32) and 8 warps for them."""
+    platform = platform_for_arch(arch, compute_units=compute_units)
     cdna = platform.family == "cdna"
     block_t = 16 if num_tokens <= 16 else 32 if num_tokens <= (128 if cdna else 512) else 64
     block_k = 64 if head_dim <= 128 else 32

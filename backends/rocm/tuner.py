@@ -7,49 +7,25 @@ import functools
 import hashlib
 import inspect
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-import dflash_rocm
+from dflash_rocm.version import __version__
 from dflash_rocm import tuning
 from dflash_rocm.backends.triton import attention_kernels
 from dflash_rocm.backends.triton.attention import run_draft_attention
 from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig
-from dflash_rocm.calls import AttentionCall, dtype_name
+from dflash_rocm.contract import dtype_name
+from dflash_rocm.ops.attention import AttentionCall, AttentionSpec, attention_call
 from dflash_rocm.platform import Platform
 from dflash_rocm.timing import median_seconds
-from dflash_rocm.validation import attention_call
 
 from . import settings, tables
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 SPAN_BUCKETS = (1024, 4096, 16384, 65536, 131072)
-
-
-@dataclass(frozen=True)
-class AttentionSpec:
-    """What identifies a tuning table: everything but the batch layout."""
-
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: torch.dtype
-    cache_dtype: torch.dtype
-    causal: bool
-    sliding_window: int | None
-    sinks: bool
-
-    @classmethod
-    def of(cls, call: AttentionCall) -> "AttentionSpec":
-        return cls(call.num_q_heads, call.num_kv_heads, call.head_dim, call.block_size, call.dtype,
-                   call.cache_dtype, call.causal, call.sliding_window, call.sinks is not None)
-
-    @property
-    def fp8(self) -> bool:
-        return self.cache_dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 
 @functools.lru_cache(maxsize=1)
@@ -60,7 +36,7 @@ def kernel_source_hash() -> str:
 def identity(platform: Platform, spec: AttentionSpec, query_limit: int) -> dict:
     import triton
     return {"arch": platform.arch, "device": platform.name, "compute_units": platform.compute_units,
-            "torch": torch.__version__, "triton": triton.__version__, "dflash_rocm": dflash_rocm.__version__,
+            "torch": torch.__version__, "triton": triton.__version__, "dflash_rocm": __version__,
             "kernel": kernel_source_hash(), "dtype": dtype_name(spec.dtype),
             "cache_dtype": dtype_name(spec.cache_dtype), "num_q_heads": spec.num_q_heads,
             "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "block_size": spec.block_size,
@@ -80,7 +56,7 @@ def workloads(query_limit: int, batch_limit: int, max_model_len: int,
 
 def table_workload(platform: Platform, spec: AttentionSpec, w: tuning.Workload) -> tables.AttentionWorkload:
     return tables.AttentionWorkload(platform.arch, w.batch, w.query_len, w.key_span, spec.num_q_heads,
-                                    spec.num_kv_heads, spec.head_dim, spec.fp8)
+                                    spec.num_kv_heads, spec.head_dim, spec.fp8, platform.compute_units)
 
 
 def candidates(default: AttentionLaunchConfig, group: int) -> list[AttentionLaunchConfig]:

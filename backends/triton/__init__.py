@@ -5,32 +5,21 @@ from __future__ import annotations
 import torch
 
 from dflash_rocm.backend import Backend
-from dflash_rocm.calls import AttentionCall, PrecomputeCall, dtype_name
+from dflash_rocm.ops.attention import AttentionCall
+from dflash_rocm.ops.precompute import PrecomputeCall
 from dflash_rocm.platform import Platform
 
 from .attention import run_draft_attention
 from .common import INTERPRETING
 from .precompute import run_precompute
 
-# Which fp8 cache format each AMD architecture converts in hardware (NOTES.md: MI300 is
-# fnuz; gfx950 and RDNA4 are OCP e4m3fn); NVIDIA Triton has no fnuz at all.
-_AMD_FP8 = {"gfx940": torch.float8_e4m3fnuz, "gfx941": torch.float8_e4m3fnuz, "gfx942": torch.float8_e4m3fnuz,
-            "gfx950": torch.float8_e4m3fn, "gfx1200": torch.float8_e4m3fn, "gfx1201": torch.float8_e4m3fn}
-
 
 def fp8_reason(platform: Platform, dtype: torch.dtype) -> str | None:
-    """Why ``platform`` cannot hold an fp8 cache of ``dtype`` (None: it can)."""
-    if platform.vendor == "cpu" or platform.simulated:
-        return None  # the interpreter converts every format
-    if platform.vendor == "cuda" and dtype == torch.float8_e4m3fnuz:
-        return "float8_e4m3fnuz caches exist on AMD CDNA3 only"
-    if platform.vendor == "cuda" and platform.arch.startswith("sm_") and int(platform.arch[3:]) < 89:
-        return f"Triton's e4m3 conversions need sm_89 or newer ({platform.arch})"
-    if platform.vendor == "rocm" and _AMD_FP8.get(platform.arch) != dtype:
-        native = _AMD_FP8.get(platform.arch)
-        return (f"{platform.arch} has no {dtype_name(dtype)} conversion"
-                + (f" (it uses {dtype_name(native)})" if native else ""))
-    return None
+    """Why ``platform`` cannot hold an fp8 cache of ``dtype`` (None: it can). The
+    interpreter (CPU, simulated architectures included) converts every format."""
+    if platform.vendor == "cpu" or platform.simulated or platform.arch_info is None:
+        return None
+    return platform.arch_info.fp8_reason(dtype)
 
 
 class TritonBackend(Backend):

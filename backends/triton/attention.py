@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from dflash_rocm.calls import AttentionCall
+from dflash_rocm.ops.attention import AttentionCall
 from dflash_rocm.platform import platform_for
 
 from .attention_kernels import draft_attention_kernel, merge_segments_kernel

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_rocm.calls import PrecomputeCall
+from dflash_rocm.derived import DerivedCache
+from dflash_rocm.ops.precompute import PrecomputeCall
 from dflash_rocm.platform import platform_for
 from dflash_rocm.weights import ContextKVWeights
 
@@ -41,21 +42,27 @@ def rope_pair_order(head_dim: int, rotary_dim: int, is_neox: bool) -> torch.Tens
     return order
 
 
+_FUSED = DerivedCache()
+
+
 def fused_weights(w: ContextKVWeights) -> FusedKVWeights:
-    def build() -> FusedKVWeights:
-        L, Hk, D = w.num_layers, w.num_kv_heads, w.head_dim
-        order = rope_pair_order(D, w.rotary_dim, w.is_neox).to(w.device)
-        rows = (w.kv_weight.float() * w.hidden_norm_weight.float()[None, :]).view(L, 2, Hk, D, -1)
-        rows[:, 0] = rows[:, 0, :, order]
-        bias = None
-        if w.kv_bias is not None:
-            bias = w.kv_bias.float().view(L, 2, Hk, D).clone()
-            bias[:, 0] = bias[:, 0, :, order]
-            bias = bias.reshape(-1).contiguous()
-        return FusedKVWeights(weight=rows.reshape(L * 2 * Hk * D, -1).to(w.dtype).contiguous(), bias=bias,
-                              k_norm=w.k_norm_weight.float().contiguous(),
-                              cos_sin=w.cos_sin_cache.float().contiguous())
-    return w.derived("triton.fused_kv", build)
+    """This backend's layout of ``w``, rebuilt whenever a source tensor changes."""
+    sources = (w.kv_weight, w.hidden_norm_weight, w.kv_bias, w.k_norm_weight, w.cos_sin_cache)
+    return _FUSED.get(sources, (w.num_layers, w.num_kv_heads, w.head_dim, w.is_neox), lambda: _fuse(w))
+
+
+def _fuse(w: ContextKVWeights) -> FusedKVWeights:
+    L, Hk, D = w.num_layers, w.num_kv_heads, w.head_dim
+    order = rope_pair_order(D, w.rotary_dim, w.is_neox).to(w.device)
+    rows = (w.kv_weight.float() * w.hidden_norm_weight.float()[None, :]).view(L, 2, Hk, D, -1)
+    rows[:, 0] = rows[:, 0, :, order]
+    bias = None
+    if w.kv_bias is not None:
+        bias = w.kv_bias.float().view(L, 2, Hk, D).clone()
+        bias[:, 0] = bias[:, 0, :, order]
+        bias = bias.reshape(-1).contiguous()
+    return FusedKVWeights(weight=rows.reshape(L * 2 * Hk * D, -1).to(w.dtype).contiguous(), bias=bias,
+                          k_norm=w.k_norm_weight.float().contiguous(), cos_sin=w.cos_sin_cache.float().contiguous())
 
 
 # Smallest normal exponent of each fp8 cache format (e4m3fn bias 7, e4m3fnuz bias 8).

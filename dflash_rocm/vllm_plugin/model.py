@@ -14,7 +14,12 @@ import logging
 import torch
 from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
 
+from .. import dispatch
 from ..api import precompute_and_store_context_kv
+from ..contract import FP8_DTYPES
+from ..ops import ATTENTION
+from ..ops.attention import AttentionSpec
+from ..platform import platform_for
 from ..weights import ContextKVWeights
 from . import attention
 from .cache_views import kv_cache_views
@@ -58,7 +63,7 @@ class DFlashRocmQwen3ForCausalLM(DFlashQwen3ForCausalLM):
         self._dflash_views: list = []
         self._dflash_vllm_config = vllm_config
         self._dflash_attention_layers = attention.install(self)
-        _configure_rocm(vllm_config, self.get_draft_attn_causal())
+        _configure_backends(vllm_config, self.get_draft_attn_causal(), _model_device(vllm_config))
 
     def load_weights(self, weights):
         loaded = super().load_weights(weights)
@@ -69,7 +74,7 @@ class DFlashRocmQwen3ForCausalLM(DFlashQwen3ForCausalLM):
             self._dflash_weights = found
             logger.info("context-KV precompute of this draft runs through dflash_rocm (%d layers)",
                         found.num_layers)
-        _startup_tuning(self, self._dflash_vllm_config)
+        _warm_up(self, self._dflash_vllm_config)
         return loaded
 
     def _cache_scales(self, layers) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,7 +109,7 @@ class DFlashRocmQwen3ForCausalLM(DFlashQwen3ForCausalLM):
                                                                context_slot_mapping)
             key_caches = [v[0] for v in views]
             value_caches = [v[1] for v in views]
-            if key_caches[0].dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+            if key_caches[0].dtype in FP8_DTYPES:
                 k_scales, v_scales = self._cache_scales(layers)
         # vLLM built the positions and slots; checking them would sync with the device.
         precompute_and_store_context_kv(context_states, context_positions, weights, key_caches, value_caches,
@@ -112,53 +117,44 @@ class DFlashRocmQwen3ForCausalLM(DFlashQwen3ForCausalLM):
                                         validate=False)
 
 
-def _configure_rocm(vllm_config, layer_causal) -> None:
-    """DFlash queries never exceed num_speculative_tokens + 1: bound the ROCm backend's
-    compiled query capacity and tuning space by it (DFLASH_ROCM_QUERY_LIMIT still wins)."""
-    try:
-        from ..backends.rocm import settings
-    except Exception:  # no Triton here: the rocm backend cannot run anyway
-        return
+def _model_device(vllm_config) -> torch.device:
+    device = getattr(getattr(vllm_config, "device_config", None), "device", None)
+    return torch.device(device) if device is not None else torch.device("cpu")
+
+
+def _configure_backends(vllm_config, layer_causal, device: torch.device) -> None:
+    """DFlash queries never exceed num_speculative_tokens + 1: pass that and the engine's
+    limits to the backends (the ROCm backend bounds its compiled query capacity and tuning
+    space by them; DFLASH_ROCM_QUERY_LIMIT still wins)."""
     spec = vllm_config.speculative_config
-    settings.configure(
+    dispatch.configure(
+        device,
         query_limit=(spec.num_speculative_tokens + 1) if spec and spec.num_speculative_tokens else None,
         batch_limit=int(vllm_config.scheduler_config.max_num_seqs),
         max_model_len=int(vllm_config.model_config.max_model_len),
         layer_causal=tuple(bool(c) for c in layer_causal))
 
 
-def tuning_specs(draft_model, vllm_config, platform) -> set:
-    """The distinct attention setups of the draft's layers, as the ROCm tuner keys them."""
-    from ..backends.rocm import tuner
-
+def attention_specs(draft_model, vllm_config, device: torch.device) -> set[AttentionSpec]:
+    """The distinct attention setups of the draft's layers."""
     dtype = vllm_config.model_config.dtype
     cache_dtype = dtype
     if str(vllm_config.cache_config.cache_dtype).startswith("fp8"):
-        cache_dtype = torch.float8_e4m3fnuz if platform.arch.startswith("gfx94") else torch.float8_e4m3fn
+        info = platform_for(device).arch_info
+        cache_dtype = info.fp8_dtype if info and info.fp8_dtype else torch.float8_e4m3fn
     specs = set()
     for decoder_layer in draft_model.model.layers:
         module = decoder_layer.self_attn
-        specs.add(tuner.AttentionSpec(module.num_heads, module.num_kv_heads, module.head_dim,
-                                      int(vllm_config.cache_config.block_size), dtype, cache_dtype,
-                                      bool(module.causal), module.sliding_window,
-                                      module.attention_sink_bias is not None))
+        specs.add(AttentionSpec(module.num_heads, module.num_kv_heads, module.head_dim,
+                                int(vllm_config.cache_config.block_size), dtype, cache_dtype,
+                                bool(module.causal), module.sliding_window,
+                                module.attention_sink_bias is not None))
     return specs
 
 
-def _startup_tuning(draft_model, vllm_config) -> None:
-    """ROCm startup tuning (DFLASH_ROCM_TUNE; on by default for RDNA) for exactly what
-    this draft runs, before serving starts. A failure costs the tuning, never the server."""
-    try:
-        from ..backends.rocm import settings, tuner
-        from ..platform import platform_for
-    except Exception:  # no Triton: no rocm backend to tune
-        return
+def _warm_up(draft_model, vllm_config) -> None:
+    """Backends' startup work (ROCm: tuning, on by default for RDNA) for exactly what this
+    draft runs, before serving starts. A failure costs the optimisation, never the server."""
     device = draft_model.model._hidden_norm_weight.device
-    platform = platform_for(device)
-    if platform.vendor != "rocm" or not settings.tuning_enabled(platform):
-        return
-    for spec in tuning_specs(draft_model, vllm_config, platform):
-        try:
-            tuner.tune_attention(platform, spec, device)
-        except Exception as exc:  # tuning is an optimisation
-            logger.warning("ROCm startup tuning failed for %s: %s", spec, exc)
+    for spec in attention_specs(draft_model, vllm_config, device):
+        dispatch.warm_up(ATTENTION, spec, device)

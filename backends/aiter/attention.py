@@ -1,4 +1,4 @@
-"""aiter's paged attention where it is present and serves the call (CDNA).
+"""aiter's paged attention: the probe, what it serves, the argument mapping, the first-call check.
 
 aiter is never a dependency: it is probed at run time (``find_spec``, then an import
 inside ``try`` since it raises without ROCm) and its features are read from signatures.
@@ -25,7 +25,9 @@ from typing import Callable
 import torch
 
 from dflash_rocm import envs
-from dflash_rocm.calls import AttentionCall, relative_error, spec_tolerance
+from dflash_rocm.contract import relative_error, spec_tolerance
+from dflash_rocm.ops.attention import AttentionCall
+from dflash_rocm.ops.attention.varlen import varlen_kwargs
 from dflash_rocm.platform import Platform
 
 logger = logging.getLogger("dflash_rocm")
@@ -62,13 +64,22 @@ def probe() -> tuple[AiterFeatures | None, str | None]:
     return AiterFeatures(fn, True, "sink_ptr" in params), None
 
 
-def reasons(call: AttentionCall, platform: Platform) -> list[str]:
+def platform_reasons(platform: Platform) -> list[str]:
+    """Why aiter cannot run on ``platform`` at all (probe first: it says why best)."""
+    _, why = probe()
+    if why:
+        return [why]
+    if platform.family != "cdna":
+        return [f"aiter's CK attention targets CDNA; {platform.arch} is {platform.family}"]
+    return []
+
+
+def call_reasons(call: AttentionCall) -> list[str]:
+    """Why aiter's kernel cannot compute ``call`` (the probe having passed)."""
     features, why = probe()
     if why:
         return [why]
     out = []
-    if platform.family != "cdna":
-        out.append(f"aiter's CK attention targets CDNA; {platform.arch} is {platform.family}")
     if call.block_size % AITER_PAGE_MULTIPLE:
         out.append(f"aiter's paged path needs pages of a multiple of {AITER_PAGE_MULTIPLE} rows "
                    f"(block_size {call.block_size})")
@@ -84,17 +95,12 @@ def reasons(call: AttentionCall, platform: Platform) -> list[str]:
 
 
 def aiter_kwargs(call: AttentionCall) -> dict:
-    """SPEC.md's attention in aiter's terms: keys are counted by ``cu_seqlens_k`` over
-    the paged cache; the window's left span is ``W - 1`` (right unbounded unless causal)."""
-    window = (-1, -1)
-    if call.sliding_window is not None:
-        window = (call.sliding_window - 1, 0 if call.causal else -1)
+    """The contract's attention in aiter's terms: keys counted by ``cu_seqlens_k`` over the
+    paged cache, the window as a tuple, sinks through ``sink_ptr``."""
     cu_seqlens_k = torch.zeros(call.num_seqs + 1, dtype=torch.int32, device=call.device)
     torch.cumsum(call.seq_lens, 0, out=cu_seqlens_k[1:])
-    kwargs = dict(q=call.query, k=call.key_cache, v=call.value_cache, cu_seqlens_q=call.query_start_loc,
-                  cu_seqlens_k=cu_seqlens_k, max_seqlen_q=call.query_len_bound, max_seqlen_k=call.key_span_bound,
-                  softmax_scale=call.scale, causal=call.causal, window_size=window,
-                  block_table=call.block_table, out=call.out)
+    kwargs = varlen_kwargs(call)
+    kwargs.update(cu_seqlens_k=cu_seqlens_k, window_size=tuple(kwargs["window_size"]))
     if call.sinks is not None:
         kwargs["sink_ptr"] = call.sinks.float()
     return kwargs

@@ -1,16 +1,14 @@
-"""The reference backend: SPEC.md in plain torch, float32 throughout, any device.
+"""The context-KV precompute in plain torch, float32 throughout: the contract's executable form.
 
-It is the oracle every other backend is tested against, so it favours obviousness
-over speed while staying vectorised (one loop over requests for attention and over
-layers for cache writes; never over tokens).
+Every backend is tested against :func:`precompute`; it favours obviousness over speed
+while staying vectorised (one loop over layers for the cache writes, never over tokens).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .backend import Backend
-from .calls import AttentionCall, PrecomputeCall
+from .call import PrecomputeCall
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -75,53 +73,10 @@ def write_context_kv(call: PrecomputeCall, k: torch.Tensor, v: torch.Tensor) -> 
             cache[slots // bs, slots % bs] = quantize_for_cache(values[layer][keep], cache.dtype, scale)
 
 
-def attention(call: AttentionCall) -> None:
-    """SPEC.md section 1, one request at a time, written into ``call.out``."""
-    qsl = call.query_start_loc.tolist()
-    lens = call.seq_lens.tolist()
-    Hk, G, D, bs = call.num_kv_heads, call.num_queries_per_kv, call.head_dim, call.block_size
-    table = call.block_table.long()
-    for b, seq_len in enumerate(lens):
-        q0, q1 = qsl[b], qsl[b + 1]
-        q_len = q1 - q0
-        if q_len == 0:
-            continue
-        keys = torch.arange(seq_len, device=call.device)
-        blocks, rows = table[b, keys // bs], keys % bs
-        k = call.key_cache[blocks, rows].float()
-        v = call.value_cache[blocks, rows].float()
-        if call.is_fp8:
-            k, v = k * call.k_scale, v * call.v_scale
-        q = call.query[q0:q1].float().view(q_len, Hk, G, D)
-        scores = torch.einsum("qhgd,shd->hgqs", q, k) * call.scale
-        pos = seq_len - q_len + torch.arange(q_len, device=call.device)
-        visible = torch.ones(q_len, seq_len, dtype=torch.bool, device=call.device)
-        if call.causal:
-            visible &= keys[None, :] <= pos[:, None]
-        if call.sliding_window is not None:
-            visible &= keys[None, :] > pos[:, None] - call.sliding_window
-        scores = scores.masked_fill(~visible, float("-inf"))
-        if call.sinks is not None:
-            sink = call.sinks.float().view(Hk, G, 1, 1).expand(Hk, G, q_len, 1)
-            probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :seq_len]
-        else:
-            probs = torch.softmax(scores, dim=-1)
-        out = torch.einsum("hgqs,shd->qhgd", probs, v).reshape(q_len, Hk * G, D)
-        call.out[q0:q1] = out.to(call.out.dtype)
-
-
-class ReferenceBackend(Backend):
-    name = "reference"
-    description = "plain torch, float32; the executable form of SPEC.md (any device)"
-
-    @classmethod
-    def draft_attention(cls, call: AttentionCall) -> None:
-        attention(call)
-
-    @classmethod
-    def precompute(cls, call: PrecomputeCall):
-        k, v = context_kv(call)
-        write_context_kv(call, k, v)
-        if call.return_kv:
-            return k.to(call.dtype), v.to(call.dtype)
-        return None
+def precompute(call: PrecomputeCall) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """SPEC.md section 2: write every layer's K/V; ``(k, v)`` in the states' dtype iff ``return_kv``."""
+    k, v = context_kv(call)
+    write_context_kv(call, k, v)
+    if call.return_kv:
+        return k.to(call.dtype), v.to(call.dtype)
+    return None

@@ -1,0 +1,23 @@
+"""The reference backend: the op packages' plain-torch references, float32, any device.
+
+It is the oracle every other backend is tested against, so it favours obviousness over
+speed; ``auto`` takes it only when nothing else serves.
+"""
+
+from __future__ import annotations
+
+from dflash_rocm.backend import Backend
+from dflash_rocm.ops import attention, precompute
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+    description = "plain torch, float32; the executable form of SPEC.md (any device)"
+
+    @classmethod
+    def draft_attention(cls, call: attention.AttentionCall) -> None:
+        attention.reference(call)
+
+    @classmethod
+    def precompute(cls, call: precompute.PrecomputeCall):
+        return precompute.reference(call)

@@ -1,0 +1,26 @@
+"""What makes an operation an operation: the record dispatch, ``explain`` and tools read.
+
+Each op is a small package beside this module (``ops/attention``, ``ops/precompute``)
+holding its call type, its validation (the only way to build a call), its plain-torch
+reference and its tolerance; this record ties them together so dispatch is generic:
+a backend implements an op by defining the methods the record names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class Op:
+    name: str  # the public function's name: "draft_attention"
+    short: str  # for tables and CLI flags: "attention"
+    run_method: str  # the Backend classmethod that runs a call: "draft_attention"
+    reasons_method: str  # the Backend classmethod that says why it cannot: "attention_not_supported_reasons"
+    build_call: Callable[..., Any]  # the public arguments -> a validated call
+    reference: Callable[[Any], Any]  # the contract in plain torch: what every backend is checked against
+    tolerance: Callable[[Any], float]  # the relative error the contract allows for a call
+
+    def __str__(self) -> str:
+        return self.name

@@ -1,0 +1,76 @@
+"""The validated arguments of one ``precompute_and_store_context_kv`` call.
+
+Only :func:`dflash_rocm.ops.precompute.validation.precompute_call` builds these; a
+backend can rely on every shape, dtype and device relation stated here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...contract import FP8_DTYPES, dtype_name
+from ...platform import platform_for
+from ...weights import ContextKVWeights
+
+
+@dataclass(frozen=True, eq=False)
+class PrecomputeCall:
+    states: torch.Tensor  # [N, H]
+    positions: torch.Tensor  # int [N]
+    weights: ContextKVWeights
+    key_caches: tuple[torch.Tensor | None, ...]  # L entries, None where the layer is skipped
+    value_caches: tuple[torch.Tensor | None, ...]
+    slot_mappings: tuple[torch.Tensor | None, ...]  # L entries; None: do not write that layer
+    k_scales: torch.Tensor | None  # float32 [L] on the device; set iff the caches are fp8
+    v_scales: torch.Tensor | None
+    return_kv: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return self.states.shape[0]
+
+    @property
+    def num_layers(self) -> int:
+        return self.weights.num_layers
+
+    @property
+    def writes(self) -> bool:
+        return any(s is not None for s in self.slot_mappings)
+
+    @property
+    def written_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, s in enumerate(self.slot_mappings) if s is not None)
+
+    @property
+    def cache_dtype(self) -> torch.dtype | None:
+        for i in self.written_layers:
+            return self.key_caches[i].dtype
+        return None
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.cache_dtype in FP8_DTYPES
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.states.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.states.device
+
+    def support_key(self) -> tuple:
+        """See :meth:`AttentionCall.support_key`."""
+        return (self.device, platform_for(self.device), self.dtype, self.cache_dtype, self.weights.head_dim)
+
+    def signature(self) -> str:
+        w = self.weights
+        parts = [f"x={dtype_name(self.dtype)}", f"kv={dtype_name(self.cache_dtype)}",
+                 f"L={w.num_layers}", f"Hk={w.num_kv_heads}", f"D={w.head_dim}", f"R={w.rotary_dim}",
+                 "neox" if w.is_neox else "gptj", f"layers_written={len(self.written_layers)}"]
+        if self.return_kv:
+            parts.append("return_kv")
+        parts.append(f"dev={self.device.type}")
+        return " ".join(parts)

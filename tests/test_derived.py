@@ -1,0 +1,70 @@
+"""Derived weight layouts follow their sources: in-place updates, rebinding, reused addresses."""
+
+import torch
+
+import dflash_rocm
+from checks import rel_err
+from dflash_rocm.derived import DerivedCache
+from strategies import make_generator, make_weights
+from support import needs_interpreter
+
+
+def test_a_cached_value_is_rebuilt_when_a_source_changes_in_place():
+    cache, builds = DerivedCache(), []
+    a, b = torch.ones(4), torch.zeros(2)
+
+    def build():
+        builds.append(1)
+        return a.sum().item()
+
+    assert cache.get((a, b, None), "t", build) == 4.0
+    assert cache.get((a, b, None), "t", build) == 4.0 and len(builds) == 1
+    a.mul_(2)  # in place: the version counter moves
+    assert cache.get((a, b, None), "t", build) == 8.0 and len(builds) == 2
+    assert cache.get((a, b, None), "other tag", build) == 8.0 and len(builds) == 3
+
+
+def test_a_dead_sources_address_is_never_mistaken_for_a_new_tensor(monkeypatch):
+    """CPython reuses ids and the allocator reuses addresses: a new tensor can carry a dead
+    one's (id, address, version). Simulate exactly that collision; the weak reference
+    to the original source must refuse the stale entry."""
+    from dflash_rocm import derived
+
+    monkeypatch.setattr(derived, "_fingerprint", lambda t: (None,) if t is None else ("same",))
+    cache = DerivedCache()
+    first = torch.ones(4)
+    assert cache.get((first,), "t", lambda: "first") == "first"
+    assert cache.get((first,), "t", lambda: "rebuilt") == "first"  # alive and unchanged: reused
+    del first
+    second = torch.full((4,), 3.0)
+    assert cache.get((second,), "t", lambda: "second") == "second"
+
+
+def test_the_cache_is_bounded():
+    cache = DerivedCache(capacity=2)
+    tensors = [torch.ones(1) for _ in range(5)]
+    for i, t in enumerate(tensors):
+        cache.get((t,), "t", lambda i=i: i)
+    assert len(cache._entries) == 2
+
+
+@needs_interpreter
+def test_triton_precompute_follows_weights_updated_in_place():
+    g = make_generator(3, "cpu")
+    w = make_weights(g, "cpu", L=2, Hk=1, D=16, H=24, R=16, is_neox=True, bias=True, v_scale=None,
+                     dtype=torch.float32, max_position=64)
+    states, positions = torch.randn(5, 24, generator=g), torch.arange(5)
+
+    def run(backend):
+        return dflash_rocm.precompute_and_store_context_kv(states, positions, w, None, None, None,
+                                                           return_kv=True, backend=backend)
+
+    run("triton")
+    with torch.no_grad():  # what RL frameworks do when they sync weights into a running server
+        w.kv_weight.mul_(-1.5)
+        w.hidden_norm_weight.add_(0.25)
+        w.k_norm_weight.mul_(0.5)
+        w.kv_bias.add_(1.0)
+    k, v = run("triton")
+    rk, rv = run("reference")
+    assert rel_err(k, rk) < 2e-3 and rel_err(v, rv) < 2e-3
