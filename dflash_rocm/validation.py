@@ -1,25 +1,41 @@
 """The argument checks both operations share; each op's ``validation`` module builds on them.
 
-Every check runs before anything is written. Two tiers: structural checks (types, dtypes, shapes, devices) cost nothing and always
-run; index checks read tensor values (block ids, slots, positions, ``q_len <= seq_len``)
-and therefore sync with the device. A caller that has already checked its indices
-(the vLLM plugin, on its hot path) passes ``validate=False`` to skip the second tier
-only. Every message names the argument, what was expected and what was received.
+Every check runs before anything is written, and none waits for the device:
+
+- Structural checks (types, dtypes, shapes, devices, overlap between the tensors a call
+  writes and the ones it reads) look only at tensor metadata on the host.
+- Index checks (block ids, slots, positions, ``q_len <= seq_len``, scale values) read
+  tensor *values*. For CPU tensors they run on the host and raise a ``ValueError`` naming
+  the first offender. For GPU tensors they are queued on the device as asynchronous
+  asserts (``torch._assert_async``): no host sync, graph-capturable, and a bad index
+  still fails loudly (a device-side assert) before the kernel that would use it runs.
+  ``validate=False`` skips these; the structural checks always run.
+
+Index tensors are read by the kernels with unit strides, so a non-contiguous one is
+copied to a contiguous tensor here (a few bytes, only when needed); every other tensor's
+strides are passed to the kernels and honoured as they are.
+
+Every message names the argument, what was expected and what was received.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
+from .contract import INDEX_DTYPES
+
+INT32_MAX = 2**31 - 1
 
 
 def tensor_arg(name: str, value: Any) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    if value.device.type == "meta":
+        raise ValueError(f"{name}: tensors on the meta device hold no data; expected a tensor on a CPU or GPU")
     return value
 
 
@@ -40,19 +56,151 @@ def check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
         raise ValueError(f"{name}: expected a tensor on {device} (where query/context_states are); got {t.device}")
 
 
-def scale_tensor(name: str, value: Any, device: torch.device) -> torch.Tensor:
-    """A cache scale as a float32 one-element tensor on ``device`` (vLLM passes tensors)."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or not value.dtype.is_floating_point:
-            raise ValueError(f"{name}: expected a float scalar or one-element float tensor; "
-                             f"got shape {list(value.shape)} {value.dtype}")
-        check_device(name, value, device)
-        return value.reshape(1).to(torch.float32)
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        if not math.isfinite(value) or value <= 0:
-            raise ValueError(f"{name}: expected a positive finite scale, got {value}")
-        return torch.tensor([float(value)], dtype=torch.float32, device=device)
-    raise TypeError(f"{name}: expected a float or a one-element tensor, got {type(value).__name__}")
+def index_tensor(name: str, value: Any, shape: Sequence[int | None], words: str,
+                 device: torch.device) -> torch.Tensor:
+    """An int32/int64 index tensor of ``shape`` on ``device``, contiguous (copied if it was a
+    strided view: the kernels index these with unit strides)."""
+    t = tensor_arg(name, value)
+    check_dtype(name, t, INDEX_DTYPES)
+    check_shape(name, t, shape, words)
+    check_device(name, t, device)
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def int_bound(name: str, value: Any, *, low: int, high: int = INT32_MAX) -> int:
+    """An int in ``[low, high]`` (the kernels take 32-bit sizes), never a bool."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise ValueError(f"{name}: expected an int in [{low}, {high}]; got {value}")
+    return int(value)
+
+
+def positive_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}: expected a positive finite scale, got {value}")
+    return float(value)
+
+
+# -- overlap -------------------------------------------------------------------------------
+
+def _dims(t: torch.Tensor) -> list[tuple[int, int]]:
+    """(size, stride) of every dimension that has more than one element."""
+    return [(s, st) for s, st in zip(t.shape, t.stride()) if s > 1]
+
+
+def _nested(dims: list[tuple[int, int]], inner_span: int = 1) -> bool:
+    """True when no two index tuples of these dims reach the same element: sorted by
+    stride, each stride steps past everything the smaller dims (and ``inner_span``
+    elements below them) reach."""
+    reach = inner_span
+    for size, stride in sorted(dims, key=lambda d: d[1]):
+        if stride < reach:
+            return False
+        reach = stride * (size - 1) + reach
+    return True
+
+
+def internal_overlap(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` share memory (an expanded or aliased view). A layout
+    this cannot prove free of aliasing counts as overlapping: it is only asked of tensors
+    a call writes."""
+    if t.numel() <= 1:
+        return False
+    dims = _dims(t)
+    return any(st <= 0 for _, st in dims) or not _nested(dims)
+
+
+def provably_disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` touch no common element. Exact for tensors in different
+    storages, for byte ranges that do not meet, for views that differ only by offset
+    (vLLM's K/V halves of one cache) and for views that share their outer dimensions and
+    keep their inner parts in disjoint ranges of each outer cell (vLLM's CPU pages: K
+    transposed, then V, per block and head). Anything else is reported as not provable."""
+    if a.numel() == 0 or b.numel() == 0:
+        return True
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return True
+    base = a.untyped_storage().data_ptr()
+    size = a.element_size()
+    if b.element_size() != size:
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:  # first and last element, in elements of `size`
+        start = (t.data_ptr() - base) // size
+        return start, start + sum((s - 1) * st for s, st in _dims(t))
+
+    if any(st <= 0 for _, st in _dims(a) + _dims(b)):
+        return False
+    (a0, a1), (b0, b1) = span(a), span(b)
+    if a1 < b0 or b1 < a0:
+        return True
+    da, db = _dims(a), _dims(b)
+    if sorted(da) == sorted(db) and a0 != b0:
+        return _nested(da + [(2, abs(b0 - a0))])  # one tensor with a 2-wide dim: a, then b
+    shared = [d for d in da if d in db]
+    inner_a = [d for d in da if d not in shared]
+    inner_b = [d for d in db if d not in shared]
+    (ia0, ia1), (ib0, ib1) = ((a0, a0 + sum((s - 1) * st for s, st in inner_a)),
+                              (b0, b0 + sum((s - 1) * st for s, st in inner_b)))
+    if not (ia1 < ib0 or ib1 < ia0):
+        return False
+    cell = max(ia1, ib1) - min(ia0, ib0) + 1
+    return _nested(inner_a) and _nested(inner_b) and _nested(shared, cell)
+
+
+def check_writable(name: str, t: torch.Tensor) -> None:
+    if internal_overlap(t):
+        raise ValueError(f"{name}: a tensor this call writes must not alias itself (an expanded or overlapping "
+                         f"view, strides {t.stride()} for shape {list(t.shape)}); pass a tensor with its own "
+                         "memory per element")
+
+
+def check_disjoint(written: str, w: torch.Tensor, other: str, o: torch.Tensor) -> None:
+    if not provably_disjoint(w, o):
+        raise ValueError(f"{written}: shares memory with {other}; the call would overwrite what it reads "
+                         f"(pass separate tensors)")
+
+
+_LAYOUTS_KEPT = 256
+_passed_layouts: dict[tuple, None] = {}
+
+
+def check_layout_once(tag: str, tensors: Sequence[torch.Tensor], check: Callable[[], None]) -> None:
+    """Run ``check`` (which raises on a bad layout) unless these tensors' layout (address,
+    shape, strides) already passed it: memory checks are pairwise, and a server's caches
+    and buffers never move, so each layout is judged once."""
+    key = (tag, *((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in tensors))
+    if key in _passed_layouts:
+        return
+    check()
+    if len(_passed_layouts) >= _LAYOUTS_KEPT:
+        _passed_layouts.clear()
+    _passed_layouts[key] = None
+
+
+# -- values ----------------------------------------------------------------------------------
+
+class IndexChecks:
+    """Conditions on tensor values, checked where the values live: on the host for CPU
+    tensors (a ValueError naming the first offender), as asynchronous device-side asserts
+    for GPU tensors (no sync; the process sees a device-side assert error)."""
+
+    def __init__(self, device: torch.device):
+        self.on_host = device.type == "cpu"
+
+    def require(self, ok: torch.Tensor, message: str, offender: Callable[[tuple[int, ...]], str] | None = None):
+        """``ok``: a bool tensor, true where the values are valid."""
+        if not ok.numel():
+            return
+        if self.on_host:
+            if not bool(ok.all()):
+                where = tuple(int(i) for i in torch.nonzero(~ok)[0])
+                raise ValueError(offender(where) if offender else message)
+        else:
+            torch._assert_async(ok.all(), message)
 
 
 def per_layer(name: str, value: Any, L: int) -> tuple:
@@ -63,17 +211,29 @@ def per_layer(name: str, value: Any, L: int) -> tuple:
     return tuple(value)
 
 
-def layer_scales(name: str, value: Any, L: int, device: torch.device) -> torch.Tensor:
-    if value is None:
-        return torch.ones(L, dtype=torch.float32, device=device)
+def scale_tensor(name: str, value: Any, n: int, device: torch.device) -> torch.Tensor:
+    """Cache scales as a contiguous float32 ``[n]`` tensor on ``device``: a float (n == 1),
+    a sequence of n floats or one-element tensors, or a float tensor of n elements (vLLM
+    passes tensors). Values must be positive and finite: checked on the host for floats,
+    by :meth:`IndexChecks.require` for tensors (see :func:`check_scale_values`)."""
     if isinstance(value, torch.Tensor):
+        tensor_arg(name, value)
         if not value.dtype.is_floating_point:
             raise TypeError(f"{name}: expected a float tensor; got {value.dtype}")
-        if value.numel() != L:
-            raise ValueError(f"{name}: expected one scale per layer, [num_layers={L}]; got {list(value.shape)}")
+        if value.numel() != n:
+            raise ValueError(f"{name}: expected {'one scale' if n == 1 else f'one scale per layer, [num_layers={n}]'}; "
+                             f"got shape {list(value.shape)}")
         check_device(name, value, device)
-        return value.reshape(L).to(torch.float32)
-    scales = [scale_tensor(f"{name}[{i}]", s, device) for i, s in enumerate(per_layer(name, value, L))]
-    return torch.cat(scales)
+        return value.reshape(n).to(torch.float32).contiguous()
+    if n == 1 and not isinstance(value, (Sequence, torch.Tensor)):
+        return torch.tensor([positive_float(name, value)], dtype=torch.float32, device=device)
+    items = per_layer(name, value, n)
+    if all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in items):
+        return torch.tensor([positive_float(f"{name}[{i}]", v) for i, v in enumerate(items)],
+                            dtype=torch.float32, device=device)
+    return torch.cat([scale_tensor(f"{name}[{i}]", v, 1, device) for i, v in enumerate(items)])
 
 
+def check_scale_values(name: str, scales: torch.Tensor, checks: IndexChecks) -> None:
+    checks.require(torch.isfinite(scales) & (scales > 0), f"{name}: expected positive finite scales",
+                   lambda i: f"{name}: expected positive finite scales; got {scales[i].item()} at {list(i)}")

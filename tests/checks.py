@@ -24,12 +24,17 @@ def clone_arg(x):
     return x
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t`` in logical order, whatever its strides."""
+    return t.contiguous().view(torch.uint8)
+
+
 def poison(t: torch.Tensor) -> None:
     """Fill with a value no backend computes: NaN (0x7F is NaN in e4m3fn, 0x80 in e4m3fnuz)."""
     if t.dtype == torch.float8_e4m3fn:
-        t.view(torch.uint8).fill_(0x7F)
+        t.copy_(torch.full(t.shape, 0x7F, dtype=torch.uint8, device=t.device).view(t.dtype))
     elif t.dtype == torch.float8_e4m3fnuz:
-        t.view(torch.uint8).fill_(0x80)
+        t.copy_(torch.full(t.shape, 0x80, dtype=torch.uint8, device=t.device).view(t.dtype))
     else:
         t.fill_(float("nan"))
 
@@ -53,8 +58,8 @@ def check_attention(case, backend: str, run=None) -> float:
         run(attention_call(*case.args, **kwargs, out=out))
     assert not torch.isnan(out.float()).any(), f"output rows left unwritten or NaN: {case.description}"
     assert torch.isfinite(out.float()).all(), f"non-finite output: {case.description}"
-    assert torch.equal(key_cache.view(torch.uint8), k_before.view(torch.uint8)), "attention wrote key_cache"
-    assert torch.equal(value_cache.view(torch.uint8), v_before.view(torch.uint8)), "attention wrote value_cache"
+    assert torch.equal(bits(key_cache), bits(k_before)), "attention wrote key_cache"
+    assert torch.equal(bits(value_cache), bits(v_before)), "attention wrote value_cache"
     err = rel_err(out, ref) if out.numel() else 0.0
     tol = tolerance(query.dtype, key_cache.dtype)
     assert err <= tol, f"{backend} vs reference: rel err {err:.2e} > {tol:.0e} for {case.description}"
@@ -106,8 +111,8 @@ def check_precompute(case, backend: str, run=None) -> float:
                 if want.numel():
                     assert not torch.isnan(got).any(), f"slot left unwritten, layer {layer}: {case.description}"
                     errors.append(rel_err(got, want))
-            untouched_now = cache.view(torch.uint8)[~touched]
-            untouched_before = prior.view(torch.uint8)[~touched]
+            untouched_now = bits(cache)[~touched]
+            untouched_before = bits(prior)[~touched]
             assert torch.equal(untouched_now, untouched_before), (
                 f"{backend} wrote outside the mapped slots of layer {layer}: {case.description}")
     assert max(errors) <= tol, f"{backend} vs reference: rel err {max(errors):.2e} > {tol:.0e}: {case.description}"

@@ -52,6 +52,25 @@ def randn(shape, g: torch.Generator, device: str, dtype=torch.float32, std: floa
     return (torch.randn(shape, generator=g, device=device) * std).to(dtype)
 
 
+LAYOUTS = ("contiguous", "padded", "column_major")
+
+
+def relayout(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """The same values in another memory layout: ``padded`` leaves a gap after every
+    element (``t[::2]``-like strides in every dim), ``column_major`` reverses the stride
+    order (a transposed copy viewed back). Backends must honour or normalise any of them."""
+    if layout == "contiguous" or t.dim() == 0:
+        return t
+    if layout == "padded":
+        buffer = torch.empty(*t.shape, 2, dtype=t.dtype, device=t.device)
+        view = buffer[..., 0]
+    else:
+        dims = list(range(t.dim()))[::-1]
+        view = torch.empty(tuple(t.shape[d] for d in dims), dtype=t.dtype, device=t.device).permute(*dims)
+    view.copy_(t)
+    return view
+
+
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
     if dtype in FP8_DTYPES:
         return (x.float() / scale).to(dtype)
@@ -109,6 +128,7 @@ def attention_cases(draw, sizes: Sizes = CPU_SIZES, dtypes=(torch.float32, torch
     sinks_kind = draw(st.sampled_from([None, "normal", "very_negative", "very_positive"]))
     use_out = allow_out and draw(st.booleans())
     scale = draw(st.none() | st.floats(0.05, 0.5))
+    memory = draw(st.sampled_from(LAYOUTS))
     seed = draw(st.integers(0, 2**31 - 1))
 
     g = make_generator(seed, device)
@@ -141,11 +161,14 @@ def attention_cases(draw, sizes: Sizes = CPU_SIZES, dtypes=(torch.float32, torch
     kwargs: dict[str, Any] = dict(scale=scale, causal=causal, sliding_window=window, sinks=sinks,
                                   k_scale=k_scale, v_scale=v_scale)
     if use_out:
-        kwargs["out"] = torch.full_like(query, float("nan"))
+        kwargs["out"] = relayout(torch.full_like(query, float("nan")), memory)
+    if sinks is not None:
+        kwargs["sinks"] = relayout(sinks, memory)
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     description = (f"B={B} q_lens={q_lens} seq_lens={seq_lens} bs={block_size} Hk={Hk} G={G} D={D} "
-                   f"{dtype} cache={cache_dtype} causal={causal} window={window} sinks={sinks_kind}")
-    return AttentionCase(args=(query, key_cache, value_cache, block_table, qsl, seq_lens_t),
+                   f"{dtype} cache={cache_dtype} causal={causal} window={window} sinks={sinks_kind} memory={memory}")
+    args = (query, key_cache, value_cache, block_table, qsl, seq_lens_t)
+    return AttentionCase(args=tuple(relayout(t, memory) for t in args),
                          kwargs=kwargs, description=description, q_lens=q_lens, seq_lens=seq_lens)
 
 
@@ -204,6 +227,7 @@ def precompute_cases(draw, sizes: Sizes = CPU_SIZES, dtypes=(torch.float32, torc
     block_size = draw(st.sampled_from(sizes.block_sizes))
     mapping_kind = draw(st.sampled_from(["shared", "per_layer", "per_layer_with_none", "none"]))
     return_kv = draw(st.booleans())
+    layout = draw(st.sampled_from(LAYOUTS))
     seed = draw(st.integers(0, 2**31 - 1))
 
     g = make_generator(seed, device)
@@ -236,8 +260,16 @@ def precompute_cases(draw, sizes: Sizes = CPU_SIZES, dtypes=(torch.float32, torc
     value_caches = [to_cache_dtype(randn((num_blocks, block_size, Hk, D), g, device), cache_dtype, 1.0)
                     for _ in range(L)]
     description = (f"N={N} L={L} Hk={Hk} D={D} H={H} R={R} neox={is_neox} bias={bias} v_scale={v_scale} "
-                   f"{dtype} cache={cache_dtype} bs={block_size} mapping={mapping_kind} return_kv={return_kv}")
-    return PrecomputeCase(args=(states, positions, weights, key_caches, value_caches, slot_mapping),
+                   f"{dtype} cache={cache_dtype} bs={block_size} mapping={mapping_kind} return_kv={return_kv} "
+                   f"layout={layout}")
+    if isinstance(slot_mapping, list):
+        slot_mapping = [None if m is None else relayout(m, layout) for m in slot_mapping]
+    elif slot_mapping is not None:
+        slot_mapping = relayout(slot_mapping, layout)
+    key_caches = [relayout(c, layout) for c in key_caches]
+    value_caches = [relayout(c, layout) for c in value_caches]
+    return PrecomputeCase(args=(relayout(states, layout), relayout(positions, layout), weights, key_caches,
+                                value_caches, slot_mapping),
                           kwargs=dict(k_scales=k_scales, v_scales=v_scales, return_kv=return_kv),
                           description=description)
 

@@ -1,4 +1,8 @@
-"""Validation of ``draft_attention``'s arguments: the only way an :class:`AttentionCall` is built."""
+"""Validation of ``draft_attention``'s arguments: the only way an :class:`AttentionCall` is built.
+
+See :mod:`dflash_rocm.validation` for the two tiers (metadata always; values on the host
+for CPU tensors, as device-side asserts for GPU tensors, skipped by ``validate=False``).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,9 @@ import numbers
 
 import torch
 
-from ...contract import FP8_DTYPES, INDEX_DTYPES, QUERY_DTYPES
-from ...validation import check_device, check_dtype, check_shape, scale_tensor, tensor_arg
+from ...contract import FP8_DTYPES, QUERY_DTYPES
+from ...validation import (IndexChecks, check_device, check_disjoint, check_layout_once, check_dtype, check_scale_values,
+                           check_shape, check_writable, index_tensor, int_bound, scale_tensor, tensor_arg)
 from .call import AttentionCall
 
 
@@ -32,7 +37,7 @@ def attention_call(query, key_cache, value_cache, block_table, query_start_loc, 
                          f"got {list(key_cache.shape)}")
     num_blocks, block_size, Hk, _ = key_cache.shape
     check_shape("key_cache", key_cache, (None, None, None, D),
-           f"[num_blocks, block_size, num_kv_heads, head_dim={D}]")
+                f"[num_blocks, block_size, num_kv_heads, head_dim={D}]")
     check_shape("value_cache", value_cache, tuple(key_cache.shape), "the shape of key_cache")
     if Hk == 0 or Hq % Hk:
         raise ValueError(f"key_cache: num_kv_heads={Hk} must divide num_q_heads={Hq} (query shape {list(query.shape)})")
@@ -42,18 +47,13 @@ def attention_call(query, key_cache, value_cache, block_table, query_start_loc, 
         check_device(name, t, device)
 
     seq_lens = tensor_arg("seq_lens", seq_lens)
-    check_dtype("seq_lens", seq_lens, INDEX_DTYPES)
     if seq_lens.dim() != 1:
         raise ValueError(f"seq_lens: expected shape [num_seqs]; got {list(seq_lens.shape)}")
     B = seq_lens.shape[0]
-    query_start_loc = tensor_arg("query_start_loc", query_start_loc)
-    check_dtype("query_start_loc", query_start_loc, INDEX_DTYPES)
-    check_shape("query_start_loc", query_start_loc, (B + 1,), f"[num_seqs + 1] with num_seqs={B} (from seq_lens)")
-    block_table = tensor_arg("block_table", block_table)
-    check_dtype("block_table", block_table, INDEX_DTYPES)
-    check_shape("block_table", block_table, (B, None), f"[num_seqs={B}, max_blocks_per_seq]")
-    for name, t in (("seq_lens", seq_lens), ("query_start_loc", query_start_loc), ("block_table", block_table)):
-        check_device(name, t, device)
+    seq_lens = index_tensor("seq_lens", seq_lens, (B,), "[num_seqs]", device)
+    query_start_loc = index_tensor("query_start_loc", query_start_loc, (B + 1,),
+                                   f"[num_seqs + 1] with num_seqs={B} (from seq_lens)", device)
+    block_table = index_tensor("block_table", block_table, (B, None), f"[num_seqs={B}, max_blocks_per_seq]", device)
 
     if out is None:
         out = torch.empty_like(query)
@@ -63,19 +63,17 @@ def attention_call(query, key_cache, value_cache, block_table, query_start_loc, 
             raise TypeError(f"out: expected dtype {query.dtype} (as query); got {out.dtype}")
         check_shape("out", out, (T, Hq, D), "[num_tokens, num_q_heads, head_dim] as query")
         check_device("out", out, device)
+        check_layout_once("attention out", (out, query, key_cache, value_cache),
+                          lambda: _check_out_memory(out, query, key_cache, value_cache))
     if sinks is not None:
         sinks = tensor_arg("sinks", sinks)
         if not sinks.dtype.is_floating_point:
             raise TypeError(f"sinks: expected a float tensor; got {sinks.dtype}")
         check_shape("sinks", sinks, (Hq,), f"[num_q_heads={Hq}]")
         check_device("sinks", sinks, device)
+        sinks = sinks.contiguous()
     if sliding_window is not None:
-        if isinstance(sliding_window, bool) or not isinstance(sliding_window, numbers.Integral):
-            raise TypeError(f"sliding_window: expected an int or None, got {type(sliding_window).__name__}")
-        if sliding_window < 1:
-            raise ValueError(f"sliding_window: expected a window of at least 1 (it counts the query's own "
-                             f"position); got {sliding_window}")
-        sliding_window = int(sliding_window)
+        sliding_window = int_bound("sliding_window", sliding_window, low=1)
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected bool, got {type(causal).__name__}")
     if scale is None:
@@ -83,15 +81,22 @@ def attention_call(query, key_cache, value_cache, block_table, query_start_loc, 
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
         raise ValueError(f"scale: expected a finite float, got {scale!r}")
     is_fp8 = key_cache.dtype in FP8_DTYPES
-    k_scale_t = scale_tensor("k_scale", 1.0 if k_scale is None else k_scale, device) if is_fp8 else None
-    v_scale_t = scale_tensor("v_scale", 1.0 if v_scale is None else v_scale, device) if is_fp8 else None
-    for name, hint in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
-        if hint is not None and (isinstance(hint, bool) or not isinstance(hint, numbers.Integral) or hint < 0):
-            raise ValueError(f"{name}: expected a non-negative int or None, got {hint!r}")
+    k_scale_t = scale_tensor("k_scale", 1.0 if k_scale is None else k_scale, 1, device) if is_fp8 else None
+    v_scale_t = scale_tensor("v_scale", 1.0 if v_scale is None else v_scale, 1, device) if is_fp8 else None
+    if max_query_len is not None:
+        max_query_len = int_bound("max_query_len", max_query_len, low=0)
+    if max_seq_len is not None:
+        max_seq_len = int_bound("max_seq_len", max_seq_len, low=0)
 
     if validate:
-        max_query_len, max_seq_len = _check_attention_indices(
-            query_start_loc, seq_lens, block_table, T, num_blocks, block_size)
+        checks = IndexChecks(device)
+        _check_indices(checks, query_start_loc, seq_lens, block_table, T, num_blocks, block_size)
+        if is_fp8:
+            check_scale_values("k_scale", k_scale_t, checks)
+            check_scale_values("v_scale", v_scale_t, checks)
+        if checks.on_host and B:  # free on the host: exact bounds let the kernels size their launch
+            max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+            max_seq_len = int(seq_lens.max())
     return AttentionCall(query=query, key_cache=key_cache, value_cache=value_cache,
                          block_table=block_table, query_start_loc=query_start_loc, seq_lens=seq_lens,
                          out=out, scale=float(scale), causal=causal, sliding_window=sliding_window,
@@ -99,40 +104,36 @@ def attention_call(query, key_cache, value_cache, block_table, query_start_loc, 
                          max_query_len=max_query_len, max_seq_len=max_seq_len)
 
 
-def _check_attention_indices(query_start_loc, seq_lens, block_table, T, num_blocks, block_size):
-    qsl = query_start_loc.detach().to("cpu", torch.int64)
-    lens = seq_lens.detach().to("cpu", torch.int64)
-    B = lens.shape[0]
-    if qsl[0] != 0 or qsl[-1] != T:
-        raise ValueError(f"query_start_loc: expected query_start_loc[0] == 0 and query_start_loc[{B}] == "
-                         f"num_tokens={T}; got {qsl[0].item()} and {qsl[-1].item()}")
+def _check_out_memory(out, query, key_cache, value_cache) -> None:
+    """``out`` has its own memory: it aliases neither itself nor anything the call reads."""
+    check_writable("out", out)
+    for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
+        check_disjoint("out", out, name, t)
+
+
+def _check_indices(checks: IndexChecks, qsl, seq_lens, block_table, T, num_blocks, block_size) -> None:
+    B = seq_lens.shape[0]
+    checks.require(torch.stack((qsl[0] == 0, qsl[-1] == T)),
+                   f"query_start_loc: expected query_start_loc[0] == 0 and query_start_loc[{B}] == num_tokens={T}",
+                   lambda i: f"query_start_loc: expected query_start_loc[0] == 0 and query_start_loc[{B}] == "
+                             f"num_tokens={T}; got {int(qsl[0])} and {int(qsl[-1])}")
     q_lens = qsl[1:] - qsl[:-1]
-    if (q_lens < 0).any():
-        b = int(torch.nonzero(q_lens < 0)[0])
-        raise ValueError(f"query_start_loc: must be non-decreasing; query_start_loc[{b + 1}]="
-                         f"{qsl[b + 1].item()} < query_start_loc[{b}]={qsl[b].item()}")
-    if (lens < 0).any():
-        b = int(torch.nonzero(lens < 0)[0])
-        raise ValueError(f"seq_lens[{b}]: expected >= 0; got {lens[b].item()}")
-    if (q_lens > lens).any():
-        b = int(torch.nonzero(q_lens > lens)[0])
-        raise ValueError(f"seq_lens[{b}]={lens[b].item()} is shorter than that request's query length "
-                         f"{q_lens[b].item()} (the query tokens are the last q_len keys: q_len <= seq_len)")
+    checks.require(q_lens >= 0, "query_start_loc: must be non-decreasing",
+                   lambda i: f"query_start_loc: must be non-decreasing; query_start_loc[{i[0] + 1}]="
+                             f"{int(qsl[i[0] + 1])} < query_start_loc[{i[0]}]={int(qsl[i[0]])}")
+    checks.require(seq_lens >= 0, "seq_lens: expected values >= 0",
+                   lambda i: f"seq_lens[{i[0]}]: expected >= 0; got {int(seq_lens[i[0]])}")
+    checks.require(q_lens <= seq_lens, "seq_lens: a request's query length exceeds its sequence length",
+                   lambda i: f"seq_lens[{i[0]}]={int(seq_lens[i[0]])} is shorter than that request's query length "
+                             f"{int(q_lens[i[0]])} (the query tokens are the last q_len keys: q_len <= seq_len)")
     capacity = block_table.shape[1] * block_size
-    if (lens > capacity).any():
-        b = int(torch.nonzero(lens > capacity)[0])
-        raise ValueError(f"seq_lens[{b}]={lens[b].item()} exceeds what block_table rows hold: "
-                         f"{block_table.shape[1]} blocks x block_size {block_size} = {capacity}")
+    checks.require(seq_lens <= capacity, f"seq_lens: a sequence exceeds what block_table rows hold ({capacity} keys)",
+                   lambda i: f"seq_lens[{i[0]}]={int(seq_lens[i[0]])} exceeds what block_table rows hold: "
+                             f"{block_table.shape[1]} blocks x block_size {block_size} = {capacity}")
     if B and block_table.shape[1]:
         needed = (seq_lens.to(torch.int64) + block_size - 1) // block_size
         used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < needed[:, None]
-        bad = used & ((block_table < 0) | (block_table >= num_blocks))
-        if bool(bad.any()):
-            b, i = (int(x) for x in torch.nonzero(bad)[0])
-            raise ValueError(f"block_table[{b}, {i}]={int(block_table[b, i])} is outside the cache: "
-                             f"expected a block id in [0, num_blocks={num_blocks})")
-    max_q = int(q_lens.max()) if B else 0
-    max_s = int(lens.max()) if B else 0
-    return max_q, max_s
-
-
+        checks.require(~used | ((block_table >= 0) & (block_table < num_blocks)),
+                       f"block_table: a block id in use is outside the cache [0, num_blocks={num_blocks})",
+                       lambda i: f"block_table[{i[0]}, {i[1]}]={int(block_table[i])} is outside the cache: "
+                                 f"expected a block id in [0, num_blocks={num_blocks})")

@@ -1,12 +1,17 @@
 """Validation of ``precompute_and_store_context_kv``'s arguments: the only way a
-:class:`PrecomputeCall` is built."""
+:class:`PrecomputeCall` is built.
+
+See :mod:`dflash_rocm.validation` for the two tiers (metadata always; values on the host
+for CPU tensors, as device-side asserts for GPU tensors, skipped by ``validate=False``).
+"""
 
 from __future__ import annotations
 
 import torch
 
-from ...contract import FP8_DTYPES, INDEX_DTYPES, QUERY_DTYPES
-from ...validation import check_device, check_dtype, check_shape, layer_scales, per_layer, tensor_arg
+from ...contract import FP8_DTYPES, QUERY_DTYPES
+from ...validation import (IndexChecks, check_device, check_layout_once, check_disjoint, check_dtype, check_scale_values, check_shape,
+                           check_writable, index_tensor, per_layer, scale_tensor, tensor_arg)
 from ...weights import ContextKVWeights
 from .call import PrecomputeCall
 
@@ -25,10 +30,7 @@ def precompute_call(context_states, positions, weights, key_caches, value_caches
     if weights.device != device:
         raise ValueError(f"weights: on {weights.device}, context_states on {device}")
     N = states.shape[0]
-    positions = tensor_arg("positions", positions)
-    check_dtype("positions", positions, INDEX_DTYPES)
-    check_shape("positions", positions, (N,), f"[num_tokens={N}]")
-    check_device("positions", positions, device)
+    positions = index_tensor("positions", positions, (N,), f"[num_tokens={N}]", device)
     if not isinstance(return_kv, bool):
         raise TypeError(f"return_kv: expected bool, got {type(return_kv).__name__}")
 
@@ -38,13 +40,18 @@ def precompute_call(context_states, positions, weights, key_caches, value_caches
         slots = (slot_mapping,) * L
     else:
         slots = per_layer("slot_mapping", slot_mapping, L)
+    shared = isinstance(slot_mapping, torch.Tensor)
+    contiguous: dict[int, torch.Tensor] = {}  # one copy per distinct tensor
+    checked = []
     for i, s in enumerate(slots):
         if s is not None:
-            name = f"slot_mapping[{i}]" if not isinstance(slot_mapping, torch.Tensor) else "slot_mapping"
-            tensor_arg(name, s)
-            check_dtype(name, s, INDEX_DTYPES)
-            check_shape(name, s, (N,), f"[num_tokens={N}]")
-            check_device(name, s, device)
+            if id(s) not in contiguous:
+                contiguous[id(s)] = index_tensor("slot_mapping" if shared else f"slot_mapping[{i}]", s, (N,),
+                                                 f"[num_tokens={N}]", device)
+            checked.append(contiguous[id(s)])
+        else:
+            checked.append(None)
+    slots = tuple(checked)
 
     written = [i for i, s in enumerate(slots) if s is not None]
     if written:
@@ -76,31 +83,52 @@ def precompute_call(context_states, positions, weights, key_caches, value_caches
         if vcs[i].shape != kcs[i].shape:
             raise ValueError(f"value_caches[{i}]: expected the shape of key_caches[{i}] {list(kcs[i].shape)}; "
                              f"got {list(vcs[i].shape)}")
+    _check_written_memory(states, [kcs[i] for i in written] + [vcs[i] for i in written],
+                          [f"key_caches[{i}]" for i in written] + [f"value_caches[{i}]" for i in written])
     is_fp8 = cache_dtype in FP8_DTYPES
-    ks = layer_scales("k_scales", k_scales, L, device) if is_fp8 else None
-    vs = layer_scales("v_scales", v_scales, L, device) if is_fp8 else None
+    ks = scale_tensor("k_scales", [1.0] * L if k_scales is None else k_scales, L, device) if is_fp8 else None
+    vs = scale_tensor("v_scales", [1.0] * L if v_scales is None else v_scales, L, device) if is_fp8 else None
 
     if validate:
-        _check_precompute_indices(positions, weights.max_position, slots, kcs)
+        checks = IndexChecks(device)
+        _check_indices(checks, positions, weights.max_position, slots, kcs)
+        if is_fp8:
+            check_scale_values("k_scales", ks, checks)
+            check_scale_values("v_scales", vs, checks)
     return PrecomputeCall(states=states, positions=positions, weights=weights, key_caches=kcs,
                           value_caches=vcs, slot_mappings=slots, k_scales=ks, v_scales=vs,
                           return_kv=return_kv)
 
 
-def _check_precompute_indices(positions, max_position, slots, caches) -> None:
-    if positions.numel():
-        lo, hi = int(positions.min()), int(positions.max())
-        if lo < 0 or hi >= max_position:
-            raise ValueError(f"positions: expected values in [0, max_position={max_position}) (rows of "
-                             f"weights.cos_sin_cache); got min {lo}, max {hi}")
-    checked: dict[int, tuple[int, int]] = {}
-    for i, s in enumerate(slots):
-        if s is None or not s.numel():
+def _check_indices(checks: IndexChecks, positions, max_position, slots, caches) -> None:
+    checks.require((positions >= 0) & (positions < max_position),
+                   f"positions: expected values in [0, max_position={max_position}) (rows of weights.cos_sin_cache)",
+                   lambda i: f"positions: expected values in [0, max_position={max_position}) (rows of "
+                             f"weights.cos_sin_cache); got {int(positions[i])} at [{i[0]}]")
+    seen: set[tuple[int, int]] = set()
+    for layer, s in enumerate(slots):
+        if s is None:
             continue
-        if id(s) not in checked:
-            checked[id(s)] = (int(s.min()), int(s.max()))
-        lo, hi = checked[id(s)]
-        capacity = caches[i].shape[0] * caches[i].shape[1]
-        if lo < -1 or hi >= capacity:
-            raise ValueError(f"slot_mapping for layer {i}: expected slots in [-1, num_blocks*block_size={capacity}) "
-                             f"(-1 skips a token); got min {lo}, max {hi}")
+        capacity = caches[layer].shape[0] * caches[layer].shape[1]
+        if (id(s), capacity) in seen:
+            continue
+        seen.add((id(s), capacity))
+        checks.require((s >= -1) & (s < capacity),
+                       f"slot_mapping for layer {layer}: expected slots in [-1, num_blocks*block_size={capacity})",
+                       lambda i, s=s, layer=layer, capacity=capacity: (
+                           f"slot_mapping for layer {layer}: expected slots in [-1, num_blocks*block_size={capacity}) "
+                           f"(-1 skips a token); got {int(s[i])} at [{i[0]}]"))
+
+
+def _check_written_memory(states: torch.Tensor, caches: list[torch.Tensor], names: list[str]) -> None:
+    """Every written cache has its own memory: no cache aliases itself, another cache or the
+    states."""
+    def check() -> None:
+        for name, c in zip(names, caches):
+            check_writable(name, c)
+            check_disjoint(name, c, "context_states", states)
+        for i in range(len(caches)):
+            for j in range(i + 1, len(caches)):
+                check_disjoint(names[i], caches[i], names[j], caches[j])
+
+    check_layout_once("precompute", [states, *caches], check)
