@@ -140,7 +140,7 @@ def cmd_tune(args) -> int:
 
     from .backends.rocm import settings, tuner
     from .platform import platform_for, simulate_platform
-    from .report import format_table, wrap
+    from .report import WIDTH, format_table, wrap
 
     shape = _draft_shape(args)
     device = _device(args.device)
@@ -159,9 +159,8 @@ def cmd_tune(args) -> int:
                                    shape.causal if args.causal is None else args.causal, shape.sliding_window,
                                    shape.sinks)
         table = tuner.tune_attention(platform, spec, device, progress=_progress_bar)
-    width, _ = _layout(args)
     print(wrap(f"tuned {shape.name} on {platform.name} ({platform.arch}); table: {tuner.last_path(spec, platform)}",
-               width))
+               WIDTH))
     rows = []
     for e in sorted(table.entries, key=lambda e: (e.workload.batch, e.workload.key_span)):
         def brief(c):
