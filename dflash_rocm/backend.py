@@ -45,8 +45,9 @@ class Backend:
     @classmethod
     def not_supported_reasons(cls, op: Op, call) -> list[str]:
         """Why this backend cannot serve ``call`` of ``op`` (empty: it can)."""
-        if op.name not in cls.OPS:
-            return [f"does not implement {op.name}"]
+        if op.name not in cls.OPS:  # device reasons first: they are what a user can act on
+            return cls.device_not_supported_reasons(call.device, platform_for(call.device)) + [
+                f"does not implement {op.name}"]
         return getattr(cls, op.reasons_method)(call)
 
     @classmethod

@@ -23,6 +23,7 @@ from .contract import dtype_name
 from .arch import Product
 from .floors import attention_cost, measure_copy_bandwidth, peak_for, precompute_cost
 from .platform import platform_for
+from .report import WIDTH, Footnotes, Style, format_table, join_blocks, never_ran, not_run_here, wrap
 from .timing import median_seconds
 from .unfused import TorchOps, VllmOps, unfused_precompute
 from .ops import ATTENTION, OPS, PRECOMPUTE
@@ -263,14 +264,47 @@ def _fmt(value, spec) -> str:
     return "" if value is None else format(value, spec)
 
 
-def format_rows(rows: list[BenchRow]) -> str:
-    from .report import format_table
-
+def format_rows(rows: list[BenchRow], width: int | None = None, notes: Footnotes | None = None) -> str:
+    """One table row per BenchRow; within ``width`` columns, grouped under an
+    "op, shape:" heading per run of rows, long notes cited from ``notes``."""
     return format_table(
         ["op", "shape", "case", "backend", "us", "GB/s", "% floor", "x unfused", "launches", "note"],
-        [(r.op.replace("precompute_and_store_context_kv", "precompute"), r.shape, r.case, r.backend,
-          _fmt(r.us, ".1f"), _fmt(r.gbps, ".0f"), _fmt(r.pct_floor, ".0f"), _fmt(r.speedup_vs_unfused, ".2f"),
-          _fmt(r.launches, "d"), r.note) for r in rows])
+        [(OPS[r.op].label, r.shape, r.case, r.backend, _fmt(r.us, ".1f"), _fmt(r.gbps, ".0f"),
+          _fmt(r.pct_floor, ".0f"), _fmt(r.speedup_vs_unfused, ".2f"), _fmt(r.launches, "d"),
+          notes.cite(r.note) if notes else r.note) for r in rows],
+        width=width, omit_empty=["note"], group_by=() if width is None else ("op", "shape"))
+
+
+def format_report(rows: list[BenchRow], header: str, plan: BenchPlan, width: int | None = WIDTH,
+                  style: Style = Style()) -> str:
+    """The device line, the plan's notes and the table. Within ``width`` columns only rows
+    that carry a measurement are tabled: a contender that ran nowhere is named once below
+    it, one that was skipped or failed in some cases is listed once per reason with those
+    cases. ``width=None``: every row, every note inline."""
+    intro = "\n".join(wrap(line, width) for line in [header, *plan.notes])
+    if width is None:
+        return "\n".join([intro, format_rows(rows)])
+    absent = never_ran((r.backend, r.note if r.us is None and not r.note.startswith("ERROR") else None)
+                       for r in rows)
+    notes = Footnotes(limit=30)
+    table = format_rows([r for r in rows if r.us is not None], width, notes)
+    return join_blocks(intro, "\n".join(filter(None, [table, not_run_here(absent, width), notes.render(width),
+                                                      *_not_measured(rows, absent, width, style)])))
+
+
+def _not_measured(rows: list[BenchRow], absent, width: int | None, style: Style) -> list[str]:
+    """Rows without a time from contenders that ran elsewhere: one line per (contender,
+    reason) naming the cases it covers, errors in red."""
+    missed: dict[tuple[str, str], dict[str, list[str]]] = {}
+    for r in rows:
+        if r.us is None and r.backend not in absent:
+            missed.setdefault((r.backend, r.note), {}).setdefault(f"{OPS[r.op].label} {r.shape}", []).append(r.case)
+    lines = ["not measured:"] if missed else []
+    for (name, note), places in missed.items():
+        where = "; ".join(f"{place}: {', '.join(cases)}" for place, cases in places.items())
+        lines.append(style.paint(wrap(f"  {name} — {note} ({where})", width, indent="    "),
+                                 "red" if note.startswith("ERROR") else "dim"))
+    return lines
 
 
 def rows_to_csv(rows: list[BenchRow]) -> str:

@@ -14,8 +14,9 @@ import torch
 from . import dispatch, registry
 from .api import draft_attention, precompute_and_store_context_kv
 from .contract import FP8_DTYPES, dtype_name, relative_error
+from .report import WIDTH, Footnotes, Style, format_table, join_blocks, never_ran, not_run_here, wrap
 from .timing import median_seconds
-from .ops import ATTENTION, PRECOMPUTE, Op
+from .ops import ATTENTION, OPS, PRECOMPUTE, Op
 from .workloads import DraftShape, attention_inputs, precompute_inputs
 
 
@@ -133,3 +134,26 @@ def check_attention(plan: CheckPlan, backends) -> list[CheckRow]:
 def run_check(plan: CheckPlan, backends=None, weights=None) -> list[CheckRow]:
     backends = [b for b in (backends or registry.NAMES) if b != "reference"]
     return check_precompute(plan, backends, weights) + check_attention(plan, backends)
+
+
+def format_report(plan: CheckPlan, rows: list[CheckRow], width: int | None = WIDTH, style: Style = Style()) -> str:
+    """The plan, one row per (op, backend) that ran or could have, and the verdict.
+
+    Within ``width`` columns a backend that runs nowhere here is named once under the
+    table and long notes (errors, partial skips) become footnotes; ``width=None`` keeps
+    every row and note inline."""
+    absent = {} if width is None else never_ran((r.backend, r.note if r.status == "SKIP" else None) for r in rows)
+    notes = Footnotes(limit=30)
+    table = format_table(
+        ["op", "backend", "result", "rel err", "tolerance", "ms/call", "note"],
+        [(r.op if width is None else OPS[r.op].label, r.backend, style.status(r.status),
+          "" if r.rel_err is None else f"{r.rel_err:.2e}", "" if r.tolerance is None else f"{r.tolerance:.0e}",
+          "" if r.ms_per_call is None else f"{r.ms_per_call:.3f}", r.note if width is None else notes.cite(r.note))
+         for r in rows if r.backend not in absent], width=width, omit_empty=["note"])
+    cpu = "(CPU: Triton kernels run through the interpreter; times say nothing about GPU speed)"
+    failed = [r for r in rows if r.status in ("FAIL", "ERROR")]
+    verdict = (style.paint("FAILED: " + ", ".join(f"{r.op}/{r.backend}" for r in failed), "red") if failed
+               else style.paint("all backends that can run here agree with the reference", "green"))
+    return join_blocks("\n".join([wrap(plan.describe(), width)] + ([cpu] if plan.device.type == "cpu" else [])),
+                       "\n".join(filter(None, [table, not_run_here(absent, width), notes.render(width)])),
+                       wrap(verdict, width))

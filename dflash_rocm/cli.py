@@ -45,17 +45,24 @@ def _device(arg: str | None) -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
+def _layout(args):
+    """(width, style) of a command's text output: 100 columns unless ``--wide``, colour
+    when stdout is a terminal (``NO_COLOR``/``FORCE_COLOR`` decide otherwise)."""
+    from .report import WIDTH, Style
+
+    return (None if getattr(args, "wide", False) else WIDTH), Style.for_stream(sys.stdout)
+
+
 def cmd_info(args) -> int:
     from .info import collect_info, format_info
 
     info = collect_info()
-    print(json.dumps(info, indent=2) if args.json else format_info(info))
+    print(json.dumps(info, indent=2) if args.json else format_info(info, *_layout(args)))
     return 0
 
 
 def cmd_check(args) -> int:
-    from .check import default_plan, run_check
-    from .report import format_table
+    from .check import default_plan, format_report, run_check
 
     device = _device(args.device)
     dtype = DTYPES[args.dtype]
@@ -74,18 +81,7 @@ def cmd_check(args) -> int:
         print(json.dumps({"plan": plan.describe(), "rows": [r.as_dict() for r in rows],
                           "ok": not failed}, indent=2))
     else:
-        print(plan.describe())
-        if device.type == "cpu":
-            print("(CPU: Triton kernels run through the interpreter; times say nothing about GPU speed)")
-        print()
-        print(format_table(
-            ["op", "backend", "result", "rel err", "tolerance", "ms/call", "note"],
-            [(r.op, r.backend, r.status, "" if r.rel_err is None else f"{r.rel_err:.2e}",
-              "" if r.tolerance is None else f"{r.tolerance:.0e}",
-              "" if r.ms_per_call is None else f"{r.ms_per_call:.3f}", r.note) for r in rows]))
-        print()
-        print("FAILED: " + ", ".join(f"{r.op}/{r.backend}" for r in failed) if failed
-              else "all backends that can run here agree with the reference")
+        print(format_report(plan, rows, *_layout(args)))
     return 1 if failed else 0
 
 
@@ -111,10 +107,7 @@ def cmd_bench(args) -> int:
         print(f"[{i + 1}/{total}] {what}", file=sys.stderr, flush=True)
 
     rows, header = bench.run_bench(plan, progress=None if args.quiet else progress)
-    print(header)
-    for note in plan.notes:
-        print(note)
-    print(bench.format_rows(rows))
+    print(bench.format_report(rows, header, plan, *_layout(args)))
     for path, text in ((args.json, lambda: bench.rows_to_json(rows, header, plan)),
                        (args.csv, lambda: bench.rows_to_csv(rows))):
         if path == "-":
@@ -150,7 +143,7 @@ def cmd_tune(args) -> int:
     from .ops import ATTENTION
     from .ops.attention import AttentionSpec
     from .platform import platform_for, simulate_platform
-    from .report import format_table
+    from .report import WIDTH, format_table, wrap
     from .tuning import table_path
 
     shape = _draft_shape(args)
@@ -170,7 +163,8 @@ def cmd_tune(args) -> int:
                              CACHE_DTYPES[args.kv_cache_dtype] or dtype,
                              shape.causal if args.causal is None else args.causal, shape.sliding_window, shape.sinks)
         table = rocm.tune(ATTENTION, spec, device, progress=_progress_bar)
-    print(f"tuned {shape.name} on {platform.name} ({platform.arch}); table: {table_path(table.identity)}")
+    print(wrap(f"tuned {shape.name} on {platform.name} ({platform.arch}); table: {table_path(table.identity)}",
+               WIDTH))
     rows = []
     for e in sorted(table.entries, key=lambda e: (e.workload.batch, e.workload.key_span)):
         def brief(c):
@@ -179,6 +173,25 @@ def cmd_tune(args) -> int:
                      f"{e.speedup:.2f}", "tuned" if e.best != e.default else "table kept", len(e.rejected)))
     print(format_table(["batch", "query", "keys", "table config", "chosen", "speed-up", "result", "rejected"], rows))
     return 0
+
+
+_WIDE_HELP = "one line per row with every note in full (default: fit 100 columns)"
+
+
+class _HelpWithExamples(argparse.RawDescriptionHelpFormatter):
+    """Wraps the one-paragraph description as argparse always does, and prints the
+    examples epilog (the only text with line breaks) as written."""
+
+    def _fill_text(self, text, width, indent):
+        if "\n" in text:
+            return super()._fill_text(text, width, indent)
+        return argparse.HelpFormatter._fill_text(self, text, width, indent)
+
+
+def _examples(*examples: tuple[str, str]) -> dict:
+    """``add_parser`` keywords for a help that ends with (command, what it does) examples."""
+    text = "\n".join(f"  # {what}\n  {command}" for command, what in examples)
+    return {"formatter_class": _HelpWithExamples, "epilog": "examples:\n" + text}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -193,8 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="versions, device, which backends can run here and why not",
                           description="Print package versions, the device and its architecture, every "
-                                      "backend's availability with reasons, and the environment variables.")
+                                      "backend's availability with reasons, and the environment variables.",
+                          **_examples(("dflash-rocm info", "what can run here, and why not"),
+                                      ("dflash-rocm info --wide", "one line per setting, nothing wrapped"),
+                                      ("dflash-rocm info --json", "the same for scripts")))
     info.add_argument("--json", action="store_true", help="machine-readable output")
+    info.add_argument("--wide", action="store_true", help=_WIDE_HELP)
     info.set_defaults(func=cmd_info)
 
     check = sub.add_parser(
@@ -202,13 +219,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="One DFlash decode step (context-KV precompute and draft attention) of a real draft "
                     "shape, every available backend compared with the reference under SPEC.md's "
                     "tolerances. Exits 1 when a backend disagrees or fails. On a CPU the shape is scaled "
-                    "down and Triton runs through its interpreter.")
+                    "down and Triton runs through its interpreter.",
+        **_examples(("dflash-rocm check", "every backend that can run here"),
+                    ("dflash-rocm check --backend rocm --kv-cache-dtype fp8", "one backend, fp8 KV cache"),
+                    ("dflash-rocm check --checkpoint ~/models/Qwen3-8B-DFlash-b16 --json",
+                     "a real draft's weights, for scripts")))
     check.add_argument("--shape", choices=sorted(SHAPES), default=DEFAULT_SHAPE, help="draft shape preset")
     check.add_argument("--checkpoint", metavar="DIR", help="use a DFlash draft checkpoint's weights and shape")
     check.add_argument("--backend", action="append", choices=sorted(NAMES),
                        help="check only this backend (repeatable)")
     _add_dtype_and_device(check)
     check.add_argument("--json", action="store_true", help="machine-readable output")
+    check.add_argument("--wide", action="store_true", help=_WIDE_HELP)
     check.set_defaults(func=cmd_check)
 
     bench = sub.add_parser(
@@ -217,7 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "run here, and vLLM's unfused precompute sequence (torch ops, and vLLM's ops where "
                     "importable), with device events, warm-up, medians and an L2 flush per call. Each row "
                     "reports achieved bandwidth and the percentage of the hardware floor (the bytes that must "
-                    "move, or FLOPs that must run, at the device's peak). On a CPU it runs a small smoke test.")
+                    "move, or FLOPs that must run, at the device's peak). On a CPU it runs a small smoke test.",
+        **_examples(("dflash-rocm bench --quick", "the short sweep scripts/gpu_check.sh runs"),
+                    ("dflash-rocm bench --op attention --batch 1,16 --context 8192", "one op, chosen cases"),
+                    ("dflash-rocm bench --json bench.json --csv bench.csv --plot bench.png",
+                     "the full sweep, saved")))
     bench.add_argument("--shape", action="append", choices=sorted(SHAPES), help="draft shape (repeatable)")
     bench.add_argument("--op", action="append", choices=sorted(_OPS), help="only this operation (repeatable)")
     bench.add_argument("--tokens", type=_int_list, help="context tokens per step for the precompute, e.g. 1,16,256")
@@ -232,14 +258,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--csv", metavar="PATH", help="also write CSV ('-' for stdout)")
     bench.add_argument("--plot", metavar="FILE.png", help="bar chart of %% of floor per case (needs matplotlib)")
     bench.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    bench.add_argument("--wide", action="store_true", help=_WIDE_HELP)
     bench.set_defaults(func=cmd_bench)
 
     tune = sub.add_parser(
         "tune", help="run the ROCm startup tuning by hand and print the table it chose",
         description="Time candidate launch configs around the ROCm table's choice for the DFlash workloads "
                     "within the query limit, batch limit and model length; a candidate must reproduce the "
-                    "table config's output and win clearly (3%%) to be kept. The result is stored under "
-                    "DFLASH_ROCM_CACHE_DIR and used by the rocm backend when DFLASH_ROCM_TUNE is on.")
+                    "table config's output and win clearly (3%) to be kept. The result is stored under "
+                    "DFLASH_ROCM_CACHE_DIR and used by the rocm backend when DFLASH_ROCM_TUNE is on.",
+        **_examples(("dflash-rocm tune", "the default shape, up to batch 64 and 32768 tokens"),
+                    ("dflash-rocm tune --query-limit 8 --batch-limit 16 --max-model-len 8192",
+                     "as a server with 7 speculative tokens would"),
+                    ("dflash-rocm tune --simulate-arch gfx1100 --batch-limit 1 --max-model-len 64",
+                     "on a CPU, as if on an RX 7900 XTX (minutes)")))
     tune.add_argument("--shape", choices=sorted(SHAPES), default=DEFAULT_SHAPE, help="draft shape preset")
     tune.add_argument("--checkpoint", metavar="DIR", help="take heads and attention mode from a draft checkpoint")
     _add_dtype_and_device(tune)

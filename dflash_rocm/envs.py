@@ -27,7 +27,7 @@ class EnvVar:
 
 BACKEND = EnvVar(
     "DFLASH_ROCM_BACKEND", "auto",
-    "backend for both operations: auto, reference, triton, rocm or cuda "
+    "backend for both operations: auto, reference, triton, rocm, aiter or cuda "
     "(the backend= argument of a call wins)")
 LOG_LEVEL = EnvVar(
     "DFLASH_ROCM_LOG_LEVEL", "WARNING",
@@ -53,5 +53,12 @@ TRITON_INTERPRET = EnvVar(
     "TRITON_INTERPRET", "0",
     "1 runs Triton kernels on CPU tensors through the interpreter (read when kernels are "
     "first imported)")
+NO_COLOR = EnvVar(
+    "NO_COLOR", "",
+    "any value: the command line prints no colour (no-color.org)")
+FORCE_COLOR = EnvVar(
+    "FORCE_COLOR", "",
+    "any value but 0: the command line colours results even when stdout is not a terminal")
 
-ALL: tuple[EnvVar, ...] = (BACKEND, LOG_LEVEL, QUERY_LIMIT, TUNE, CACHE_DIR, AITER, VLLM, TRITON_INTERPRET)
+ALL: tuple[EnvVar, ...] = (BACKEND, LOG_LEVEL, QUERY_LIMIT, TUNE, CACHE_DIR, AITER, VLLM, TRITON_INTERPRET,
+                           NO_COLOR, FORCE_COLOR)

@@ -9,6 +9,7 @@ import torch
 
 from . import dispatch, envs, registry
 from .platform import platform_for
+from .report import WIDTH, Style, format_table, join_blocks, wrap
 from .version import __version__
 from .vllm_plugin import plugin_status
 
@@ -46,40 +47,39 @@ def collect_info() -> dict:
         "auto_order": list(registry.priority_for(p, device.type)),
         "environment": {v.name: {"value": v.get(), "set": v.is_set(), "help": v.help} for v in envs.ALL},
         "vllm_plugin": plugin_status(),
-        "backend_status": backend_status(),
+        "backend_status": backend_status(dispatch.device_reasons(device)),
     }
     return info
 
 
-def backend_status() -> dict[str, str]:
-    """What the backends that import here report of themselves (aiter's probe, tuning)."""
+def backend_status(reasons: dict[str, list[str]]) -> dict[str, str]:
+    """What the backends available here report of themselves (aiter's features, the ROCm
+    query limit and tuning cache); an unavailable one's reason is in the backend table."""
     status: dict[str, str] = {}
     for name in registry.NAMES:
         cls = dispatch.backend(name)
-        if cls is not None:
+        if cls is not None and not reasons.get(name):
             status.update(cls.status())
     return status
 
 
-def format_info(info: dict) -> str:
-    from .report import format_table
-
-    lines = [f"dflash_rocm {info['dflash_rocm']}", ""]
-    lines.append(format_table(["package", "version"],
-                              [(k, v or "not installed") for k, v in info["packages"].items()]))
+def format_info(info: dict, width: int | None = WIDTH, style: Style = Style()) -> str:
+    """The report for a person: within ``width`` columns (None: one line per row)."""
+    packages = format_table(["package", "version"], [(k, v or "absent") for k, v in info["packages"].items()])
     d = info["device"]
-    lines += ["", f"device: {d['name']} ({d['type']}; vendor {d['vendor']}, arch {d['arch']}, "
-                  f"family {d['family']}, wave {d['wave_size']}, {d['compute_units']} compute units)", ""]
-    lines.append(format_table(["backend", "available", "why not"],
-                              [(n, "yes" if b["available"] else "no", "; ".join(b["reasons"]))
-                               for n, b in info["backends"].items()]))
-    lines += ["", f"auto order: {' > '.join(info['auto_order'])}", ""]
+    device = wrap(f"device: {d['name']} ({d['type']}; vendor {d['vendor']}, arch {d['arch']}, family {d['family']}, "
+                  f"wave {d['wave_size']}, {d['compute_units']} compute units)", width)
+    backends = format_table(
+        ["backend", "available", "why not"],
+        [(n, style.paint("yes", "green") if b["available"] else style.paint("no", "dim"), "; ".join(b["reasons"]))
+         for n, b in info["backends"].items()], width=width, wrap_columns=["why not"], omit_empty=["why not"])
     plugin = info["vllm_plugin"]
-    lines.append(f"vLLM plugin: {'vLLM will load it' if plugin['will_load'] else 'not loaded: ' + '; '.join(plugin['reasons'])}"
-                 f" (vLLM {plugin['vllm'] or 'not installed'})")
-    lines += [f"{label}: {text}" for label, text in info["backend_status"].items()]
-    lines.append("")
-    lines.append(format_table(["environment variable", "value", "meaning"],
-                              [(n, v["value"] + ("" if v["set"] else " (default)"), v["help"])
-                               for n, v in info["environment"].items()]))
-    return "\n".join(lines)
+    loads = "vLLM will load it" if plugin["will_load"] else "not loaded: " + "; ".join(plugin["reasons"])
+    integration = "\n".join([f"auto order: {' > '.join(info['auto_order'])}", "",
+                             wrap(f"vLLM plugin: {loads} (vLLM {plugin['vllm'] or 'not installed'})", width),
+                             *(wrap(f"{label}: {text}", width) for label, text in info["backend_status"].items())])
+    environment = format_table(["environment variable", "value", "meaning"],
+                               [(n, v["value"] if v["set"] else f"{v['value']} (default)".strip(), v["help"])
+                                for n, v in info["environment"].items()],
+                               width=width, wrap_columns=["value", "meaning"])
+    return join_blocks(f"dflash_rocm {info['dflash_rocm']}", packages, device, backends, integration, environment)

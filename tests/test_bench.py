@@ -60,6 +60,7 @@ def test_bench_smoke_writes_table_json_csv_and_plot(tmp_path, capsys):
                    "--json", str(paths["json"]), "--csv", str(paths["csv"]), "--plot", str(paths["png"])])
     out = capsys.readouterr().out
     assert rc == 0
+    out = " ".join(out.split())  # lines wrap at 100 columns
     assert "numbers say nothing about GPU speed" in out
     report = json.loads(paths["json"].read_text())
     rows = {(r["op"], r["backend"]): r for r in report["rows"]}

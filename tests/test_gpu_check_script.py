@@ -25,4 +25,6 @@ def test_gpu_check_dry_run(tmp_path):
     assert "skipped" in (tmp_path / "pytest.log").read_text()
     rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
     assert any(r["backend"] == "triton" and r["us"] for r in rows)
-    assert result.stdout.rstrip().splitlines()[-1].startswith("draft_attention")  # the table comes last
+    table = (tmp_path / "bench.txt").read_text()
+    assert result.stdout.rstrip().endswith(table.rstrip())  # the table comes last
+    assert any(line.startswith("draft_attention, ") for line in table.splitlines())

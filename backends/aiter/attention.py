@@ -45,13 +45,13 @@ class AiterFeatures:
 def probe() -> tuple[AiterFeatures | None, str | None]:
     """``(features, None)`` or ``(None, why aiter cannot be used)``."""
     if envs.AITER.get() == "0":
-        return None, f"aiter disabled ({envs.AITER.name}=0)"
+        return None, f"disabled ({envs.AITER.name}=0)"
     if importlib.util.find_spec("aiter") is None:
-        return None, "aiter is not installed (pip install amd-aiter in a ROCm environment)"
+        return None, "not installed (pip install amd-aiter in a ROCm environment)"
     try:
         aiter = importlib.import_module("aiter")
     except Exception as exc:  # aiter raises RuntimeError (and more) without a working ROCm
-        return None, f"aiter failed to import ({type(exc).__name__}: {exc})"
+        return None, f"failed to import ({type(exc).__name__}: {exc})"
     fn = getattr(aiter, "flash_attn_varlen_func", None)
     if fn is None:
         return None, "this aiter has no flash_attn_varlen_func"

@@ -15,7 +15,8 @@ from typing import Any, Callable
 @dataclass(frozen=True)
 class Op:
     name: str  # the public function's name: "draft_attention"
-    short: str  # for tables and CLI flags: "attention"
+    short: str  # for CLI flags: "attention"
+    label: str  # in tables, where the precompute's full name would take a third of a row
     run_method: str  # the Backend classmethod that runs a call: "draft_attention"
     reasons_method: str  # the Backend classmethod that says why it cannot: "attention_not_supported_reasons"
     build_call: Callable[..., Any]  # the public arguments -> a validated call
