@@ -6,6 +6,7 @@ Public API::
     precompute_and_store_context_kv(...)    # fused context K/V -> every layer's cache
     ContextKVWeights                        # the draft tensors the precompute needs
     load_context_kv_weights(path)           # ... from a DFlash draft checkpoint
+    PackedCache                             # caches packed beyond a strided view (vLLM ROCM_ATTN)
     BackendUnavailable, explain(...), available_backends(), dispatch_counts()
 """
 
@@ -60,11 +61,12 @@ _configure_logging()
 from .api import available_backends, draft_attention, explain, precompute_and_store_context_kv  # noqa: E402
 from .checkpoint import load_context_kv_weights  # noqa: E402
 from .dispatch import BackendUnavailable, dispatch_counts, reset_dispatch_counts  # noqa: E402
+from .paged import PackedCache  # noqa: E402
 from .version import __version__  # noqa: E402
 from .weights import ContextKVWeights  # noqa: E402
 
 __all__ = [
-    "ContextKVWeights", "BackendUnavailable", "available_backends", "dispatch_counts",
+    "ContextKVWeights", "BackendUnavailable", "PackedCache", "available_backends", "dispatch_counts",
     "draft_attention", "explain", "load_context_kv_weights", "precompute_and_store_context_kv",
     "reset_dispatch_counts",
     "__version__",

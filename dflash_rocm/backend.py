@@ -40,6 +40,7 @@ class Backend:
     MAX_QUERIES_PER_KV: ClassVar[int | None] = None
     SUPPORTS_SINKS: ClassVar[bool] = True
     SUPPORTS_SLIDING_WINDOW: ClassVar[bool] = True
+    SUPPORTS_PACKED_CACHES: ClassVar[bool] = False  # dflash_rocm.PackedCache (vLLM's ROCM_ATTN layout)
 
     # -- what it supports ------------------------------------------------------------------
     @classmethod
@@ -82,12 +83,18 @@ class Backend:
             reasons.append("attention sinks not supported")
         if call.sliding_window is not None and not cls.SUPPORTS_SLIDING_WINDOW:
             reasons.append("sliding window not supported")
-        return reasons
+        return reasons + cls._packing_reasons(call.packing)
 
     @classmethod
     def precompute_not_supported_reasons(cls, call: PrecomputeCall) -> list[str]:
         return cls._common_reasons(call.device, call.dtype, call.cache_dtype, call.weights.head_dim,
-                                   "context_states")
+                                   "context_states") + cls._packing_reasons(call.packing)
+
+    @classmethod
+    def _packing_reasons(cls, packing) -> list[str]:
+        if packing is not None and not cls.SUPPORTS_PACKED_CACHES:
+            return [f"packed cache pages (row/dim packing of K, V: {packing}) not supported"]
+        return []
 
     @classmethod
     def _head_dim_reasons(cls, head_dim: int) -> list[str]:

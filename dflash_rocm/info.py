@@ -12,6 +12,7 @@ from .platform import platform_for
 from .report import WIDTH, Style, format_table, join_blocks, wrap
 from .version import __version__
 from .vllm_plugin import plugin_status
+from .vllm_plugin.cache_views import vllm_order
 
 # (what, distributions that provide it, import name)
 _PACKAGES = (
@@ -47,6 +48,8 @@ def collect_info() -> dict:
         "auto_order": list(registry.priority_for(p, device.type)),
         "environment": {v.name: {"value": v.get(), "set": v.is_set(), "help": v.help} for v in envs.ALL},
         "vllm_plugin": plugin_status(),
+        "vllm_attention": [{"backend": b.name, "layout": b.layout, "dflash_rocm": b.served}
+                           for b in vllm_order(p.vendor)],
         "backend_status": backend_status(dispatch.device_reasons(device)),
     }
     return info
@@ -78,6 +81,9 @@ def format_info(info: dict, width: int | None = WIDTH, style: Style = Style()) -
     integration = "\n".join([f"auto order: {' > '.join(info['auto_order'])}", "",
                              wrap(f"vLLM plugin: {loads} (vLLM {plugin['vllm'] or 'not installed'})", width),
                              *(wrap(f"{label}: {text}", width) for label, text in info["backend_status"].items())])
+    if plugin["vllm"] and info["vllm_attention"]:
+        integration += "\n\n" + wrap("vLLM's attention for a non-causal DFlash draft here, in its order: " + "; ".join(
+            f"{a['backend']} ({a['dflash_rocm']})" for a in info["vllm_attention"]), width)
     environment = format_table(["environment variable", "value", "meaning"],
                                [(n, v["value"] if v["set"] else f"{v['value']} (default)".strip(), v["help"])
                                 for n, v in info["environment"].items()],

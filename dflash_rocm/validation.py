@@ -27,6 +27,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .contract import INDEX_DTYPES
+from .paged import PackedCache, memory_of
 
 INT32_MAX = 2**31 - 1
 
@@ -39,6 +40,14 @@ def tensor_arg(name: str, value: Any) -> torch.Tensor:
     return value
 
 
+def cache_arg(name: str, value: Any) -> torch.Tensor | PackedCache:
+    """A paged cache: a strided tensor or a :class:`PackedCache` (shape checks follow)."""
+    if isinstance(value, PackedCache):
+        tensor_arg(name, value.view)
+        return value
+    return tensor_arg(name, value)
+
+
 def check_dtype(name: str, t: torch.Tensor, allowed: Sequence[torch.dtype]) -> None:
     if t.dtype not in allowed:
         names = ", ".join(str(d).replace("torch.", "") for d in allowed)
@@ -46,7 +55,7 @@ def check_dtype(name: str, t: torch.Tensor, allowed: Sequence[torch.dtype]) -> N
 
 
 def check_shape(name: str, t: torch.Tensor, expected: Sequence[int | None], words: str) -> None:
-    if t.dim() != len(expected) or any(e is not None and s != e for s, e in zip(t.shape, expected)):
+    if len(t.shape) != len(expected) or any(e is not None and s != e for s, e in zip(t.shape, expected)):
         shown = [("?" if e is None else e) for e in expected]
         raise ValueError(f"{name}: expected shape {words} = {shown}; got {list(t.shape)}")
 
@@ -118,7 +127,8 @@ def provably_disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
     storages, for byte ranges that do not meet, for views that differ only by offset
     (vLLM's K/V halves of one cache) and for views that share their outer dimensions and
     keep their inner parts in disjoint ranges of each outer cell (vLLM's CPU pages: K
-    transposed, then V, per block and head). Anything else is reported as not provable."""
+    transposed, then V, per block and head; ROCM_ATTN's K and V pages of a block). Anything
+    else is reported as not provable."""
     if a.numel() == 0 or b.numel() == 0:
         return True
     if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
@@ -140,26 +150,30 @@ def provably_disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
     da, db = _dims(a), _dims(b)
     if sorted(da) == sorted(db) and a0 != b0:
         return _nested(da + [(2, abs(b0 - a0))])  # one tensor with a 2-wide dim: a, then b
-    shared = [d for d in da if d in db]
-    inner_a = [d for d in da if d not in shared]
-    inner_b = [d for d in db if d not in shared]
-    (ia0, ia1), (ib0, ib1) = ((a0, a0 + sum((s - 1) * st for s, st in inner_a)),
-                              (b0, b0 + sum((s - 1) * st for s, st in inner_b)))
-    if not (ia1 < ib0 or ib1 < ia0):
-        return False
-    cell = max(ia1, ib1) - min(ia0, ib0) + 1
-    return _nested(inner_a) and _nested(inner_b) and _nested(shared, cell)
+    shared = sorted((d for d in da if d in db), key=lambda d: -d[1])
+    for k in range(len(shared), -1, -1):  # the outermost shared dims first, then fewer
+        outer = shared[:k]
+        inner_a = [d for d in da if d not in outer]
+        inner_b = [d for d in db if d not in outer]
+        ia1 = a0 + sum((s - 1) * st for s, st in inner_a)
+        ib1 = b0 + sum((s - 1) * st for s, st in inner_b)
+        if ia1 < b0 or ib1 < a0:
+            cell = max(ia1, ib1) - min(a0, b0) + 1
+            if _nested(inner_a) and _nested(inner_b) and _nested(outer, cell):
+                return True
+    return False
 
 
-def check_writable(name: str, t: torch.Tensor) -> None:
+def check_writable(name: str, t: torch.Tensor | PackedCache) -> None:
+    t = memory_of(t)
     if internal_overlap(t):
         raise ValueError(f"{name}: a tensor this call writes must not alias itself (an expanded or overlapping "
                          f"view, strides {t.stride()} for shape {list(t.shape)}); pass a tensor with its own "
                          "memory per element")
 
 
-def check_disjoint(written: str, w: torch.Tensor, other: str, o: torch.Tensor) -> None:
-    if not provably_disjoint(w, o):
+def check_disjoint(written: str, w: torch.Tensor | PackedCache, other: str, o: torch.Tensor | PackedCache) -> None:
+    if not provably_disjoint(memory_of(w), memory_of(o)):
         raise ValueError(f"{written}: shares memory with {other}; the call would overwrite what it reads "
                          f"(pass separate tensors)")
 
@@ -168,11 +182,11 @@ _LAYOUTS_KEPT = 256
 _passed_layouts: dict[tuple, None] = {}
 
 
-def check_layout_once(tag: str, tensors: Sequence[torch.Tensor], check: Callable[[], None]) -> None:
+def check_layout_once(tag: str, tensors: Sequence[torch.Tensor | PackedCache], check: Callable[[], None]) -> None:
     """Run ``check`` (which raises on a bad layout) unless these tensors' layout (address,
     shape, strides) already passed it: memory checks are pairwise, and a server's caches
     and buffers never move, so each layout is judged once."""
-    key = (tag, *((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in tensors))
+    key = (tag, *((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in map(memory_of, tensors)))
     if key in _passed_layouts:
         return
     check()

@@ -10,6 +10,7 @@ import dflash_rocm
 from dflash_rocm.contract import FP8_DTYPES
 from dflash_rocm.ops.attention import attention_call
 from dflash_rocm.ops.precompute import precompute_call
+from dflash_rocm.paged import PackedCache, logical, memory_of, read_rows
 
 from dflash_rocm.contract import TOLERANCES as TOLERANCE
 from dflash_rocm.contract import relative_error as rel_err
@@ -19,18 +20,22 @@ from dflash_rocm.contract import spec_tolerance as tolerance
 def clone_arg(x):
     if isinstance(x, torch.Tensor):
         return x.clone()
+    if isinstance(x, PackedCache):
+        return PackedCache(x.view.clone())
     if isinstance(x, (list, tuple)):
         return type(x)(clone_arg(v) for v in x)
     return x
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of ``t`` in logical order, whatever its strides."""
-    return t.contiguous().view(torch.uint8)
+def bits(t: torch.Tensor | PackedCache) -> torch.Tensor:
+    """The bytes of ``t`` in logical order (``[blocks, bs, Hk, D * bytes]`` for a cache),
+    whatever its strides or packing."""
+    return logical(t).contiguous().view(torch.uint8)
 
 
-def poison(t: torch.Tensor) -> None:
+def poison(t: torch.Tensor | PackedCache) -> None:
     """Fill with a value no backend computes: NaN (0x7F is NaN in e4m3fn, 0x80 in e4m3fnuz)."""
+    t = memory_of(t)
     if t.dtype == torch.float8_e4m3fn:
         t.copy_(torch.full(t.shape, 0x7F, dtype=torch.uint8, device=t.device).view(t.dtype))
     elif t.dtype == torch.float8_e4m3fnuz:
@@ -50,7 +55,7 @@ def check_attention(case, backend: str, run=None) -> float:
     if out is None:
         out = torch.empty_like(query)
     poison(out)
-    k_before, v_before = key_cache.clone(), value_cache.clone()
+    k_before, v_before = bits(key_cache).clone(), bits(value_cache).clone()
     if run is None:
         result = dflash_rocm.draft_attention(*case.args, **kwargs, out=out, backend=backend)
         assert result is out, "draft_attention must return the out tensor it wrote"
@@ -58,8 +63,8 @@ def check_attention(case, backend: str, run=None) -> float:
         run(attention_call(*case.args, **kwargs, out=out))
     assert not torch.isnan(out.float()).any(), f"output rows left unwritten or NaN: {case.description}"
     assert torch.isfinite(out.float()).all(), f"non-finite output: {case.description}"
-    assert torch.equal(bits(key_cache), bits(k_before)), "attention wrote key_cache"
-    assert torch.equal(bits(value_cache), bits(v_before)), "attention wrote value_cache"
+    assert torch.equal(bits(key_cache), k_before), "attention wrote key_cache"
+    assert torch.equal(bits(value_cache), v_before), "attention wrote value_cache"
     err = rel_err(out, ref) if out.numel() else 0.0
     tol = tolerance(query.dtype, key_cache.dtype)
     assert err <= tol, f"{backend} vs reference: rel err {err:.2e} > {tol:.0e} for {case.description}"
@@ -80,7 +85,7 @@ def check_precompute(case, backend: str, run=None) -> float:
         states, positions, weights, None, None, None, backend="reference", return_kv=True)
     for c in list(key_caches) + list(value_caches):
         poison(c)
-    before = [c.clone() for c in key_caches] + [c.clone() for c in value_caches]
+    before = [bits(c).clone() for c in list(key_caches) + list(value_caches)]
     if run is None:
         result = dflash_rocm.precompute_and_store_context_kv(*case.args, **case.kwargs, backend=backend)
     else:
@@ -106,13 +111,13 @@ def check_precompute(case, backend: str, run=None) -> float:
             if slots is not None:
                 keep, blocks, rows = written_rows(slots, cache.shape[1])
                 touched[blocks, rows] = True
-                got = cache[blocks, rows].float() * (scales[layer] if cache.dtype in FP8_DTYPES else 1.0)
+                got = read_rows(cache, blocks, rows).float() * (scales[layer] if cache.dtype in FP8_DTYPES else 1.0)
                 want = ref[layer][keep].float()
                 if want.numel():
                     assert not torch.isnan(got).any(), f"slot left unwritten, layer {layer}: {case.description}"
                     errors.append(rel_err(got, want))
             untouched_now = bits(cache)[~touched]
-            untouched_before = bits(prior)[~touched]
+            untouched_before = prior[~touched]
             assert torch.equal(untouched_now, untouched_before), (
                 f"{backend} wrote outside the mapped slots of layer {layer}: {case.description}")
     assert max(errors) <= tol, f"{backend} vs reference: rel err {max(errors):.2e} > {tol:.0e}: {case.description}"

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from hypothesis import strategies as st
 
-from dflash_rocm import ContextKVWeights
+from dflash_rocm import ContextKVWeights, PackedCache
 from dflash_rocm.contract import FP8_DTYPES
 from dflash_rocm.rope import build_cos_sin_cache
 
@@ -71,6 +71,25 @@ def relayout(t: torch.Tensor, layout: str) -> torch.Tensor:
     return view
 
 
+PACKINGS = ("plain", "rocm_attn", "rocm_attn_interleaved_v")
+
+
+def pack_caches(key: torch.Tensor, value: torch.Tensor, packing: str):
+    """``(key, value)`` in vLLM ROCM_ATTN's page layouts (paged_attn.split_kv_cache, vLLM 0.33):
+    K x-packed ``[blocks, Hk, D // x, bs, x]``, V ``[blocks, Hk, D, bs]`` or, interleaved,
+    ``[blocks, Hk, bs // x, D, x]``, with ``x = 16 // element_size``. A layout the shape
+    cannot take (``D`` or ``bs`` not a multiple of ``x``) stays plain."""
+    nb, bs, hk, d = key.shape
+    x = 16 // key.element_size()
+    if packing == "plain" or d % x or (packing == "rocm_attn_interleaved_v" and bs % x):
+        return key, value
+    k = key.contiguous().view(nb, bs, hk, d // x, x).permute(0, 2, 3, 1, 4).contiguous()
+    if packing == "rocm_attn_interleaved_v":
+        v = value.contiguous().view(nb, bs // x, x, hk, d).permute(0, 3, 1, 4, 2).contiguous()
+        return PackedCache.x_packed_key(k), PackedCache.interleaved_value(v)
+    return PackedCache.x_packed_key(k), value.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+
+
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
     if dtype in FP8_DTYPES:
         return (x.float() / scale).to(dtype)
@@ -113,7 +132,8 @@ def seq_layouts(draw, sizes: Sizes, block_size: int):
 
 @st.composite
 def attention_cases(draw, sizes: Sizes = CPU_SIZES, dtypes=(torch.float32, torch.float16, torch.bfloat16),
-                    cache_dtypes=CACHE_DTYPE_CHOICES, allow_out: bool = True) -> AttentionCase:
+                    cache_dtypes=CACHE_DTYPE_CHOICES, allow_out: bool = True,
+                    packings=("plain",)) -> AttentionCase:
     device = sizes.device
     block_size = draw(st.sampled_from(sizes.block_sizes))
     layout = draw(seq_layouts(sizes, block_size))
@@ -129,6 +149,7 @@ def attention_cases(draw, sizes: Sizes = CPU_SIZES, dtypes=(torch.float32, torch
     use_out = allow_out and draw(st.booleans())
     scale = draw(st.none() | st.floats(0.05, 0.5))
     memory = draw(st.sampled_from(LAYOUTS))
+    packing = draw(st.sampled_from(packings))
     seed = draw(st.integers(0, 2**31 - 1))
 
     g = make_generator(seed, device)
@@ -166,9 +187,11 @@ def attention_cases(draw, sizes: Sizes = CPU_SIZES, dtypes=(torch.float32, torch
         kwargs["sinks"] = relayout(sinks, memory)
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     description = (f"B={B} q_lens={q_lens} seq_lens={seq_lens} bs={block_size} Hk={Hk} G={G} D={D} "
-                   f"{dtype} cache={cache_dtype} causal={causal} window={window} sinks={sinks_kind} memory={memory}")
-    args = (query, key_cache, value_cache, block_table, qsl, seq_lens_t)
-    return AttentionCase(args=tuple(relayout(t, memory) for t in args),
+                   f"{dtype} cache={cache_dtype} causal={causal} window={window} sinks={sinks_kind} memory={memory} "
+                   f"packing={packing}")
+    args = [relayout(t, memory) for t in (query, key_cache, value_cache, block_table, qsl, seq_lens_t)]
+    args[1], args[2] = pack_caches(args[1], args[2], packing)
+    return AttentionCase(args=tuple(args),
                          kwargs=kwargs, description=description, q_lens=q_lens, seq_lens=seq_lens)
 
 
@@ -210,7 +233,7 @@ def make_weights(g: torch.Generator, device: str, *, L: int, Hk: int, D: int, H:
 
 @st.composite
 def precompute_cases(draw, sizes: Sizes = CPU_SIZES, dtypes=(torch.float32, torch.float16, torch.bfloat16),
-                     cache_dtypes=CACHE_DTYPE_CHOICES) -> PrecomputeCase:
+                     cache_dtypes=CACHE_DTYPE_CHOICES, packings=("plain",)) -> PrecomputeCase:
     device = sizes.device
     N = draw(st.sampled_from([1, sizes.max_tokens]) | st.integers(1, sizes.max_tokens))
     L = draw(st.integers(1, sizes.max_layers))
@@ -228,6 +251,7 @@ def precompute_cases(draw, sizes: Sizes = CPU_SIZES, dtypes=(torch.float32, torc
     mapping_kind = draw(st.sampled_from(["shared", "per_layer", "per_layer_with_none", "none"]))
     return_kv = draw(st.booleans())
     layout = draw(st.sampled_from(LAYOUTS))
+    packing = draw(st.sampled_from(packings))
     seed = draw(st.integers(0, 2**31 - 1))
 
     g = make_generator(seed, device)
@@ -261,13 +285,13 @@ def precompute_cases(draw, sizes: Sizes = CPU_SIZES, dtypes=(torch.float32, torc
                     for _ in range(L)]
     description = (f"N={N} L={L} Hk={Hk} D={D} H={H} R={R} neox={is_neox} bias={bias} v_scale={v_scale} "
                    f"{dtype} cache={cache_dtype} bs={block_size} mapping={mapping_kind} return_kv={return_kv} "
-                   f"layout={layout}")
+                   f"layout={layout} packing={packing}")
     if isinstance(slot_mapping, list):
         slot_mapping = [None if m is None else relayout(m, layout) for m in slot_mapping]
     elif slot_mapping is not None:
         slot_mapping = relayout(slot_mapping, layout)
-    key_caches = [relayout(c, layout) for c in key_caches]
-    value_caches = [relayout(c, layout) for c in value_caches]
+    packed = [pack_caches(relayout(k, layout), relayout(v, layout), packing) for k, v in zip(key_caches, value_caches)]
+    key_caches, value_caches = [k for k, _ in packed], [v for _, v in packed]
     return PrecomputeCase(args=(relayout(states, layout), relayout(positions, layout), weights, key_caches,
                                 value_caches, slot_mapping),
                           kwargs=dict(k_scales=k_scales, v_scales=v_scales, return_kv=return_kv),

@@ -8,7 +8,8 @@ from hypothesis import given, settings
 import dflash_rocm
 from checks import rel_err, bits
 from dflash_rocm.contract import FP8_DTYPES
-from strategies import CPU_SIZES, Sizes, attention_cases, precompute_cases
+from dflash_rocm.paged import logical
+from strategies import CPU_SIZES, PACKINGS, Sizes, attention_cases, precompute_cases
 
 TINY = Sizes(max_seqs=2, max_query=4, max_context=12, head_dims=(8,), block_sizes=(1, 3, 4),
              queries_per_kv=(1, 2, 3), max_tokens=5, hidden_sizes=(12,), max_layers=2)
@@ -75,10 +76,11 @@ def naive_context_kv(states, positions, w):
     return k_out, v_out
 
 
-@given(attention_cases(TINY, dtypes=(torch.float32,)))
+@given(attention_cases(TINY, dtypes=(torch.float32,), packings=PACKINGS))
 def test_reference_attention_matches_naive_loops(case):
     ref = dflash_rocm.draft_attention(*case.args, **case.kwargs, backend="reference")
-    naive = naive_attention(*case.args, **{k: v for k, v in case.kwargs.items() if k != "out"})
+    args = [logical(a) if i in (1, 2) else a for i, a in enumerate(case.args)]  # naive loops read plain caches
+    naive = naive_attention(*args, **{k: v for k, v in case.kwargs.items() if k != "out"})
     assert rel_err(ref, naive) < 1e-5, case.description
 
 
@@ -92,11 +94,12 @@ def test_reference_context_kv_matches_naive_loops(case):
 
 
 @settings(max_examples=10)
-@given(precompute_cases(CPU_SIZES))
+@given(precompute_cases(CPU_SIZES, packings=PACKINGS))
 def test_reference_writes_exactly_the_mapped_slots(case):
-    """Slot s lands in block s // block_size, row s % block_size; -1 and None layers skip."""
+    """Slot s lands in block s // block_size, row s % block_size; -1 and None layers skip
+    (packed caches read back through their logical view)."""
     kcs = case.key_caches
-    before = [c.clone() for c in kcs]
+    before = [logical(c).clone() for c in kcs]
     k, _ = dflash_rocm.precompute_and_store_context_kv(*case.args, backend="reference",
                                                        **{**case.kwargs, "return_kv": True})
     scales = case.kwargs.get("k_scales") or [1.0] * len(kcs)
@@ -104,7 +107,7 @@ def test_reference_writes_exactly_the_mapped_slots(case):
         bs = kcs[layer].shape[1]
         written = {s: n for n, s in enumerate(slots.tolist()) if s >= 0} if slots is not None else {}
         for slot in range(kcs[layer].shape[0] * bs):
-            got = kcs[layer][slot // bs, slot % bs]
+            got = logical(kcs[layer])[slot // bs, slot % bs]
             if slot not in written:
                 assert torch.equal(bits(got), bits(before[layer][slot // bs, slot % bs]))
                 continue

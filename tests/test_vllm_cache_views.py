@@ -1,90 +1,171 @@
-"""vLLM's per-backend KV cache layouts as [blocks, bs, Hk, D] views, checked element by
-element against each layout's definition (impl stand-ins carry vLLM's class names)."""
+"""vLLM's per-backend KV caches read and written by dflash_rocm through the plugin's views.
+
+Each cache is built exactly as vLLM 0.33 allocates and binds it (``vllm033_layouts``:
+``v1/kv_cache_interface.py`` strides, each impl's split), the query tokens' K/V are
+written with that backend's own writer (re-implemented from vLLM 0.33's source, cited
+there), and then: the views read back what vLLM wrote, draft attention over the views
+equals the reference over plain copies, and the precompute writes the bytes vLLM's
+writer would. Impl stand-ins carry vLLM's class names (and its subclass relations).
+"""
+
+from types import SimpleNamespace as NS
 
 import pytest
 import torch
 
-from dflash_rocm.vllm_plugin.cache_views import kv_cache_views
+import dflash_rocm
+import vllm033_layouts as v033
+from checks import rel_err
+from dflash_rocm.paged import logical, read_rows
+from dflash_rocm.vllm_plugin.cache_views import BACKENDS, backend_of, kv_cache_views
+from strategies import make_generator, make_weights
 
-NB, BS, HK, D = 3, 4, 2, 8
+NB, BS, HK, D = 6, 16, 2, 32
+
+# vLLM's class tree where it matters: unified and segmented subclass ROCM_ATTN's impl.
+RocmAttentionImpl = type("RocmAttentionImpl", (), {})
+IMPLS = {
+    "RocmAttentionImpl": RocmAttentionImpl,
+    "RocmSegmentedAttentionImpl": type("RocmSegmentedAttentionImpl", (RocmAttentionImpl,), {}),
+    "RocmAiterUnifiedAttentionImpl": type("RocmAiterUnifiedAttentionImpl", (RocmAttentionImpl,), {}),
+    **{name: type(name, (), {}) for name in ("AiterFlashAttentionImpl", "TritonAttentionImpl", "FlashAttentionImpl",
+                                              "FlexAttentionImpl", "CPUAttentionBackendImpl", "FlashInferImpl")},
+}
+
+# (case id, impl class, vLLM 0.33 layout, bound-tensor allocator, writer)
+CASES = [
+    ("rocm_attn-LHBNC", "RocmAttentionImpl", "LHBNC", "slot", "rocm_attn"),
+    ("rocm_attn-LBHNC", "RocmAttentionImpl", "LBHNC", "slot", "rocm_attn"),
+    ("rocm_attn-interleaved_v", "RocmAttentionImpl", "LHBNC", "slot", "rocm_attn_interleaved"),
+    ("segmented-LHBNC", "RocmSegmentedAttentionImpl", "LHBNC", "slot", "flash_segmented"),
+    ("unified-LBHNC", "RocmAiterUnifiedAttentionImpl", "LBHNC", "flash", "flash"),
+    ("aiter_fa-LBHNC", "AiterFlashAttentionImpl", "LBHNC", "flash", "flash"),
+    ("triton-LBNHC", "TritonAttentionImpl", "LBNHC", "flash", "flash"),
+    ("flash_attn-BLHNC", "FlashAttentionImpl", "BLHNC", "flash", "flash"),
+    ("cpu-LBHNC", "CPUAttentionBackendImpl", "LBHNC", "flash", "cpu"),
+]
 
 
-def impl_named(name, **attrs):
-    cls = type(name, (), {})
-    impl = cls()
-    impl.num_kv_heads, impl.head_size, impl.kv_cache_dtype = HK, D, "auto"
+def make_impl(impl_name, cache_dtype, **attrs):
+    impl = IMPLS[impl_name]()
+    impl.num_kv_heads, impl.head_size, impl.kv_cache_dtype = HK, D, cache_dtype
+    impl.fp8_dtype = torch.float8_e4m3fn
     impl.__dict__.update(attrs)
     return impl
 
 
-def expected_key(b, r, h, d):
-    return 1000 * b + 100 * r + 10 * h + d
+def bound_cache(kind, layout, dtype, block_size=BS):
+    if kind == "slot":
+        return v033.alloc_kv_slot_style(NB, block_size, HK, D, dtype, layout, num_layers=2)[1]
+    return v033.alloc_flash_style(NB, block_size, HK, D, dtype, layout, num_layers=2)[1]
 
 
-def test_logical_bhn2d_layouts_of_flash_triton_and_aiter():
-    """FlashAttention/Triton/aiter FA: logical [blocks, Hk, bs, 2D], K then V in the last dim."""
-    kv = torch.zeros(NB, HK, BS, 2 * D)
-    for b in range(NB):
-        for h in range(HK):
-            for r in range(BS):
-                for d in range(D):
-                    kv[b, h, r, d] = expected_key(b, r, h, d)
-                    kv[b, h, r, D + d] = -expected_key(b, r, h, d)
-    for name in ("FlashAttentionImpl", "TritonAttentionImpl", "AiterFlashAttentionImpl"):
-        k, v = kv_cache_views(impl_named(name), object(), kv)
-        assert k.shape == (NB, BS, HK, D) and k.data_ptr() == kv.data_ptr()
-        assert k[2, 3, 1, 5] == expected_key(2, 3, 1, 5) and v[1, 2, 0, 7] == -expected_key(1, 2, 0, 7)
+def vllm_write(writer, kv, key, value, slots, cache_dtype, scale=1.0):
+    if writer in ("rocm_attn", "rocm_attn_interleaved"):
+        v033.write_rocm_attn(key, value, kv, slots, cache_dtype, scale, scale,
+                             interleaved_v=writer == "rocm_attn_interleaved")
+    elif writer == "cpu":
+        v033.write_cpu_attn(key, value, kv, slots, cache_dtype, scale, scale)
+    else:
+        kc, vc = (v033.split_segmented(kv, HK, D) if writer == "flash_segmented" else v033.split_flash_style(kv, D))
+        v033.write_flash_style(key, value, kc, vc, slots, cache_dtype, scale, scale)
 
 
-def test_rocm_segmented_layout():
-    """ROCm segmented: [blocks, 2, bs, Hk*D]."""
-    kv = torch.arange(NB * 2 * BS * HK * D, dtype=torch.float32).view(NB, 2, BS, HK * D)
-    k, v = kv_cache_views(impl_named("RocmSegmentedAttentionImpl"), object(), kv)
-    assert k[1, 2, 1, 3] == kv[1, 0, 2, 1 * D + 3] and v[2, 0, 0, 6] == kv[2, 1, 0, 6]
+def vllm_logical(writer, kv, cache_dtype):
+    backend = {"rocm_attn": "ROCM_ATTN", "rocm_attn_interleaved": "ROCM_ATTN", "flash_segmented":
+               "ROCM_SEGMENTED_ATTN", "cpu": "CPU_ATTN"}.get(writer, "FLASH_ATTN")
+    return v033.logical_kv(backend, kv, HK, D, cache_dtype, interleaved_v=writer == "rocm_attn_interleaved")
 
 
-def test_cpu_layout_stores_keys_transposed_per_page():
-    """CPU_ATTN (ISA vec/vec16): per (block, head) page, K^T [D, bs] then V [bs, D]."""
-    kv = torch.zeros(NB, HK, BS, 2 * D)
-    pages = kv.view(NB, HK, 2 * BS * D)
-    for b in range(NB):
-        for h in range(HK):
-            for r in range(BS):
-                for d in range(D):
-                    pages[b, h, d * BS + r] = expected_key(b, r, h, d)
-                    pages[b, h, BS * D + r * D + d] = -expected_key(b, r, h, d)
-    layer = type("Layer", (), {"isa": "vec"})()
-    k, v = kv_cache_views(impl_named("CPUAttentionBackendImpl"), layer, kv)
-    for b, r, h, d in ((0, 0, 0, 0), (2, 3, 1, 7), (1, 1, 0, 4)):
-        assert k[b, r, h, d] == expected_key(b, r, h, d) and v[b, r, h, d] == -expected_key(b, r, h, d)
-    packed = type("Layer", (), {"isa": "amx"})()
-    assert "packs its pages" in kv_cache_views(impl_named("CPUAttentionBackendImpl"), packed, kv)
+def impl_attrs(writer):
+    return {"_use_interleaved_v_cache": writer == "rocm_attn_interleaved"}
 
 
-def test_fp8_caches_are_viewed_in_the_platform_format():
-    kv = torch.zeros(NB, HK, BS, 2 * D, dtype=torch.uint8)
-    impl = impl_named("FlashAttentionImpl", kv_cache_dtype="fp8", fp8_dtype=torch.float8_e4m3fnuz)
-    k, v = kv_cache_views(impl, object(), kv)
-    assert k.dtype == v.dtype == torch.float8_e4m3fnuz and k.data_ptr() == kv.data_ptr()
+def layer_for(writer):
+    return NS(isa="vec", _k_scale=torch.ones(1), _v_scale=torch.ones(1))
 
 
-@pytest.mark.parametrize("name", ["RocmAttentionImpl", "FlashInferImpl"])
-def test_unknown_layouts_are_reasons_not_guesses(name):
-    reason = kv_cache_views(impl_named(name), object(), torch.zeros(NB, HK, BS, 2 * D))
-    assert isinstance(reason, str) and name in reason
+# vLLM's CPU fp8 pages need AVX-512/AMX hosts (their layout is bf16's): not drawn here.
+DTYPE_CASES = [(c, dtype) for c in CASES for dtype in ("auto", "fp8") if not (c[4] == "cpu" and dtype == "fp8")]
 
 
-def test_per_token_head_quantised_caches_are_refused():
-    impl = impl_named("TritonAttentionImpl", _is_per_token_head_quant=True)
-    assert "per-token-head" in kv_cache_views(impl, object(), torch.zeros(NB, HK, BS, 2 * D))
+@pytest.mark.parametrize("case,cache_dtype", DTYPE_CASES, ids=[f"{c[0]}-{d}" for c, d in DTYPE_CASES])
+def test_views_read_what_vllms_writer_wrote_and_attention_matches(case, cache_dtype):
+    _, impl_name, layout, kind, writer = case
+    block_size = 32 if writer == "cpu" else BS  # CPU_ATTN pages are multiples of 32 rows
+    g = make_generator(7, "cpu")
+    kv = bound_cache(kind, layout, torch.uint8 if cache_dtype == "fp8" else torch.bfloat16, block_size)
+    seq_lens = [37, 21]
+    total = sum(seq_lens)
+    key = torch.randn(total, HK, D, generator=g).to(torch.bfloat16)
+    value = torch.randn(total, HK, D, generator=g).to(torch.bfloat16)
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    perm = torch.randperm(NB, generator=g)[:sum(blocks_per_seq)]
+    table = torch.zeros(2, max(blocks_per_seq), dtype=torch.int32)
+    table[0, :blocks_per_seq[0]] = perm[:blocks_per_seq[0]]
+    table[1, :blocks_per_seq[1]] = perm[blocks_per_seq[0]:]
+    slots = torch.cat([table[b, torch.arange(n) // block_size].long() * block_size + torch.arange(n) % block_size
+                       for b, n in enumerate(seq_lens)])
+    vllm_write(writer, kv, key, value, slots, cache_dtype)  # context and query tokens alike
+
+    impl = make_impl(impl_name, cache_dtype, **impl_attrs(writer))
+    assert backend_of(impl).impl == impl_name  # the most derived class wins
+    k_view, v_view = kv_cache_views(impl, layer_for(writer), kv)
+    k_want, v_want = vllm_logical(writer, kv, cache_dtype)
+    assert torch.equal(logical(k_view).float(), k_want.float()) and torch.equal(logical(v_view).float(), v_want.float())
+    blocks, rows = slots // block_size, slots % block_size
+    assert torch.equal(read_rows(k_view, blocks, rows).float(), k_want[blocks, rows].float())
+
+    q_lens = [16, 5]
+    q = torch.randn(sum(q_lens), 2 * HK, D, generator=g).to(torch.bfloat16)
+    qsl = torch.tensor([0, 16, 21], dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    out = dflash_rocm.draft_attention(q, k_view, v_view, table, qsl, lens, backend="reference")
+    want = dflash_rocm.draft_attention(q, k_want, v_want, table, qsl, lens, backend="reference")
+    assert rel_err(out, want) < 1e-6
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_the_precompute_writes_the_bytes_vllms_writer_writes(case):
+    _, impl_name, layout, kind, writer = case
+    block_size = 32 if writer == "cpu" else BS
+    g = make_generator(8, "cpu")
+    w = make_weights(g, "cpu", L=1, Hk=HK, D=D, H=24, R=D, is_neox=True, bias=False, v_scale=None,
+                     dtype=torch.bfloat16, max_position=128)
+    states, positions = torch.randn(9, 24, generator=g).to(torch.bfloat16), torch.arange(9)
+    slots = torch.tensor([3, 17, -1, 40, 41, 64, 5, 90, 33])
+    k, v = dflash_rocm.precompute_and_store_context_kv(states, positions, w, None, None, None, return_kv=True,
+                                                       backend="reference")
+    theirs = bound_cache(kind, layout, torch.bfloat16, block_size)
+    vllm_write(writer, theirs, k[0], v[0], slots, "auto")
+    ours = bound_cache(kind, layout, torch.bfloat16, block_size)
+    k_view, v_view = kv_cache_views(make_impl(impl_name, "auto", **impl_attrs(writer)), layer_for(writer), ours)
+    dflash_rocm.precompute_and_store_context_kv(states, positions, w, [k_view], [v_view], slots, backend="reference")
+    assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
+
+
+def test_layouts_dflash_rocm_cannot_read_are_reasons_not_guesses():
+    kv = bound_cache("flash", "LBHNC", torch.bfloat16)
+    assert "block table" in kv_cache_views(make_impl("FlashInferImpl", "auto"), object(), kv)
+    assert "packs its pages" in kv_cache_views(make_impl("CPUAttentionBackendImpl", "auto"), NS(isa="amx"), kv)
+    assert "e5m2" in kv_cache_views(make_impl("TritonAttentionImpl", "fp8_e5m2"), object(), kv)
+    per_token = make_impl("TritonAttentionImpl", "auto", _is_per_token_head_quant=True)
+    assert "per-token-head" in kv_cache_views(per_token, object(), kv)
+    assert "does not know" in kv_cache_views(NS(num_kv_heads=HK, head_size=D), object(), kv)
+
+
+def test_every_known_backend_is_documented():
+    names = {b.name for b in BACKENDS}
+    assert {"ROCM_ATTN", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN", "TRITON_ATTN", "FLASH_ATTN", "FLASHINFER",
+            "ROCM_SEGMENTED_ATTN", "CPU_ATTN"} <= names
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert all(f"`{name}`" in readme for name in names), "README's vLLM backend table lists every backend"
 
 
 def test_draft_forward_maps_flash_metadata_onto_the_spec():
     """The draft impl's forward on a FlashAttention-layout cache and FA-style metadata
     equals the reference on the same K/V; a causal tensor goes back to vLLM's forward."""
-    from types import SimpleNamespace as NS
-
-    import dflash_rocm
     from dflash_rocm.vllm_plugin.attention import draft_impl_class
     from test_triton_backend import paged
 
@@ -112,7 +193,7 @@ def test_draft_forward_maps_flash_metadata_onto_the_spec():
     impl.forward(layer, q.reshape(10, -1), None, None, kv, metadata, output)
     ref = dflash_rocm.draft_attention(q, kc, vc, table, qsl, lens, scale=0.3, causal=True, sliding_window=6,
                                       sinks=sinks, backend="reference")
-    assert dflash_rocm.contract.relative_error(output[:10].view(10, 4, 16), ref) < 2e-3
+    assert rel_err(output[:10].view(10, 4, 16), ref) < 2e-3
     assert torch.isnan(output[10:]).all() and base_calls == []
     metadata.causal = torch.tensor([True, False])
     impl.forward(layer, q.reshape(10, -1), None, None, kv, metadata, output)

@@ -67,7 +67,8 @@ class CudaBackend(Backend):
         if call.block_table.dtype != torch.int32:
             reasons.append("FlashAttention takes an int32 block_table")
         strided = [n for n, t in (("query", call.query), ("key_cache", call.key_cache),
-                                  ("value_cache", call.value_cache), ("out", call.out)) if t.stride(-1) != 1]
+                                  ("value_cache", call.value_cache), ("out", call.out))
+                   if isinstance(t, torch.Tensor) and t.stride(-1) != 1]
         if strided:
             reasons.append(f"FlashAttention needs a contiguous last dim ({', '.join(strided)})")
         return reasons

@@ -13,6 +13,7 @@ from dflash_rocm.ops import attention, precompute
 class ReferenceBackend(Backend):
     name = "reference"
     description = "plain torch, float32; the executable form of SPEC.md (any device)"
+    SUPPORTS_PACKED_CACHES = True
 
     @classmethod
     def draft_attention(cls, call: attention.AttentionCall) -> None:

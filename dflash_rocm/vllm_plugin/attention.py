@@ -15,7 +15,9 @@ import logging
 import torch
 
 from ..api import draft_attention
-from .cache_views import kv_cache_views
+from ..contract import FP8_DTYPES
+from ..dispatch import BackendUnavailable
+from .cache_views import BACKENDS, backend_of, kv_cache_views
 
 logger = logging.getLogger("dflash_rocm")
 _warned: set[str] = set()
@@ -37,6 +39,8 @@ def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *a
         reason = "output quantisation (output_scale) is not a dflash_rocm feature"
     elif getattr(attn_metadata, "dynamic_causal", None) is not None or isinstance(causal, torch.Tensor):
         reason = "per-sequence causality (a causal tensor)"
+    elif query.dtype in FP8_DTYPES:
+        reason = "vLLM quantised the query to fp8 for this backend"
     views = None if reason else kv_cache_views(self, layer, kv_cache)
     if isinstance(views, str):
         reason = views
@@ -47,13 +51,17 @@ def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *a
     n = attn_metadata.num_actual_tokens
     q = query[:n].view(n, self.num_heads, self.head_size)
     out = output[:n].view(n, self.num_heads, self.head_size)
-    draft_attention(q, key_cache, value_cache, attn_metadata.block_table, attn_metadata.query_start_loc,
-                    attn_metadata.seq_lens, scale=self.scale, causal=bool(causal),
-                    sliding_window=self.dflash_sliding_window, sinks=getattr(self, "sinks", None),
-                    k_scale=layer._k_scale, v_scale=layer._v_scale, out=out,
-                    max_query_len=_host_int(attn_metadata, "max_query_len"),
-                    max_seq_len=_host_int(attn_metadata, "max_seq_len"),
-                    validate=False)  # vLLM built these indices; checking them would sync every layer
+    try:
+        draft_attention(q, key_cache, value_cache, attn_metadata.block_table, attn_metadata.query_start_loc,
+                        attn_metadata.seq_lens, scale=self.scale, causal=bool(causal),
+                        sliding_window=self.dflash_sliding_window, sinks=getattr(self, "sinks", None),
+                        k_scale=layer._k_scale, v_scale=layer._v_scale, out=out,
+                        max_query_len=_host_int(attn_metadata, "max_query_len"),
+                        max_seq_len=_host_int(attn_metadata, "max_seq_len"),
+                        validate=False)  # vLLM built these indices; checking them would sync every layer
+    except BackendUnavailable as exc:  # raised before anything is written: vLLM's own path is safe
+        _warn_once(f"{base.__name__}:unavailable", "draft attention stays on vLLM's %s: %s", base.__name__, exc)
+        return base.forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
     return output
 
 
@@ -71,12 +79,17 @@ def draft_impl_class(base: type) -> type:
 
 
 def install(draft_model) -> list[str]:
-    """Route every draft layer's attention through dflash_rocm; returns the layer names."""
-    names = []
+    """Route every draft layer's attention through dflash_rocm; returns the layer names.
+    Logs one line saying which vLLM backend the layers got and whether dflash_rocm serves it."""
+    names, backends = [], []
     for decoder_layer in draft_model.model.layers:
         module = decoder_layer.self_attn
         impl = module.attn.impl
-        if getattr(type(impl), "forward_includes_kv_cache_update", False):
+        known = backend_of(impl)
+        backends.append(known.name if known else type(impl).__name__)
+        # vLLM keeps the flag on the backend class (v1/attention/backend.py), not on the impl.
+        vllm_backend = getattr(module.attn, "attn_backend", None)
+        if getattr(vllm_backend, "forward_includes_kv_cache_update", False):
             _warn_once(type(impl).__name__, "draft attention stays on vLLM's %s: its forward writes the cache",
                        type(impl).__name__)
             continue
@@ -85,4 +98,11 @@ def install(draft_model) -> list[str]:
         impl.dflash_sliding_window = module.sliding_window
         impl.dflash_causal = bool(module.causal)
         names.append(module.attn.layer_name)
+    logger.info("draft attention: %d/%d layers via dflash_rocm (%s)", len(names), len(backends),
+                ", ".join(f"{name}: {_served(name)}" for name in dict.fromkeys(backends)))
     return names
+
+
+def _served(name: str) -> str:
+    known = next((b for b in BACKENDS if b.name == name), None)
+    return known.served if known else "unknown layout, stays on vLLM"

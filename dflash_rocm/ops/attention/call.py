@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ...contract import FP8_DTYPES, dtype_name
+from ...paged import PackedCache, cache_packing, memory_of
 from ...platform import platform_for
 
 
@@ -38,8 +39,8 @@ class AttentionSpec:
 @dataclass(frozen=True, eq=False)
 class AttentionCall:
     query: torch.Tensor  # [T, Hq, D]
-    key_cache: torch.Tensor  # [num_blocks, block_size, Hk, D]
-    value_cache: torch.Tensor
+    key_cache: torch.Tensor | PackedCache  # [num_blocks, block_size, Hk, D]: strided or packed
+    value_cache: torch.Tensor | PackedCache
     block_table: torch.Tensor  # int [B, max_blocks]
     query_start_loc: torch.Tensor  # int [B + 1]
     seq_lens: torch.Tensor  # int [B]
@@ -103,6 +104,12 @@ class AttentionCall:
         return self.query.device
 
     @property
+    def packing(self) -> tuple[tuple[int, int], tuple[int, int]] | None:
+        """(row pack, dim pack) of K and of V when either is a :class:`PackedCache`; None
+        for plain strided caches."""
+        return cache_packing(self.key_cache, self.value_cache)
+
+    @property
     def key_span_bound(self) -> int:
         """Largest sequence length: the host hint, else what the block table can hold."""
         if self.max_seq_len is not None:
@@ -121,10 +128,11 @@ class AttentionCall:
     def support_key(self) -> tuple:
         """Every property a backend's ``*_not_supported_reasons`` may read: dispatch caches
         its choice per key (a backend that starts reading another property adds it here)."""
-        contiguous = tuple(t.stride(-1) == 1 for t in (self.query, self.key_cache, self.value_cache, self.out))
+        contiguous = tuple(memory_of(t).stride(-1) == 1
+                           for t in (self.query, self.key_cache, self.value_cache, self.out))
         return (self.device, platform_for(self.device), self.dtype, self.cache_dtype, self.num_q_heads,
                 self.num_kv_heads, self.head_dim, self.block_size, self.causal, self.sliding_window is not None,
-                self.sinks is not None, self.block_table.dtype, contiguous)
+                self.sinks is not None, self.block_table.dtype, contiguous, self.packing)
 
     def signature(self) -> str:
         """A readable summary of the call's shape: logged once per distinct value."""
@@ -135,5 +143,7 @@ class AttentionCall:
             parts.append(f"window={self.sliding_window}")
         if self.sinks is not None:
             parts.append("sinks")
+        if self.packing is not None:
+            parts.append(f"packed={self.packing}")
         parts.append(f"dev={self.device.type}")
         return " ".join(parts)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ...paged import read_rows
 from .call import AttentionCall
 
 
@@ -24,8 +25,8 @@ def attention(call: AttentionCall) -> None:
             continue
         keys = torch.arange(seq_len, device=call.device)
         blocks, rows = table[b, keys // bs], keys % bs
-        k = call.key_cache[blocks, rows].float()
-        v = call.value_cache[blocks, rows].float()
+        k = read_rows(call.key_cache, blocks, rows).float()
+        v = read_rows(call.value_cache, blocks, rows).float()
         if call.is_fp8:
             k, v = k * call.k_scale, v * call.v_scale
         q = call.query[q0:q1].float().view(q_len, Hk, G, D)

@@ -12,7 +12,7 @@ import numbers
 import torch
 
 from ...contract import FP8_DTYPES, QUERY_DTYPES
-from ...validation import (IndexChecks, check_device, check_disjoint, check_layout_once, check_dtype, check_scale_values,
+from ...validation import (IndexChecks, cache_arg, check_device, check_disjoint, check_layout_once, check_dtype, check_scale_values,
                            check_shape, check_writable, index_tensor, int_bound, scale_tensor, tensor_arg)
 from .call import AttentionCall
 
@@ -27,12 +27,12 @@ def attention_call(query, key_cache, value_cache, block_table, query_start_loc, 
         raise ValueError(f"query: expected shape [num_tokens, num_q_heads, head_dim]; got {list(query.shape)}")
     T, Hq, D = query.shape
     device = query.device
-    key_cache = tensor_arg("key_cache", key_cache)
-    value_cache = tensor_arg("value_cache", value_cache)
+    key_cache = cache_arg("key_cache", key_cache)
+    value_cache = cache_arg("value_cache", value_cache)
     check_dtype("key_cache", key_cache, (query.dtype, *FP8_DTYPES))
     if value_cache.dtype != key_cache.dtype:
         raise TypeError(f"value_cache: expected dtype {key_cache.dtype} (as key_cache); got {value_cache.dtype}")
-    if key_cache.dim() != 4:
+    if len(key_cache.shape) != 4:
         raise ValueError("key_cache: expected shape [num_blocks, block_size, num_kv_heads, head_dim]; "
                          f"got {list(key_cache.shape)}")
     num_blocks, block_size, Hk, _ = key_cache.shape

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ...contract import FP8_DTYPES, dtype_name
+from ...paged import PackedCache, cache_packing
 from ...platform import platform_for
 from ...weights import ContextKVWeights
 
@@ -20,8 +21,8 @@ class PrecomputeCall:
     states: torch.Tensor  # [N, H]
     positions: torch.Tensor  # int [N]
     weights: ContextKVWeights
-    key_caches: tuple[torch.Tensor | None, ...]  # L entries, None where the layer is skipped
-    value_caches: tuple[torch.Tensor | None, ...]
+    key_caches: tuple[torch.Tensor | PackedCache | None, ...]  # L entries, None where the layer is skipped
+    value_caches: tuple[torch.Tensor | PackedCache | None, ...]
     slot_mappings: tuple[torch.Tensor | None, ...]  # L entries; None: do not write that layer
     k_scales: torch.Tensor | None  # float32 [L] on the device; set iff the caches are fp8
     v_scales: torch.Tensor | None
@@ -61,9 +62,18 @@ class PrecomputeCall:
     def device(self) -> torch.device:
         return self.states.device
 
+    @property
+    def packing(self) -> tuple[tuple[int, int], tuple[int, int]] | None:
+        """(row pack, dim pack) of the K and of the V caches (one each: validation makes every
+        written layer agree) when either is a :class:`PackedCache`; None for plain caches."""
+        for i in self.written_layers:
+            return cache_packing(self.key_caches[i], self.value_caches[i])
+        return None
+
     def support_key(self) -> tuple:
         """See :meth:`AttentionCall.support_key`."""
-        return (self.device, platform_for(self.device), self.dtype, self.cache_dtype, self.weights.head_dim)
+        return (self.device, platform_for(self.device), self.dtype, self.cache_dtype, self.weights.head_dim,
+                self.packing)
 
     def signature(self) -> str:
         w = self.weights

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ...paged import write_rows
 from .call import PrecomputeCall
 
 
@@ -70,7 +71,7 @@ def write_context_kv(call: PrecomputeCall, k: torch.Tensor, v: torch.Tensor) -> 
             cache = caches[layer]
             bs = cache.shape[1]
             scale = None if scales is None else scales[layer]
-            cache[slots // bs, slots % bs] = quantize_for_cache(values[layer][keep], cache.dtype, scale)
+            write_rows(cache, slots // bs, slots % bs, quantize_for_cache(values[layer][keep], cache.dtype, scale))
 
 
 def precompute(call: PrecomputeCall) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 
 from ...contract import FP8_DTYPES, QUERY_DTYPES
-from ...validation import (IndexChecks, check_device, check_layout_once, check_disjoint, check_dtype, check_scale_values, check_shape,
+from ...validation import (IndexChecks, cache_arg, check_device, check_layout_once, check_disjoint, check_dtype, check_scale_values, check_shape,
                            check_writable, index_tensor, per_layer, scale_tensor, tensor_arg)
+from ...paged import cache_packing
 from ...weights import ContextKVWeights
 from .call import PrecomputeCall
 
@@ -69,7 +70,7 @@ def precompute_call(context_states, positions, weights, key_caches, value_caches
             name = f"{kind}[{i}]"
             if c is None:
                 raise ValueError(f"{name}: is None but slot_mapping for layer {i} is not")
-            tensor_arg(name, c)
+            cache_arg(name, c)
             check_dtype(name, c, (states.dtype, *FP8_DTYPES))
             check_shape(name, c, (None, None, Hk, D), f"[num_blocks, block_size, num_kv_heads={Hk}, head_dim={D}]")
             check_device(name, c, device)
@@ -83,6 +84,10 @@ def precompute_call(context_states, positions, weights, key_caches, value_caches
         if vcs[i].shape != kcs[i].shape:
             raise ValueError(f"value_caches[{i}]: expected the shape of key_caches[{i}] {list(kcs[i].shape)}; "
                              f"got {list(vcs[i].shape)}")
+    packings = {cache_packing(kcs[i], vcs[i]) for i in written}
+    if len(packings) > 1:
+        raise ValueError(f"key_caches/value_caches: every written layer must use one page layout; got "
+                         f"(row pack, dim pack) of (K, V) per layer {[cache_packing(kcs[i], vcs[i]) for i in written]}")
     _check_written_memory(states, [kcs[i] for i in written] + [vcs[i] for i in written],
                           [f"key_caches[{i}]" for i in written] + [f"value_caches[{i}]" for i in written])
     is_fp8 = cache_dtype in FP8_DTYPES
