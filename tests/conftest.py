@@ -43,5 +43,5 @@ def _fresh_dispatch_choices():
 def pytest_collection_modifyitems(config, items):
     for item in items:
         for marker, (present, reason) in _SKIPS.items():
-            if marker in item.keywords and not present:
+            if item.get_closest_marker(marker) is not None and not present:
                 item.add_marker(pytest.mark.skip(reason=reason))

@@ -16,3 +16,18 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(
     not (INTERPRETING and HAS_TRITON),
     reason="runs Triton kernels on CPU tensors through the interpreter (machines without a GPU)")
+
+
+def to_device(args: dict, device: str) -> dict:
+    """A call's keyword arguments with every tensor (and the weights) moved to ``device``."""
+    from dflash_rocm import ContextKVWeights
+
+    def move(value):
+        if isinstance(value, torch.Tensor):
+            return value.to(device)
+        if isinstance(value, ContextKVWeights):
+            return value.to(device)
+        if isinstance(value, (list, tuple)):
+            return type(value)(move(v) for v in value)
+        return value
+    return {k: move(v) for k, v in args.items()}

@@ -37,7 +37,7 @@ GPU_PROFILE = settings(max_examples=12, deadline=None, suppress_health_check=[He
 def fp8_dtype():
     """The fp8 format this GPU converts natively (MI300: fnuz; others: OCP e4m3fn)."""
     from dflash_rocm.platform import platform_for
-    return torch.float8_e4m3fnuz if platform_for("cuda").arch.startswith("gfx94") else torch.float8_e4m3fn
+    return platform_for("cuda").arch_info.fp8_dtype
 
 
 @pytest.mark.parametrize("backend", REQUIRED)

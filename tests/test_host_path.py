@@ -1,0 +1,106 @@
+"""The default path never waits for the device.
+
+On a GPU a host read of a device tensor (``.item()``, ``bool(t)``, a data-dependent shape)
+drains the stream and cannot be captured in a CUDA/HIP graph. The CPU test runs the
+public calls with their value checks in device mode (asynchronous asserts, as on a GPU)
+and records every torch op outside kernel launches: none may be one that synchronises
+on a GPU, and none may create a host tensor (a pageable copy on a GPU). The GPU tests
+(``cuda``/``rocm`` markers) run the same calls under torch's sync debug mode.
+"""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import dflash_rocm
+from dflash_rocm import launches, validation
+from support import needs_interpreter, to_device
+from test_validation import attention_args, precompute_args
+
+# Ops that make the host wait for a GPU (their result's value or shape is read on the host),
+# and ops that build a tensor from host data (a pageable host-to-device copy on a GPU).
+SYNCING = {"_local_scalar_dense", "item", "is_nonzero", "nonzero", "masked_select", "unique", "_unique2",
+           "unique_consecutive", "equal", "repeat_interleave"}
+HOST_DATA = {"lift_fresh", "lift_fresh_copy", "scalar_tensor"}
+
+
+class Recorder(TorchDispatchMode):
+    """Records syncing ops; also ``Tensor.tolist``, which reads CPU memory without any op."""
+
+    def __init__(self):
+        super().__init__()
+        self.flagged = []
+
+    def __enter__(self):
+        self._tolist = torch.Tensor.tolist
+        recorder = self
+
+        def tolist(t):
+            if not launches.in_flight():
+                recorder.flagged.append("tolist")
+            return recorder._tolist(t)
+        torch.Tensor.tolist = tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        bool_index = name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                                             for i in (args[1] if len(args) > 1 else []) if i is not None)
+        if not launches.in_flight() and (name in SYNCING or name in HOST_DATA or bool_index):
+            self.flagged.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def device_mode_checks(monkeypatch):
+    """Value checks as they run for GPU tensors: asynchronous asserts, no host reads."""
+    monkeypatch.setattr(validation.IndexChecks, "__init__", lambda self, device: setattr(self, "on_host", False))
+
+
+def recorded(fn):
+    fn()  # first call: derived weights, cache tables, compilation (one-time, outside capture)
+    with Recorder() as rec:
+        fn()
+    return rec.flagged
+
+
+@needs_interpreter
+@pytest.mark.parametrize("backend", ["triton", "rocm"])
+def test_default_calls_make_no_host_reads(device_mode_checks, backend):
+    from dflash_rocm.platform import simulate_platform
+
+    with simulate_platform("gfx942"):
+        a, p = attention_args(), precompute_args()
+        assert recorded(lambda: dflash_rocm.draft_attention(**a, backend=backend)) == []
+        assert recorded(lambda: dflash_rocm.precompute_and_store_context_kv(**p, backend=backend)) == []
+
+
+def test_the_recorder_sees_host_reads(device_mode_checks):
+    """The recorder is not blind: the reference backend reads ``seq_lens`` on the host
+    (it loops over requests), and a bad index still fails in device mode."""
+    a = attention_args()
+    assert "tolist" in recorded(lambda: dflash_rocm.draft_attention(**a, backend="reference"))
+    a["block_table"][0, 0] = 99
+    with pytest.raises(RuntimeError, match="block_table"):  # CPU tensors: the assert fires at once
+        dflash_rocm.draft_attention(**a, backend="reference")
+
+
+GPUS = [pytest.param("cuda", marks=pytest.mark.cuda), pytest.param("rocm", marks=pytest.mark.rocm)]
+
+
+@pytest.mark.parametrize("gpu", GPUS)
+@pytest.mark.parametrize("op", ["attention", "precompute"])
+def test_no_device_sync_on_the_gpu(gpu, op):
+    args = to_device(attention_args() if op == "attention" else precompute_args(), "cuda")
+    fn = dflash_rocm.draft_attention if op == "attention" else dflash_rocm.precompute_and_store_context_kv
+    fn(**args)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn(**args)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
