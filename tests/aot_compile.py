@@ -3,8 +3,11 @@
 Triton's compiler runs without a device: ``triton.compile`` takes the kernel, a signature
 and a ``GPUTarget`` and goes down to cubin (NVIDIA) or hsaco (AMD). The launches are
 captured from the real host code (``run_draft_attention`` / ``run_precompute`` on CPU
-tensors), so the compiled signatures, constexprs and launch options are exactly what a
-GPU run would use. Run as a script (Triton must not be in interpreter mode):
+tensors, inside ``capture_launches()``) and specialised by Triton's own binder, so the
+compiled signatures, attributes, constexprs and options are exactly what a GPU launch
+would use. ``dflash-rocm inspect`` audits the served shapes; this covers every feature
+path (windows, sinks, causal, fp16, split-K, return_kv). Run as a script (Triton must not
+be in interpreter mode):
 
     python tests/aot_compile.py  ->  one JSON line per compiled variant
 """
@@ -19,67 +22,30 @@ import traceback
 os.environ.pop("TRITON_INTERPRET", None)
 
 import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
-_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
-          torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e4m3fnuz: "fp8e4b8",
-          torch.uint8: "u8"}
-TARGETS = {"sm_90": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942", 64),
-           "gfx950": GPUTarget("hip", "gfx950", 64), "gfx1100": GPUTarget("hip", "gfx1100", 32),
-           "gfx1201": GPUTarget("hip", "gfx1201", 32)}
+TARGETS = ("sm_90", "gfx942", "gfx950", "gfx1100", "gfx1201")
 
 
-def capture(run, *args):
-    """The (kernel, args, constexprs, options) of every launch ``run(*args)`` makes."""
-    from dflash_rocm.backends.triton import attention, precompute
+def capture(run):
+    """Every launch ``run()`` makes, recorded instead of launched."""
+    from dflash_rocm.backends.triton.launch import capture_launches
 
-    launches = []
-
-    def record(kernel, grid, config, *kargs, **constexprs):
-        options = {}
-        if config is not None:
-            options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
-            if config.waves_per_eu:
-                options["waves_per_eu"] = config.waves_per_eu
-        launches.append((kernel, kargs, constexprs, options))
-
-    saved = attention.launch, precompute.launch
-    attention.launch = precompute.launch = record
-    try:
-        run(*args)
-    finally:
-        attention.launch, precompute.launch = saved
+    with capture_launches() as launches:
+        run()
     return launches
 
 
-def compile_launch(kernel, kargs, constexprs, options, target):
-    import inspect
-    names = list(inspect.signature(kernel.fn).parameters)
-    signature, values = {}, {}
-    for name, value in zip(names, list(kargs) + [constexprs[n] for n in names[len(kargs):]]):
-        if name in constexprs:
-            signature[name] = "constexpr"
-            values[(names.index(name),)] = value
-        elif isinstance(value, torch.Tensor):
-            signature[name] = "*" + _TYPES[value.dtype]
-        elif isinstance(value, bool):
-            signature[name] = "i1"
-        elif isinstance(value, int):
-            signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
-        else:
-            signature[name] = "fp32"
-    opts = dict(options)
-    if target.backend == "cuda":
-        opts.pop("waves_per_eu", None)
-    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=values), target=target,
-                              options=opts)
-    return sorted(compiled.asm)
+def compile_launch(launch, arch):
+    """Compile ``launch`` for ``arch`` with the specialisation Triton's launcher would give
+    it (alignment/divisibility attributes, ``== 1`` constants, AMD buffer-op ranges)."""
+    from dflash_rocm.audit.compiler import compile_specialisation, specialise
+    from dflash_rocm.audit.targets import TARGETS as AUDIT_TARGETS
+
+    return sorted(compile_specialisation(specialise(launch, AUDIT_TARGETS[arch])).asm)
 
 
 def variants():
-    """(name, arch list, run, args) for every kernel path and table entry worth compiling."""
+    """(name, arch, run) for every kernel path and table entry worth compiling."""
     sys.path.insert(0, os.path.dirname(__file__))
     from dflash_rocm.backends.rocm import tables
     from dflash_rocm.backends.triton.attention import attention_config_for, run_draft_attention
@@ -138,10 +104,10 @@ def variants():
 def main() -> int:
     failures = 0
     for name, arch, run in variants():
-        for kernel, kargs, constexprs, options in capture(run):
-            record = {"variant": name, "arch": arch, "kernel": kernel.__name__, "options": options}
+        for launch in capture(run):
+            record = {"variant": name, "arch": arch, "kernel": launch.name, "options": launch.options}
             try:
-                record["stages"] = compile_launch(kernel, kargs, constexprs, options, TARGETS[arch])
+                record["stages"] = compile_launch(launch, arch)
                 record["ok"] = True
             except Exception as exc:  # reported per variant; the caller decides
                 failures += 1

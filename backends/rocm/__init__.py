@@ -9,7 +9,7 @@ import torch
 
 from dflash_rocm.backends.triton import INTERPRETING, TritonBackend
 from dflash_rocm.backends.triton.attention import run_draft_attention
-from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig
+from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig, PrecomputeLaunchConfig
 from dflash_rocm.backends.triton.precompute import run_precompute
 from dflash_rocm.calls import AttentionCall, PrecomputeCall
 from dflash_rocm.platform import Platform, platform_for
@@ -39,6 +39,13 @@ def attention_config(call: AttentionCall) -> tuple[str, AttentionLaunchConfig]:
         if tuned is not None:
             return "tuned", AttentionLaunchConfig(**tuned)
     return name, config
+
+
+def precompute_config(call: PrecomputeCall, platform: Platform) -> PrecomputeLaunchConfig:
+    """The ROCm table's precompute configuration for ``call`` on ``platform``."""
+    w = call.weights
+    return tables.precompute_config(platform.arch, num_tokens=call.num_tokens, hidden=w.hidden_size,
+                                    num_heads_total=2 * w.num_layers * w.num_kv_heads, head_dim=w.head_dim)
 
 
 class RocmBackend(TritonBackend):
@@ -75,8 +82,4 @@ class RocmBackend(TritonBackend):
 
     @classmethod
     def precompute(cls, call: PrecomputeCall):
-        w = call.weights
-        config = tables.precompute_config(platform_for(call.device).arch, num_tokens=call.num_tokens,
-                                          hidden=w.hidden_size, num_heads_total=2 * w.num_layers * w.num_kv_heads,
-                                          head_dim=w.head_dim)
-        return run_precompute(call, config)
+        return run_precompute(call, precompute_config(call, platform_for(call.device)))

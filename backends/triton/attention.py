@@ -7,7 +7,7 @@ import math
 import torch
 
 from dflash_rocm.calls import AttentionCall
-from dflash_rocm.platform import platform_for
+from dflash_rocm.platform import Platform, platform_for
 
 from .attention_kernels import draft_attention_kernel, merge_segments_kernel
 from .common import FP32_MATH, next_pow2
@@ -15,10 +15,11 @@ from .launch import launch
 from .launch_config import AttentionLaunchConfig, default_attention_config
 
 
-def attention_config_for(call: AttentionCall) -> AttentionLaunchConfig:
-    """The portable table's choice for ``call`` (the ROCm backend brings its own)."""
+def attention_config_for(call: AttentionCall, platform: Platform | None = None) -> AttentionLaunchConfig:
+    """The portable table's choice for ``call`` on ``platform`` (default: the call's
+    device's; the ROCm backend brings its own table)."""
     return default_attention_config(
-        platform_for(call.device), num_seqs=call.num_seqs, query_len=call.query_len_bound,
+        platform or platform_for(call.device), num_seqs=call.num_seqs, query_len=call.query_len_bound,
         key_span=call.key_span_bound, num_q_heads=call.num_q_heads, num_kv_heads=call.num_kv_heads,
         head_dim=call.head_dim, fp8=call.is_fp8)
 

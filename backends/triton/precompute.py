@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_rocm.calls import PrecomputeCall
-from dflash_rocm.platform import platform_for
+from dflash_rocm.platform import Platform, platform_for
 from dflash_rocm.weights import ContextKVWeights
 
 from .common import FP32_MATH, TL_DTYPES, next_pow2
@@ -89,9 +89,10 @@ def cache_table(call: PrecomputeCall, slots: list[torch.Tensor | None]) -> torch
     return table
 
 
-def precompute_config_for(call: PrecomputeCall) -> PrecomputeLaunchConfig:
+def precompute_config_for(call: PrecomputeCall, platform: Platform | None = None) -> PrecomputeLaunchConfig:
+    """The portable table's choice for ``call`` on ``platform`` (default: the call's device's)."""
     w = call.weights
-    return default_precompute_config(platform_for(call.device), num_tokens=call.num_tokens,
+    return default_precompute_config(platform or platform_for(call.device), num_tokens=call.num_tokens,
                                      hidden=w.hidden_size, num_heads_total=2 * w.num_layers * w.num_kv_heads,
                                      head_dim=w.head_dim)
 
