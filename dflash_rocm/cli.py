@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -88,6 +89,16 @@ def cmd_check(args) -> int:
     return 1 if failed else 0
 
 
+def _write_outputs(outputs) -> None:
+    """For each (path, text function): print the text for '-', write it to a path, skip None."""
+    for path, text in outputs:
+        if path == "-":
+            print(text())
+        elif path:
+            with open(path, "w") as f:
+                f.write(text())
+
+
 def _int_list(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
@@ -114,13 +125,8 @@ def cmd_bench(args) -> int:
     for note in plan.notes:
         print(note)
     print(bench.format_rows(rows))
-    for path, text in ((args.json, lambda: bench.rows_to_json(rows, header, plan)),
-                       (args.csv, lambda: bench.rows_to_csv(rows))):
-        if path == "-":
-            print(text())
-        elif path:
-            with open(path, "w") as f:
-                f.write(text())
+    _write_outputs(((args.json, lambda: bench.rows_to_json(rows, header, plan)),
+                    (args.csv, lambda: bench.rows_to_csv(rows))))
     if args.plot:
         try:
             bench.plot_rows(rows, args.plot, header)
@@ -198,13 +204,8 @@ def cmd_inspect(args) -> int:
     audit = run.run_audit(plan, cache, jobs=args.jobs, progress=None if args.quiet else _progress_bar)
     if args.json != "-" and args.csv != "-":
         print(report.format_results(audit))
-    for path, text in ((args.json, lambda: report.results_to_json(audit)),
-                       (args.csv, lambda: report.results_to_csv(audit))):
-        if path == "-":
-            print(text())
-        elif path:
-            with open(path, "w") as f:
-                f.write(text())
+    _write_outputs(((args.json, lambda: report.results_to_json(audit)),
+                    (args.csv, lambda: report.results_to_csv(audit))))
     errors = [launch for r in audit.cases for launch in r.launches if launch.error]
     return 1 if errors else 0
 
@@ -280,9 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--simulate-arch", metavar="ARCH", help="tune on CPU as if on ARCH (interpreter; slow)")
     tune.set_defaults(func=cmd_tune)
 
-    from pathlib import Path
-
     from .audit.targets import TARGETS
+
     inspect = sub.add_parser(
         "inspect", help="compile every launch the tables make for each GPU target and model its speed (no GPU)",
         description="Capture every kernel launch the host code makes for the shapes the launch tables serve "

@@ -44,6 +44,15 @@ def compile_launch(launch, arch):
     return sorted(compile_specialisation(specialise(launch, AUDIT_TARGETS[arch])).asm)
 
 
+def _without_counters(run, call, config):
+    from unittest import mock
+
+    from dflash_rocm.backends.triton import precompute
+
+    with mock.patch.object(precompute, "arrival_counters", lambda device, count: None):
+        run(call, config)
+
+
 def variants():
     """(name, arch, run) for every kernel path and table entry worth compiling."""
     sys.path.insert(0, os.path.dirname(__file__))
@@ -60,25 +69,28 @@ def variants():
               "gfx1201": torch.float8_e4m3fn}
     out = []
     for arch in TARGETS:
-        for dtype in (torch.bfloat16, torch.float16):
-            for fp8 in (False, True):
-                if fp8 and arch not in fp8_of:
-                    continue
-                args = list(paged([600], [16], Hk=2, G=4, D=128, block_size=16, dtype=dtype))
-                if fp8:
-                    args[1], args[2] = args[1].to(fp8_of[arch]), args[2].to(fp8_of[arch])
-                for kwargs in (dict(), dict(causal=True, sliding_window=256, sinks=torch.zeros(8))):
-                    call = attention_call(*args, **kwargs)
-                    if arch.startswith("gfx"):
-                        with simulate_platform(arch):
-                            from dflash_rocm.backends import rocm
-                            name, config = rocm.attention_config(call)
-                    else:
-                        name, config = "portable", attention_config_for(call)
-                    if config.num_segments == 1:
-                        config = AttentionLaunchConfig(**{**config.as_dict(), "num_segments": 2})
-                    out.append((f"attention {name} {dtype} fp8={fp8} {sorted(kwargs)}", arch,
-                                lambda c=call, cfg=config: run_draft_attention(c, cfg)))
+        features = dict(causal=True, sliding_window=256, sinks=torch.zeros(8))
+        # (dtype, fp8 cache, features, merged by the last segment): every kernel path once per arch.
+        for dtype, fp8, kwargs, in_kernel in ((torch.bfloat16, False, {}, True),
+                                              (torch.bfloat16, False, features, False),
+                                              (torch.float16, False, features, True),
+                                              (torch.bfloat16, True, {}, False)):
+            if fp8 and arch not in fp8_of:
+                continue
+            args = list(paged([600], [16], Hk=2, G=4, D=128, block_size=16, dtype=dtype))
+            if fp8:
+                args[1], args[2] = args[1].to(fp8_of[arch]), args[2].to(fp8_of[arch])
+            call = attention_call(*args, **kwargs)
+            if arch.startswith("gfx"):
+                with simulate_platform(arch):
+                    from dflash_rocm.backends import rocm
+                    name, config = rocm.attention_config(call)
+            else:
+                name, config = "portable", attention_config_for(call)
+            config = AttentionLaunchConfig(**{**config.as_dict(), "num_segments": max(2, config.num_segments),
+                                              "merge_in_kernel": in_kernel})
+            out.append((f"attention {name} {dtype} fp8={fp8} {sorted(kwargs)} merge_in_kernel={in_kernel}", arch,
+                        lambda c=call, cfg=config: run_draft_attention(c, cfg)))
         g = make_generator(0, "cpu")
         for dtype, fp8, neox, split in ((torch.bfloat16, False, True, 1), (torch.float16, False, False, 2),
                                         (torch.float16, True, False, 2)):
@@ -95,9 +107,12 @@ def variants():
                 config = tables.precompute_config(arch, num_tokens=20, hidden=256, num_heads_total=8, head_dim=128)
                 config = PrecomputeLaunchConfig(**{**config.as_dict(), "split_k": split})
             else:
-                config = PrecomputeLaunchConfig(split_k=split)
+                config = PrecomputeLaunchConfig(block_t=32, split_k=split)  # one token tile: split applies
             out.append((f"precompute {dtype} fp8={fp8} neox={neox} split_k={split}", arch,
                         lambda c=call, cfg=config: run_precompute(c, cfg)))
+            if split > 1 and not fp8:  # the parts summed by a second launch (no free arrival counters)
+                out.append((f"precompute {dtype} fp8={fp8} neox={neox} split_k={split} second launch", arch,
+                            lambda c=call, cfg=config: _without_counters(run_precompute, c, cfg)))
     return out
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import inspect
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -40,6 +41,10 @@ class CapturedLaunch:
     @property
     def name(self) -> str:
         return self.kernel.__name__
+
+    def arg(self, name: str):
+        """A positional argument by its parameter name."""
+        return self.args[list(inspect.signature(self.kernel.fn).parameters).index(name)]
 
 
 def compiler_options(config: Any) -> dict[str, int]:

@@ -6,8 +6,10 @@ Per launch: ``time = launch gap + max(issue, DRAM, L2, Infinity Cache)`` where
   concurrent slots (units x workgroups per unit, from registers, waves and shared
   memory). A program takes its hot-loop trips times the cycles one iteration needs on
   a SIMD shared by ``k`` co-resident waves, ``max(k*matrix, k*vector, matrix + vector)``
-  (matrix and vector work of different waves overlap; one wave's own do not), plus its
-  straight-line code and the latency of its dependent index loads;
+  (matrix and vector work of different waves overlap; one wave's own do not), or the
+  load latency over ``num_stages`` when that is longer, plus its straight-line code
+  (longest path; less a peeled last trip the program does not take) and the latency of
+  its dependent loads (index tables; partials other programs wrote, for a merge);
 - *DRAM* is the bytes that miss every cache at the peak bandwidth, derated when the
   resident programs cannot keep ``bandwidth x latency`` bytes in flight (Little's law);
 - *L2* and *Infinity Cache* are the bytes each level serves at its bandwidth. A chunk
@@ -116,29 +118,19 @@ def _cache_misses(programs: list[Program], domains: int, capacity: int, window: 
 
 def model_launch(programs: list[Program], facts: dict, target: Target, num_stages: int) -> LaunchModel:
     occ = occupancy(facts, target)
-    slots = max(1, occ.slots(target))
+    slots = occ.slots(target)
+    if slots == 0:
+        raise ValueError(f"a workgroup of this kernel does not fit on {target.arch} ({occ.limited_by})")
     warps = facts["num_warps"]
     active = [p for p in programs if p.active]
     resident_per_unit = min(occ.groups_per_unit, max(1, math.ceil(len(active) / target.units)))
     k = max(1.0, resident_per_unit * warps / target.simds)
     loop = facts.get("hot_loop")
-    iteration = 0.0
+    iteration = peeled = 0.0
     if loop:
         matrix, vector = loop["matrix_cycles"], loop["vector_cycles"]
         iteration = max(k * matrix, k * vector, matrix + vector)
-    straight_cycles = facts["straight_cycles"] * k
-    # Issue makespan: list scheduling in dispatch order.
-    free = [0.0] * min(slots, max(1, len(programs)))
-    heapq.heapify(free)
-    for p in programs:
-        start = heapq.heappop(free)
-        if p.active:
-            busy = (p.iterations * iteration + straight_cycles) / target.clock_hz
-            busy += p.chain * target.l2_latency_s + (target.dram_latency_s if p.reads else 0.0)
-        else:
-            busy = p.chain * target.l2_latency_s
-        heapq.heappush(free, start + busy)
-    issue = max(free) if programs else 0.0
+        peeled = matrix + vector  # a peeled last trip is a copy of the loop body on the straight path
     # Traffic through the hierarchy.
     reads = sum(size for p in programs for _, size in p.reads)
     writes = sum(p.write_bytes for p in programs)
@@ -153,6 +145,25 @@ def model_launch(programs: list[Program], facts: dict, target: Target, num_stage
         llc = l2_miss + writes
     else:
         dram_reads, llc = l2_miss, 0
+    # A trip waits for its loads unless they were issued num_stages - 1 trips ahead; a load
+    # takes the DRAM latency for the share of bytes that miss the caches, the L2's otherwise.
+    miss = dram_reads / reads if reads else 1.0
+    latency = miss * target.dram_latency_s + (1 - miss) * target.l2_latency_s
+    trip_s = max(iteration / target.clock_hz, latency / max(1, num_stages))
+    # Data other programs wrote is in this program's L2 only when there is one L2.
+    remote_s = target.l2_latency_s if target.l2_domains == 1 else target.dram_latency_s
+    # Issue makespan: list scheduling in dispatch order.
+    free = [0.0] * min(slots, max(1, len(programs)))
+    heapq.heapify(free)
+    for p in programs:
+        start = heapq.heappop(free)
+        busy = p.chain * target.l2_latency_s
+        if p.active:
+            straight = k * max(0.0, facts["straight_cycles"] - (peeled if p.skips_peeled_trip else 0.0))
+            busy += (p.iterations * trip_s + straight / target.clock_hz + p.remote_chain * remote_s
+                     + (target.dram_latency_s if p.iterations or (p.reads and not p.remote_chain) else 0.0))
+        heapq.heappush(free, start + busy)
+    issue = max(free) if programs else 0.0
     dram = dram_reads + writes
     requested = reads + writes + scratch
     per_iteration = [sum(s for _, s in p.reads) / max(1, p.iterations) for p in active[:slots]]

@@ -106,6 +106,39 @@ class Audit:
     compiled_now: int  # of which compiled by this run (the rest were cached)
 
 
+def target_for(platform, peak=None) -> Target | None:
+    """The audit's model of ``platform`` (its own CU count and, when known, its own part's
+    peaks), or None when the audit has no target for its architecture."""
+    from dataclasses import replace
+
+    target = TARGETS.get(platform.arch)
+    if target is None or platform.vendor == "cpu":
+        return None
+    return replace(target, units=platform.compute_units, peak=peak or target.peak)
+
+
+def model_case(case: sweep.Case, target: Target, cache: FactsCache) -> CaseResult:
+    """One case, captured, compiled (or read from the cache) and modelled."""
+    captured = sweep.capture_case(case, target)
+    result = CaseResult(target, case, captured.config_name, captured.config, skipped=captured.skipped)
+    specs = [specialise(launch, target) for launch in captured.launches]
+    facts, _ = compile_all(specs, cache)
+    result.launches = [_launch_result(case, target, launch, spec, facts[spec.key])
+                       for launch, spec in zip(captured.launches, specs)]
+    return result
+
+
+def _launch_result(case: sweep.Case, target: Target, launch, spec: Specialisation, facts: dict) -> LaunchResult:
+    error, model = facts.get("error"), None
+    if error is None:
+        try:
+            model = model_launch(programs_of(case, launch), facts, target, launch.options.get("num_stages", 1))
+        except ValueError as exc:  # e.g. a workgroup that fits nowhere: a finding, reported
+            error = str(exc)
+    return LaunchResult(launch.name, launch.grid, launch.options, launch.constexprs, spec.key, spec.flags, facts,
+                        model, error)
+
+
 def run_audit(plan: AuditPlan, cache: FactsCache, jobs: int | None = None,
               progress: Callable[[int, int, str], None] | None = None) -> Audit:
     results: list[CaseResult] = []
@@ -119,12 +152,5 @@ def run_audit(plan: AuditPlan, cache: FactsCache, jobs: int | None = None,
     jobs = jobs or min(8, os.cpu_count() or 1)
     facts, compiled_now = compile_all((spec for _, _, spec in pending), cache, jobs=jobs, progress=progress)
     for result, launch, spec in pending:
-        got = facts[spec.key]
-        error = got.get("error")
-        model = None
-        if error is None:
-            model = model_launch(programs_of(result.case, launch), got, result.target,
-                                 launch.options.get("num_stages", 1))
-        result.launches.append(LaunchResult(launch.name, launch.grid, launch.options, launch.constexprs, spec.key,
-                                            spec.flags, got, model, error))
+        result.launches.append(_launch_result(result.case, result.target, launch, spec, facts[spec.key]))
     return Audit(results, len(facts), compiled_now)

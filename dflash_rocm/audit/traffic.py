@@ -9,6 +9,7 @@ A kernel without an entry here cannot be modelled: the audit says so instead of 
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from typing import Callable, Hashable
@@ -23,8 +24,10 @@ class Program:
     iterations: int  # hot-loop trips
     reads: tuple[tuple[Hashable, int], ...]  # (chunk, bytes): a chunk read twice is one datum read twice
     write_bytes: int
-    chain: int = 1  # dependent global loads before the first streaming load (latency, not bandwidth)
+    chain: int = 1  # dependent loads of cached index data before the first streaming load
     active: bool = True  # False: exits at once (an empty tile)
+    remote_chain: int = 0  # dependent round trips to data other programs just wrote (merges)
+    skips_peeled_trip: bool = False  # the kernel peels a masked last trip after the loop; this program has none
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -45,42 +48,83 @@ def _order(launch: CapturedLaunch):
                 yield x, y, z
 
 
+def _tile_keys(case: Case, c: dict, tile: int) -> tuple[int, int, int, int] | None:
+    """(request, first query of the tile, lo, hi) as the kernel's ``_tile_keys``; None for
+    a tile past its request's queries."""
+    q_len, seq_len = case.query_len, case.seq_len
+    if c["ONE_TILE"]:
+        b, tile_q0 = tile, 0
+    else:
+        first = [r * q_len // c["BLOCK_Q"] + r for r in range(case.batch)]
+        b = bisect.bisect_right(first, tile) - 1
+        tile_q0 = (tile - first[b]) * c["BLOCK_Q"]
+    if b >= case.batch or tile_q0 >= q_len:
+        return None
+    context = seq_len - q_len
+    hi = min(seq_len, context + min(tile_q0 + c["BLOCK_Q"], q_len)) if c["CAUSAL"] else seq_len
+    lo = max(0, context + tile_q0 - case.shape.sliding_window + 1) if c["HAS_WINDOW"] else 0
+    return b, tile_q0, lo, hi
+
+
+def _segment_plan(lo: int, hi: int, segments: int, min_keys: int, block_n: int) -> tuple[int, int]:
+    per_segment = _cdiv(max(_cdiv(hi - lo, segments), min_keys), block_n) * block_n
+    return per_segment, _cdiv(hi - lo, per_segment)
+
+
+def _index_chain(case: Case, c: dict) -> int:
+    """Dependent loads before the first key load: the request search (unless one tile per
+    request), seq_len/query_start_loc, the block table."""
+    return 2 + (0 if c["ONE_TILE"] else math.ceil(math.log2(case.batch + 1)))
+
+
 def attention_programs(case: Case, launch: CapturedLaunch) -> list[Program]:
     c = launch.constexprs
-    block_q, block_n, segments, G, D = c["BLOCK_Q"], c["BLOCK_N"], c["NUM_SEGMENTS"], c["G"], c["D"]
+    block_q, block_n, G, D = c["BLOCK_Q"], c["BLOCK_N"], c["G"], c["D"]
+    segments, min_keys = launch.grid[2], launch.arg("min_segment_keys")
     kv_bytes = 1 if c["IS_FP8"] else 2
-    q_len, seq_len, B = case.query_len, case.seq_len, case.batch
-    window = case.shape.sliding_window
-    context = seq_len - q_len
-    first_tile = [b * q_len // block_q + b for b in range(B)]
-    chain = 2 + math.ceil(math.log2(B + 1))  # binary search over query_start_loc, then seq_len, block table
+    chain = _index_chain(case, c)
     programs = []
     for tile, head, segment in _order(launch):
-        b = max(i for i, first in enumerate(first_tile) if first <= tile) if tile >= first_tile[0] else 0
-        tile_q0 = (tile - first_tile[b]) * block_q
-        if tile_q0 >= q_len:
+        keys = _tile_keys(case, c, tile)
+        if keys is None:
             programs.append(Program(0, (), 0, chain, active=False))
             continue
-        rows = min(block_q, q_len - tile_q0) * G
-        last_q = min(tile_q0 + block_q, q_len) - 1
-        hi = min(seq_len, context + last_q + 1) if c["CAUSAL"] else seq_len
-        lo = max(0, context + tile_q0 - window + 1) if c["HAS_WINDOW"] else 0
-        per_segment = _cdiv(_cdiv(hi - lo, segments), block_n) * block_n
+        b, tile_q0, lo, hi = keys
+        per_segment, active = _segment_plan(lo, hi, segments, min_keys, block_n) if c["SPLIT"] else (hi - lo, 1)
+        if segment >= active:
+            programs.append(Program(0, (), 0, chain, active=False))
+            continue
+        rows = min(block_q, case.query_len - tile_q0) * G
         seg_lo = lo + segment * per_segment
-        keys = max(0, min(hi, seg_lo + per_segment) - seg_lo)
-        reads = [(("q", b, tile, head), rows * D * 2)]
-        if keys:
-            reads += [(("kv", b, head, seg_lo, keys), 2 * keys * D * kv_bytes),
-                      (("bt", b, seg_lo // BLOCK_SIZE), 4 * _cdiv(keys, BLOCK_SIZE))]
-        written = rows * D * 2 if segments == 1 else rows * (4 * D + 8)
-        programs.append(Program(_cdiv(keys, block_n), tuple(reads), written, chain))
+        n = min(hi, seg_lo + per_segment) - seg_lo
+        reads = [(("q", b, tile, head), rows * D * 2), (("kv", b, head, seg_lo, n), 2 * n * D * kv_bytes),
+                 (("bt", b, seg_lo // BLOCK_SIZE), 4 * _cdiv(n, BLOCK_SIZE))]
+        part = rows * (2 * D + 4)
+        written, remote = (rows * D * 2, 0) if active == 1 else (part, 0)
+        if active > 1 and c["MERGE_IN_KERNEL"] and segment == active - 1:  # modelled as the last to arrive
+            reads += [(("part", tile, head, s), part) for s in range(active)]
+            written, remote = part + rows * D * 2, _cdiv(active, c["MERGE_CHUNK"])  # one round trip per load
+        programs.append(Program(n // block_n, tuple(reads), written, chain, remote_chain=remote,
+                                skips_peeled_trip=n % block_n == 0))
     return programs
 
 
 def merge_programs(case: Case, launch: CapturedLaunch) -> list[Program]:
     c = launch.constexprs
-    D, S = c["D"], c["NUM_SEGMENTS"]
-    return [Program(0, ((("part", token, head), S * (4 * D + 8)),), D * 2, 1) for token, head, _ in _order(launch)]
+    segments, min_keys = launch.arg("num_segments"), launch.arg("min_segment_keys")
+    chain = _index_chain(case, c)
+    programs = []
+    for tile, head, group in _order(launch):
+        keys = _tile_keys(case, c, tile)
+        active = 1 if keys is None else _segment_plan(keys[2], keys[3], segments, min_keys, c["BLOCK_N"])[1]
+        rows = 0 if keys is None else min(c["ROWS"], case.query_len * c["G"] - keys[1] * c["G"] - group * c["ROWS"])
+        if active == 1 or rows <= 0:
+            programs.append(Program(0, (), 0, chain, active=False))
+            continue
+        part = rows * (2 * c["D"] + 4)
+        programs.append(Program(0, tuple((("part", tile, head, group, s), part) for s in range(active)),
+                                rows * c["D"] * 2, chain, remote_chain=_cdiv(active, c["MERGE_CHUNK"])))
+    return programs
 
 
 def _tokens_in(case: Case, t: int, block_t: int) -> int:
@@ -99,21 +143,39 @@ def _epilogue_io(case: Case, c: dict, t: int, head_row: int) -> tuple[list, int]
     return reads, rows * c["D"] * cache_bytes
 
 
+def xcd_order(pid: int, num_programs: int, xcds: int) -> int:
+    """The kernels' ``_xcd_order``: the logical program hardware program ``pid`` runs."""
+    if xcds == 1:
+        return pid
+    per, extra = divmod(num_programs, xcds)
+    xcd, local = pid % xcds, pid // xcds
+    return xcd * (per + 1) + local if xcd < extra else extra * (per + 1) + (xcd - extra) * per + local
+
+
 def precompute_programs(case: Case, launch: CapturedLaunch) -> list[Program]:
     c = launch.constexprs
     H, D, split, block_t, block_k = case.shape.hidden, c["D"], c["SPLIT_K"], c["BLOCK_T"], c["BLOCK_K"]
     k_per = _cdiv(_cdiv(H, split), block_k) * block_k
+    grid_t, total = launch.arg("grid_t"), launch.grid[0]
     programs = []
-    for t, head_row, k in _order(launch):
+    for pid in range(total):  # hardware dispatch order
+        logical = xcd_order(pid, total, c["NUM_XCDS"])
+        k, t, head_row = logical % split, (logical // split) % grid_t, logical // (split * grid_t)
         rows = _tokens_in(case, t, block_t)
         k_len = max(0, min(H, (k + 1) * k_per) - k * k_per)
         reads = [(("x", t, k), rows * k_len * 2), (("w", head_row, k), D * k_len * 2)]
+        remote = 0
         if split == 1:
             extra, written = _epilogue_io(case, c, t, head_row)
             reads += extra
         else:
-            written = rows * D * 4 + (rows * 4 if head_row == 0 else 0)
-        programs.append(Program(_cdiv(k_len, block_k), tuple(reads), written))
+            written = rows * D * 4 + rows * 4
+            if c["MERGE_IN_KERNEL"] and k == split - 1:  # modelled as the last part to arrive
+                extra, cache_written = _epilogue_io(case, c, t, head_row)
+                reads += extra + [(("part", t, head_row, s), rows * (D + 1) * 4) for s in range(split)]
+                written += cache_written
+                remote = 1
+        programs.append(Program(_cdiv(k_len, block_k), tuple(reads), written, remote_chain=remote))
     return programs
 
 
@@ -124,8 +186,8 @@ def split_epilogue_programs(case: Case, launch: CapturedLaunch) -> list[Program]
     for t, head_row, _ in _order(launch):
         rows = _tokens_in(case, t, c["BLOCK_T"])
         extra, written = _epilogue_io(case, c, t, head_row)
-        reads = [(("part", t, head_row), split * rows * D * 4), (("ss", t), split * rows * 4)] + extra
-        programs.append(Program(0, tuple(reads), written))
+        reads = [(("part", t, head_row, s), rows * (D + 1) * 4) for s in range(split)] + extra
+        programs.append(Program(0, tuple(reads), written, remote_chain=1))
     return programs
 
 
