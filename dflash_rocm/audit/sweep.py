@@ -8,7 +8,7 @@ table's on NVIDIA) runs inside :func:`capture_launches`, which records each laun
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -207,6 +207,4 @@ def cache_variants(case: Case, target: Target) -> list[Case]:
     own = 2 * case.batch * -(-(case.table_span or case.seq_len) // BLOCK_SIZE) * BLOCK_SIZE * s.kv_heads * s.head_dim
     own *= 1 if case.fp8 else 2
     variants = [case] if own <= TWO_GIB else []
-    from dataclasses import replace
-
     return variants + [replace(case, large_cache=True)]
