@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import dispatch, launches, registry
 from .api import draft_attention, precompute_and_store_context_kv
-from .contract import dtype_name
+from .contract import FP8_DTYPES, dtype_name
 from .arch import Product
 from .floors import attention_cost, measure_copy_bandwidth, peak_for, precompute_cost
 from .platform import platform_for
@@ -48,6 +48,7 @@ class BenchRow:
     pct_floor: float | None = None
     speedup_vs_unfused: float | None = None
     launches: int | None = None
+    model_us: float | None = None  # dflash-rocm inspect's model of the same launches on this device
     note: str = ""
 
 
@@ -192,7 +193,8 @@ def bench_precompute(plan: BenchPlan, shape: DraftShape, num_tokens: int, floor:
     for name, ops in baselines:
         calls = [PRECOMPUTE.build_call(*s.args(), **s.kwargs(), validate=False) for s in sets]
         contenders[name] = [lambda c=c, o=ops: unfused_precompute(c, o) for c in calls]
-    return _time_contenders(plan, PRECOMPUTE.name, shape, case, contenders, cost, floor)
+    return _time_contenders(plan, PRECOMPUTE.name, shape, case, contenders, cost, floor,
+                            model=dict(tokens=num_tokens))
 
 
 def bench_attention(plan: BenchPlan, shape: DraftShape, batch: int, context: int, floor: _Floor) -> list[BenchRow]:
@@ -212,10 +214,36 @@ def bench_attention(plan: BenchPlan, shape: DraftShape, batch: int, context: int
         else:
             contenders[name] = [lambda s=s, n=name: draft_attention(*s.args(), **s.kwargs, backend=n, validate=False)
                                 for s in sets]
-    return _time_contenders(plan, ATTENTION.name, shape, case, contenders, cost, floor)
+    large = sets[0].key_cache.untyped_storage().nbytes() > 2 ** 31 - 1
+    return _time_contenders(plan, ATTENTION.name, shape, case, contenders, cost, floor,
+                            model=dict(batch=batch, context=context, large_cache=large))
 
 
-def _time_contenders(plan, op, shape, case, contenders, cost, floor) -> list[BenchRow]:
+def modelled_us(plan: BenchPlan, backend: str, op: str, shape: DraftShape, **case) -> float | None:
+    """The audit's modelled time of ``backend``'s launches for this case on this device,
+    or None where there is no model (CPU, an unmodelled architecture or backend, no
+    compiler): printed beside the measured time so a first GPU run shows how far the
+    model is off."""
+    platform = platform_for(plan.device)
+    modelled_backend = "rocm" if platform.vendor == "rocm" else "triton"
+    if backend != modelled_backend or dispatch.backend(backend) is None:
+        return None
+    try:
+        from .audit import run, sweep
+        from .audit.compiler import FactsCache, default_cache_dir
+
+        target = run.target_for(platform, peak_for(platform))
+        if target is None:
+            return None
+        audit_case = sweep.Case(op=OPS[op].short, shape=shape,
+                                fp8=plan.cache_dtype in FP8_DTYPES, **case)
+        seconds = run.model_case(audit_case, target, FactsCache(default_cache_dir())).modelled_s
+    except Exception:  # the model is an aid; a failure to build it never spoils a measurement
+        return None
+    return None if seconds is None else seconds * 1e6
+
+
+def _time_contenders(plan, op, shape, case, contenders, cost, floor, model=None) -> list[BenchRow]:
     """``contenders`` maps a name to its two rotating calls, or to why it cannot run."""
     rows = []
     setup = _flush(plan.device)
@@ -232,6 +260,8 @@ def _time_contenders(plan, op, shape, case, contenders, cost, floor) -> list[Ben
                                  note=f"ERROR {type(exc).__name__}: {exc}"[:200]))
             continue
         rows.append(_row(op, shape, case, name, seconds, cost, floor, launches))
+        if model is not None:
+            rows[-1].model_us = modelled_us(plan, name, op, shape, **model)
     base = next((r.us for r in rows if r.backend == "unfused-vllm" and r.us),
                 next((r.us for r in rows if r.backend == "unfused-torch" and r.us), None))
     for r in rows:
@@ -268,11 +298,11 @@ def format_rows(rows: list[BenchRow], width: int | None = None, notes: Footnotes
     """One table row per BenchRow; within ``width`` columns, grouped under an
     "op, shape:" heading per run of rows, long notes cited from ``notes``."""
     return format_table(
-        ["op", "shape", "case", "backend", "us", "GB/s", "% floor", "x unfused", "launches", "note"],
-        [(OPS[r.op].label, r.shape, r.case, r.backend, _fmt(r.us, ".1f"), _fmt(r.gbps, ".0f"),
-          _fmt(r.pct_floor, ".0f"), _fmt(r.speedup_vs_unfused, ".2f"), _fmt(r.launches, "d"),
+        ["op", "shape", "case", "backend", "us", "model us", "GB/s", "% floor", "x unfused", "launches", "note"],
+        [(OPS[r.op].label, r.shape, r.case, r.backend, _fmt(r.us, ".1f"), _fmt(r.model_us, ".1f"),
+          _fmt(r.gbps, ".0f"), _fmt(r.pct_floor, ".0f"), _fmt(r.speedup_vs_unfused, ".2f"), _fmt(r.launches, "d"),
           notes.cite(r.note) if notes else r.note) for r in rows],
-        width=width, omit_empty=["note"], group_by=() if width is None else ("op", "shape"))
+        width=width, omit_empty=["model us", "note"], group_by=() if width is None else ("op", "shape"))
 
 
 def format_report(rows: list[BenchRow], header: str, plan: BenchPlan, width: int | None = WIDTH,

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -85,6 +86,16 @@ def cmd_check(args) -> int:
     return 1 if failed else 0
 
 
+def _write_outputs(outputs) -> None:
+    """For each (path, text function): print the text for '-', write it to a path, skip None."""
+    for path, text in outputs:
+        if path == "-":
+            print(text())
+        elif path:
+            with open(path, "w") as f:
+                f.write(text())
+
+
 def _int_list(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
@@ -108,13 +119,8 @@ def cmd_bench(args) -> int:
 
     rows, header = bench.run_bench(plan, progress=None if args.quiet else progress)
     print(bench.format_report(rows, header, plan, *_layout(args)))
-    for path, text in ((args.json, lambda: bench.rows_to_json(rows, header, plan)),
-                       (args.csv, lambda: bench.rows_to_csv(rows))):
-        if path == "-":
-            print(text())
-        elif path:
-            with open(path, "w") as f:
-                f.write(text())
+    _write_outputs(((args.json, lambda: bench.rows_to_json(rows, header, plan)),
+                    (args.csv, lambda: bench.rows_to_csv(rows))))
     if args.plot:
         try:
             bench.plot_rows(rows, args.plot, header)
@@ -192,6 +198,33 @@ def _examples(*examples: tuple[str, str]) -> dict:
     """``add_parser`` keywords for a help that ends with (command, what it does) examples."""
     text = "\n".join(f"  # {what}\n  {command}" for command, what in examples)
     return {"formatter_class": _HelpWithExamples, "epilog": "examples:\n" + text}
+
+
+def cmd_inspect(args) -> int:
+    # The audit compiles kernels for GPU targets: they must import as JIT functions, not
+    # through the interpreter main() selects on a machine without a GPU.
+    if "dflash_rocm.backends.triton.common" not in sys.modules:
+        os.environ.pop("TRITON_INTERPRET", None)
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    from .audit import report, run
+    from .audit.compiler import FactsCache, default_cache_dir
+    from .workloads import SHAPES
+
+    plan = run.AuditPlan(shapes=tuple(SHAPES[s] for s in (args.shape or ["qwen3-8b-dflash-b16"])),
+                         targets=tuple(args.target or run.TARGETS), ops=tuple(args.op or ("attention", "precompute")),
+                         kv=tuple(args.kv or ("bf16", "fp8")),
+                         batches=tuple(args.batch or run.sweep.ATTENTION_BATCHES),
+                         contexts=tuple(args.context or run.sweep.ATTENTION_CONTEXTS),
+                         tokens=tuple(args.tokens or run.sweep.PRECOMPUTE_TOKENS),
+                         extras=not (args.batch or args.context))
+    cache = FactsCache(None if args.no_cache else (args.cache_dir or default_cache_dir()))
+    audit = run.run_audit(plan, cache, jobs=args.jobs, progress=None if args.quiet else _progress_bar)
+    if args.json != "-" and args.csv != "-":
+        print(report.format_results(audit))
+    _write_outputs(((args.json, lambda: report.results_to_json(audit)),
+                    (args.csv, lambda: report.results_to_csv(audit))))
+    errors = [launch for r in audit.cases for launch in r.launches if launch.error]
+    return 1 if errors else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -283,6 +316,37 @@ def build_parser() -> argparse.ArgumentParser:
                       help="tune causal (or --no-causal) attention (default: the shape's)")
     tune.add_argument("--simulate-arch", metavar="ARCH", help="tune on CPU as if on ARCH (interpreter; slow)")
     tune.set_defaults(func=cmd_tune)
+
+    from .audit.targets import TARGETS
+
+    inspect = sub.add_parser(
+        "inspect", help="compile every launch the tables make for each GPU target and model its speed (no GPU)",
+        description="Capture every kernel launch the host code makes for the shapes the launch tables serve "
+                    "(attention batch x context, precompute tokens; bf16 and fp8 KV), compile each for sm_90, "
+                    "gfx942, gfx950, gfx1100 and gfx1201 with the specialisation a real launch gets (both cache "
+                    "sizes on AMD: buffer loads need tensors under 2 GiB), and print registers, spills, scratch, "
+                    "shared memory, occupancy, matrix/exp instructions per hot-loop iteration and store widths, "
+                    "with the bytes each launch moves and a modelled time against the hardware floor. Every "
+                    "assumption is printed; nothing is measured. Compiled facts are cached on disk.",
+        **_examples(("dflash-rocm inspect", "the whole sweep (a few minutes cold, seconds from the cache)"),
+                    ("dflash-rocm inspect --target gfx942 --op attention --batch 1 --context 8192",
+                     "one case on MI300X"),
+                    ("dflash-rocm inspect --json audit.json", "every fact, machine-readable")))
+    inspect.add_argument("--shape", action="append", choices=sorted(SHAPES), help="draft shape (repeatable)")
+    inspect.add_argument("--target", action="append", choices=list(TARGETS), help="GPU target (repeatable)")
+    inspect.add_argument("--op", action="append", choices=["attention", "precompute"], help="only this operation")
+    inspect.add_argument("--kv", action="append", choices=["bf16", "fp8"], help="KV cache dtype (repeatable)")
+    inspect.add_argument("--batch", type=_int_list, help="attention batches, e.g. 1,8,64")
+    inspect.add_argument("--context", type=_int_list, help="attention context lengths, e.g. 1024,8192")
+    inspect.add_argument("--tokens", type=_int_list, help="precompute context tokens, e.g. 16,256")
+    inspect.add_argument("--jobs", type=int, help="compile processes (default: CPU count, at most 8)")
+    inspect.add_argument("--cache-dir", type=Path, help="where compiled facts are kept "
+                                                       "(default: DFLASH_ROCM_CACHE_DIR/audit)")
+    inspect.add_argument("--no-cache", action="store_true", help="compile everything, keep nothing")
+    inspect.add_argument("--json", metavar="PATH", help="also write JSON ('-' for stdout instead of the table)")
+    inspect.add_argument("--csv", metavar="PATH", help="also write CSV ('-' for stdout instead of the table)")
+    inspect.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+    inspect.set_defaults(func=cmd_inspect)
     return parser
 
 

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: environment facts, the GPU tests under a time budget,
 # then `dflash-rocm bench --quick` at real shapes. Logs, JSON, CSV and a plot go to $OUT
-# (default ./gpu-check-out); a short table is printed last. Needs only torch and Triton:
-# the package is used from this checkout through PYTHONPATH, nothing is installed.
+# (default ./gpu-check-out); a short table is printed last, with `dflash-rocm inspect`'s
+# modelled time ("model us") beside every measured one of the modelled backend (rocm on
+# AMD, triton on NVIDIA), so the first lent GPU shows how far the model is off. Needs only
+# torch and Triton: the package is used from this checkout through PYTHONPATH, nothing is
+# installed.
 #
 #   scripts/gpu_check.sh           # on the GPU machine (budget: well under 8 minutes)
 #   scripts/gpu_check.sh --dry     # CPU rehearsal (interpreter, tiny shapes): what CI runs

@@ -3,8 +3,11 @@
 Triton's compiler runs without a device: ``triton.compile`` takes the kernel, a signature
 and a ``GPUTarget`` and goes down to cubin (NVIDIA) or hsaco (AMD). The launches are
 captured from the real host code (``run_draft_attention`` / ``run_precompute`` on CPU
-tensors), so the compiled signatures, constexprs and launch options are exactly what a
-GPU run would use. Run as a script (Triton must not be in interpreter mode):
+tensors, inside ``capture_launches()``) and specialised by Triton's own binder, so the
+compiled signatures, attributes, constexprs and options are exactly what a GPU launch
+would use. ``dflash-rocm inspect`` audits the served shapes; this covers every feature
+path (windows, sinks, causal, fp16, split-K, return_kv). Run as a script (Triton must not
+be in interpreter mode):
 
     python tests/aot_compile.py  ->  one JSON line per compiled variant
 """
@@ -19,67 +22,39 @@ import traceback
 os.environ.pop("TRITON_INTERPRET", None)
 
 import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
-_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
-          torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e4m3fnuz: "fp8e4b8",
-          torch.uint8: "u8"}
-TARGETS = {"sm_90": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942", 64),
-           "gfx950": GPUTarget("hip", "gfx950", 64), "gfx1100": GPUTarget("hip", "gfx1100", 32),
-           "gfx1201": GPUTarget("hip", "gfx1201", 32)}
+TARGETS = ("sm_90", "gfx942", "gfx950", "gfx1100", "gfx1201")
 
 
-def capture(run, *args):
-    """The (kernel, args, constexprs, options) of every launch ``run(*args)`` makes."""
-    from dflash_rocm.backends.triton import attention, precompute
+def capture(run):
+    """Every launch ``run()`` makes, recorded instead of launched."""
+    from dflash_rocm.backends.triton.launch import capture_launches
 
-    launches = []
-
-    def record(kernel, grid, config, *kargs, **constexprs):
-        options = {}
-        if config is not None:
-            options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
-            if config.waves_per_eu:
-                options["waves_per_eu"] = config.waves_per_eu
-        launches.append((kernel, kargs, constexprs, options))
-
-    saved = attention.launch, precompute.launch
-    attention.launch = precompute.launch = record
-    try:
-        run(*args)
-    finally:
-        attention.launch, precompute.launch = saved
+    with capture_launches() as launches:
+        run()
     return launches
 
 
-def compile_launch(kernel, kargs, constexprs, options, target):
-    import inspect
-    names = list(inspect.signature(kernel.fn).parameters)
-    signature, values = {}, {}
-    for name, value in zip(names, list(kargs) + [constexprs[n] for n in names[len(kargs):]]):
-        if name in constexprs:
-            signature[name] = "constexpr"
-            values[(names.index(name),)] = value
-        elif isinstance(value, torch.Tensor):
-            signature[name] = "*" + _TYPES[value.dtype]
-        elif isinstance(value, bool):
-            signature[name] = "i1"
-        elif isinstance(value, int):
-            signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
-        else:
-            signature[name] = "fp32"
-    opts = dict(options)
-    if target.backend == "cuda":
-        opts.pop("waves_per_eu", None)
-    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=values), target=target,
-                              options=opts)
-    return sorted(compiled.asm)
+def compile_launch(launch, arch):
+    """Compile ``launch`` for ``arch`` with the specialisation Triton's launcher would give
+    it (alignment/divisibility attributes, ``== 1`` constants, AMD buffer-op ranges)."""
+    from dflash_rocm.audit.compiler import compile_specialisation, specialise
+    from dflash_rocm.audit.targets import TARGETS as AUDIT_TARGETS
+
+    return sorted(compile_specialisation(specialise(launch, AUDIT_TARGETS[arch])).asm)
+
+
+def _without_counters(run, call, config):
+    from unittest import mock
+
+    from dflash_rocm.backends.triton import precompute
+
+    with mock.patch.object(precompute, "arrival_counters", lambda device, count: None):
+        run(call, config)
 
 
 def variants():
-    """(name, arch list, run, args) for every kernel path and table entry worth compiling."""
+    """(name, arch, run) for every kernel path and table entry worth compiling."""
     sys.path.insert(0, os.path.dirname(__file__))
     from dflash_rocm.backends.rocm import tables
     from dflash_rocm.backends.triton.attention import attention_config_for, run_draft_attention
@@ -95,25 +70,28 @@ from dflash_rocm.ops.precompute import precompute_call
               "gfx1201": torch.float8_e4m3fn}
     out = []
     for arch in TARGETS:
-        for dtype in (torch.bfloat16, torch.float16):
-            for fp8 in (False, True):
-                if fp8 and arch not in fp8_of:
-                    continue
-                args = list(paged([600], [16], Hk=2, G=4, D=128, block_size=16, dtype=dtype))
-                if fp8:
-                    args[1], args[2] = args[1].to(fp8_of[arch]), args[2].to(fp8_of[arch])
-                for kwargs in (dict(), dict(causal=True, sliding_window=256, sinks=torch.zeros(8))):
-                    call = attention_call(*args, **kwargs)
-                    if arch.startswith("gfx"):
-                        with simulate_platform(arch):
-                            from dflash_rocm.backends import rocm
-                            name, config = rocm.attention_config(call)
-                    else:
-                        name, config = "portable", attention_config_for(call)
-                    if config.num_segments == 1:
-                        config = AttentionLaunchConfig(**{**config.as_dict(), "num_segments": 2})
-                    out.append((f"attention {name} {dtype} fp8={fp8} {sorted(kwargs)}", arch,
-                                lambda c=call, cfg=config: run_draft_attention(c, cfg)))
+        features = dict(causal=True, sliding_window=256, sinks=torch.zeros(8))
+        # (dtype, fp8 cache, features, merged by the last segment): every kernel path once per arch.
+        for dtype, fp8, kwargs, in_kernel in ((torch.bfloat16, False, {}, True),
+                                              (torch.bfloat16, False, features, False),
+                                              (torch.float16, False, features, True),
+                                              (torch.bfloat16, True, {}, False)):
+            if fp8 and arch not in fp8_of:
+                continue
+            args = list(paged([600], [16], Hk=2, G=4, D=128, block_size=16, dtype=dtype))
+            if fp8:
+                args[1], args[2] = args[1].to(fp8_of[arch]), args[2].to(fp8_of[arch])
+            call = attention_call(*args, **kwargs)
+            if arch.startswith("gfx"):
+                with simulate_platform(arch):
+                    from dflash_rocm.backends import rocm
+                    name, config = rocm.attention_config(call)
+            else:
+                name, config = "portable", attention_config_for(call)
+            config = AttentionLaunchConfig(**{**config.as_dict(), "num_segments": max(2, config.num_segments),
+                                              "merge_in_kernel": in_kernel})
+            out.append((f"attention {name} {dtype} fp8={fp8} {sorted(kwargs)} merge_in_kernel={in_kernel}", arch,
+                        lambda c=call, cfg=config: run_draft_attention(c, cfg)))
         g = make_generator(0, "cpu")
         for dtype, fp8, neox, split in ((torch.bfloat16, False, True, 1), (torch.float16, False, False, 2),
                                         (torch.float16, True, False, 2)):
@@ -130,19 +108,22 @@ from dflash_rocm.ops.precompute import precompute_call
                 config = tables.precompute_config(arch, num_tokens=20, hidden=256, num_heads_total=8, head_dim=128)
                 config = PrecomputeLaunchConfig(**{**config.as_dict(), "split_k": split})
             else:
-                config = PrecomputeLaunchConfig(split_k=split)
+                config = PrecomputeLaunchConfig(block_t=32, split_k=split)  # one token tile: split applies
             out.append((f"precompute {dtype} fp8={fp8} neox={neox} split_k={split}", arch,
                         lambda c=call, cfg=config: run_precompute(c, cfg)))
+            if split > 1 and not fp8:  # the parts summed by a second launch (no free arrival counters)
+                out.append((f"precompute {dtype} fp8={fp8} neox={neox} split_k={split} second launch", arch,
+                            lambda c=call, cfg=config: _without_counters(run_precompute, c, cfg)))
     return out
 
 
 def main() -> int:
     failures = 0
     for name, arch, run in variants():
-        for kernel, kargs, constexprs, options in capture(run):
-            record = {"variant": name, "arch": arch, "kernel": kernel.__name__, "options": options}
+        for launch in capture(run):
+            record = {"variant": name, "arch": arch, "kernel": launch.name, "options": launch.options}
             try:
-                record["stages"] = compile_launch(kernel, kargs, constexprs, options, TARGETS[arch])
+                record["stages"] = compile_launch(launch, arch)
                 record["ok"] = True
             except Exception as exc:  # reported per variant; the caller decides
                 failures += 1

@@ -305,12 +305,14 @@ def attention_launch_configs(draw, queries_per_kv: int):
 
     block_m = draw(st.sampled_from([m for m in (16, 32, 64) if m >= queries_per_kv]))
     return AttentionLaunchConfig(block_m=block_m, block_n=draw(st.sampled_from([16, 32])),
-                                 num_segments=draw(st.sampled_from([1, 2, 3, 5])))
+                                 num_segments=draw(st.sampled_from([1, 2, 4, 8])),
+                                 min_segment_keys=draw(st.sampled_from([0, 16, 48])),
+                                 merge_in_kernel=draw(st.booleans()))
 
 
 @st.composite
 def precompute_launch_configs(draw):
     from dflash_rocm.backends.triton.launch_config import PrecomputeLaunchConfig
 
-    return PrecomputeLaunchConfig(block_t=draw(st.sampled_from([16, 32])), block_k=draw(st.sampled_from([16, 32])),
-                                  split_k=draw(st.sampled_from([1, 2, 3])))
+    return PrecomputeLaunchConfig(block_t=draw(st.sampled_from([16, 32, 64])), block_k=draw(st.sampled_from([16, 32])),
+                                  split_k=draw(st.sampled_from([1, 2, 3])), num_xcds=draw(st.sampled_from([1, 3, 8])))

@@ -33,8 +33,6 @@ def case_for(arch, rule):
         fp8 = True
     if rule.name == "rdna-short-query":
         q_len = 4
-    if rule.name == "cdna4-wide-lds":
-        d = 128
     seq = 2 * rule.min_keys_per_segment + 40
     args = paged([seq], [q_len], Hk=1, G=group, D=d, block_size=16, dtype=torch.bfloat16)
     if fp8:
@@ -43,10 +41,11 @@ def case_for(arch, rule):
 
 
 def reachable(arch, rule):
-    """gfx950's wide-LDS rule shadows the generic CDNA default there, and is gfx950's only."""
-    if rule.name == "cdna4-wide-lds":
-        return arch == "gfx950"
-    return not (arch == "gfx950" and rule.name == "cdna-default")
+    """Whether the case built for ``rule`` selects it on ``arch`` (an earlier rule, such
+    as RDNA3's default before RDNA4's fp8 rule, may shadow it there)."""
+    call = attention_call(*case_for(arch, rule))
+    with simulate_platform(arch):
+        return tables.select_rule(rocm.attention_workload(call, rocm.platform_for(call.device))) == rule
 
 
 RULE_CASES = [(arch, rule) for arch in tables.SUPPORTED_ARCHS for rule in tables.rules_for(arch)

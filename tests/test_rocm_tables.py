@@ -32,7 +32,11 @@ def test_configs_are_valid_for_every_shape(arch, group, d):
                 assert cfg.block_m >= group and cfg.queries_per_tile(group) >= 1
                 assert 1 <= cfg.num_segments <= tables.MAX_SEGMENTS[platform_for_arch(arch).family]
                 assert cfg.num_segments & (cfg.num_segments - 1) == 0
-                assert span // cfg.num_segments >= min(span, 128)
+                # The device packs segments to >= min_segment_keys keys: no more than twice
+                # as many segments as the span holds of those.
+                assert cfg.min_segment_keys >= 128
+                assert cfg.num_segments <= max(1, 2 * span // cfg.min_segment_keys)
+                assert cfg.merge_in_kernel == (cfg.num_segments <= tables.IN_KERNEL_MERGE_SEGMENTS)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -52,12 +56,24 @@ def test_short_sequences_are_not_split(arch):
     assert cfg.num_segments == 1
 
 
-def test_wave64_cdna_and_wave32_rdna_differ():
+def test_cdna_rdna3_and_rdna4_take_their_own_tiles():
     cdna = tables.attention_config(workload("gfx942"), 16)[1]
-    rdna = tables.attention_config(workload("gfx1100"), 16)[1]
-    assert cdna.block_m > rdna.block_m and cdna.num_segments > rdna.num_segments
-    assert tables.select_rule(workload("gfx950")).name == "cdna4-wide-lds"  # 160 KiB LDS
-    assert tables.select_rule(workload("gfx942")).name == "cdna-default"
+    rdna3 = tables.attention_config(workload("gfx1100"), 16)[1]
+    rdna4 = tables.attention_config(workload("gfx1201"), 16)[1]
+    assert cdna.matrix_instr_nonkdim == 16 and not rdna3.matrix_instr_nonkdim  # 16-row MFMA tiles on CDNA
+    assert cdna.num_segments > rdna3.num_segments  # 304 CUs to fill, not 96
+    assert rdna3.block_n < rdna4.block_n and rdna3.num_warps > rdna4.num_warps  # RDNA3 WMMA register pressure
+    assert tables.select_rule(workload("gfx950")).name == tables.select_rule(workload("gfx942")).name == "cdna-default"
+    assert not any(cfg.waves_per_eu for cfg in (cdna, rdna3, rdna4))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_query_block_that_fits_is_one_tile(arch):
+    """16 queries x 4 heads = 64 rows: one tile per request (no tile exits at once)."""
+    w = workload(arch, batch=8)
+    _, cfg = tables.attention_config(w, 16)
+    assert cfg.queries_per_tile(w.group) >= w.query_len
+    assert cfg.block_m // 16 >= cfg.num_warps or not cfg.matrix_instr_nonkdim  # no MFMA replication
 
 
 @pytest.mark.parametrize("arch,expected", [("gfx942", "cdna-d256"), ("gfx1201", "rdna-d256")])
@@ -66,8 +82,9 @@ def test_head_dim_256_rules(arch, expected):
 
 
 def test_rule_order_fp8_and_short_queries():
-    assert tables.select_rule(workload("gfx942", fp8=True)).name == "cdna-fp8"
-    assert tables.select_rule(workload("gfx1201", fp8=True)).name == "rdna-fp8"
+    assert tables.select_rule(workload("gfx942", fp8=True)).name == "cdna-default"
+    assert tables.select_rule(workload("gfx1201", fp8=True)).name == "rdna4-fp8"
+    assert tables.select_rule(workload("gfx1100", fp8=True)).name == "rdna3-default"
     assert tables.select_rule(workload("gfx1100", query_len=4, hq=8, hk=2)).name == "rdna-short-query"
 
 
@@ -86,12 +103,15 @@ def test_unknown_family_has_no_table():
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_precompute_config_splits_the_hidden_size_when_the_grid_is_small(arch):
+def test_precompute_config_splits_only_a_single_token_tile(arch):
     p = platform_for_arch(arch)
     small = tables.precompute_config(arch, num_tokens=16, hidden=4096, num_heads_total=80, head_dim=128)
+    mid = tables.precompute_config(arch, num_tokens=256, hidden=4096, num_heads_total=80, head_dim=128)
     big = tables.precompute_config(arch, num_tokens=8192, hidden=4096, num_heads_total=80, head_dim=128)
-    assert small.split_k >= 1 and big.split_k == 1 and big.block_t >= small.block_t
-    assert 80 * small.split_k >= min(2 * p.compute_units, 80 * (4096 // (4 * small.block_k)))
+    assert small.block_t >= 16 and mid.split_k == big.split_k == 1
+    assert 80 * small.split_k >= min(p.compute_units, 80 * (4096 // (4 * small.block_k)))
+    assert not any(c.waves_per_eu for c in (small, mid, big))
+    assert all(c.num_xcds == (8 if p.family == "cdna" else 1) for c in (small, mid, big))
 
 
 def test_query_limit_env_wins_over_configured(monkeypatch):
@@ -123,8 +143,8 @@ def test_tuning_mode(monkeypatch, mode, arch, expected):
 
 def test_grids_use_the_detected_compute_unit_count():
     """A 228-CU MI300A is not sized like a 304-CU MI300X: the backend passes the detected
-    count into the table (one request x 16 KV heads is 16 programs, and the split aims
-    for two programs per CU)."""
+    count into the table (one request x 8 KV heads is 8 programs; the split aims for a
+    number of programs per CU)."""
     import torch
 
     from dflash_rocm.backends import rocm
@@ -133,17 +153,18 @@ def test_grids_use_the_detected_compute_unit_count():
 
     def call():
         q = torch.zeros(16, 32, 128, dtype=torch.bfloat16)
-        cache = torch.zeros(2048, 16, 16, 128, dtype=torch.bfloat16)
-        return attention_call(q, cache, cache, torch.zeros(1, 2048, dtype=torch.int32),
-                              torch.tensor([0, 16], dtype=torch.int32), torch.tensor([32768], dtype=torch.int32),
-                              validate=False, max_query_len=16, max_seq_len=32768)
+        cache = torch.zeros(512, 16, 8, 128, dtype=torch.bfloat16)
+        return attention_call(q, cache, cache, torch.zeros(1, 512, dtype=torch.int32),
+                              torch.tensor([0, 16], dtype=torch.int32), torch.tensor([8192], dtype=torch.int32),
+                              validate=False, max_query_len=16, max_seq_len=8192)
 
     with simulate_platform("gfx942") as flagship:
-        w = rocm.attention_workload(call(), flagship)
-        assert w.compute_units == 304 and rocm.attention_config(call())[1].num_segments == 64
+        assert rocm.attention_workload(call(), flagship).compute_units == 304
+        full = rocm.attention_config(call())[1].num_segments
     with simulate_platform("gfx942", compute_units=228) as mi300a:
-        w = rocm.attention_workload(call(), mi300a)
-        assert w.compute_units == 228 and rocm.attention_config(call())[1].num_segments == 32
+        assert rocm.attention_workload(call(), mi300a).compute_units == 228
+        fewer = rocm.attention_config(call())[1].num_segments
+    assert fewer < full
     small = tables.precompute_config("gfx942", num_tokens=16, hidden=4096, num_heads_total=80, head_dim=128,
                                      compute_units=8)
-    assert small.split_k == 1  # 80 programs already cover 2 x 8 CUs
+    assert small.split_k == 1  # 80 programs already cover 8 CUs

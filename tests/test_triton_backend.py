@@ -152,8 +152,10 @@ _COMPUTE_OPS = {"mm", "addmm", "bmm", "matmul", "linear", "mul", "add", "div", "
                 "cat", "stack", "index_put", "index", "cos", "sin", "neg", "permute", "clone"}
 
 
-@pytest.mark.parametrize("split_k", [1, 3])
-def test_precompute_is_at_most_two_launches_for_all_layers(monkeypatch, split_k):
+@pytest.mark.parametrize("block_t,split_k", [(16, 1), (32, 3), (16, 3)])
+def test_precompute_is_one_launch_for_all_layers(monkeypatch, block_t, split_k):
+    """All layers in one launch, a split hidden size summed by its last part (only a
+    single token tile is split: N = 20 is two 16-token tiles)."""
     from dflash_rocm.backends.triton.launch_config import PrecomputeLaunchConfig
     from dflash_rocm.backends.triton.precompute import fused_weights, run_precompute
     from dflash_rocm.ops.precompute import precompute_call
@@ -171,22 +173,38 @@ def test_precompute_is_at_most_two_launches_for_all_layers(monkeypatch, split_k)
     fused_weights(w)  # the one-time weight preparation is not part of a call
     counter = _CountTritonLaunches(monkeypatch)
     with _AtenOps() as aten:
-        run_precompute(call, PrecomputeLaunchConfig(block_t=16, block_k=16, split_k=split_k))
-    assert counter.count == (1 if split_k == 1 else 2)
+        run_precompute(call, PrecomputeLaunchConfig(block_t=block_t, block_k=16, split_k=split_k))
+    assert counter.count == 1
     assert not (aten.ops & _COMPUTE_OPS), f"unfused torch work in the fused path: {aten.ops & _COMPUTE_OPS}"
 
 
-def test_attention_is_one_launch_unless_split(monkeypatch):
+def test_attention_is_one_launch_unless_split_and_merged_by_a_second(monkeypatch):
     from dflash_rocm.backends.triton.attention import run_draft_attention
     from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig
     from dflash_rocm.ops.attention import attention_call
 
     args = paged([40, 17], [16, 16], Hk=2, G=4, D=32, block_size=16)
+    ref = dflash_rocm.draft_attention(*args, backend="reference")
     counter = _CountTritonLaunches(monkeypatch)
-    run_draft_attention(attention_call(*args), AttentionLaunchConfig(block_m=64, num_segments=1))
-    assert counter.count == 1
-    run_draft_attention(attention_call(*args), AttentionLaunchConfig(block_m=64, num_segments=4))
-    assert counter.count == 3
+    for segments, in_kernel, launches in ((1, True, 1), (4, True, 1), (4, False, 2)):
+        call = attention_call(*args)
+        before = counter.count
+        run_draft_attention(call, AttentionLaunchConfig(block_m=64, block_n=16, num_segments=segments,
+                                                        merge_in_kernel=in_kernel))
+        assert counter.count - before == launches
+        assert dflash_rocm.contract.relative_error(call.out, ref) < 1e-3
+
+
+def test_split_tile_counters_are_left_zero_for_the_next_launch():
+    from dflash_rocm.backends.triton.attention import run_draft_attention
+    from dflash_rocm.backends.triton.counters import _COUNTERS
+    from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig
+    from dflash_rocm.ops.attention import attention_call
+
+    args = paged([70, 33], [16, 9], Hk=2, G=4, D=32, block_size=16)
+    run_draft_attention(attention_call(*args), AttentionLaunchConfig(block_m=32, block_n=16, num_segments=4))
+    counters = _COUNTERS[(torch.device("cpu"), None)]
+    assert counters.numel() >= 4 and not counters.any()
 
 
 def test_no_write_outside_slots_even_with_duplicate_free_random_slots():
@@ -251,3 +269,65 @@ def test_index_tensors_of_either_int_width():
                                                     backend="reference")
         for a, b in zip(got, want):
             assert torch.allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 5e-3), (torch.float32, 2e-3), (torch.bfloat16, 2e-2)])
+def test_only_bf16_upcasts_under_the_interpreter_so_fp16_and_fp32_run_the_gpu_path(dtype, tol):
+    """numpy computes fp16 and fp32 natively: those launches keep FP32_MATH off and run the
+    casts a GPU runs (P rounded to V's type, fp16 dots); only bf16 computes in float32."""
+    from dflash_rocm.backends.triton.attention import run_draft_attention
+    from dflash_rocm.backends.triton.launch import capture_launches
+    from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig, PrecomputeLaunchConfig
+    from dflash_rocm.backends.triton.precompute import run_precompute
+    from dflash_rocm.ops.attention import attention_call
+    from dflash_rocm.ops.precompute import precompute_call
+
+    args = paged([90, 41], [16, 7], Hk=2, G=4, D=64, block_size=16, dtype=dtype)
+    attn = AttentionLaunchConfig(block_m=64, block_n=16, num_segments=2)
+    g = make_generator(9, "cpu")
+    w = make_weights(g, "cpu", L=2, Hk=2, D=32, H=64, R=32, is_neox=True, bias=False, v_scale=None, dtype=dtype)
+    caches = [torch.zeros(3, 16, 2, 32, dtype=dtype) for _ in range(4)]
+    pre_args = (torch.randn(20, 64, generator=g).to(dtype), torch.arange(20), w, caches[:2], caches[2:],
+                torch.randperm(48, generator=g)[:20])
+    pre = PrecomputeLaunchConfig(block_t=32, block_k=16, split_k=2)
+    with capture_launches() as launches:
+        run_draft_attention(attention_call(*args), attn)
+        run_precompute(precompute_call(*pre_args, return_kv=True), pre)
+    assert {launch.constexprs["FP32_MATH"] for launch in launches} == {dtype == torch.bfloat16}
+    call = attention_call(*args)
+    run_draft_attention(call, attn)
+    ref = dflash_rocm.draft_attention(*args, backend="reference")
+    assert dflash_rocm.contract.relative_error(call.out, ref) < tol
+    k, v = run_precompute(precompute_call(*pre_args, return_kv=True), pre)
+    rk, rv = dflash_rocm.precompute_and_store_context_kv(*pre_args[:3], None, None, None, return_kv=True,
+                                                         backend="reference")
+    assert max(dflash_rocm.contract.relative_error(k, rk), dflash_rocm.contract.relative_error(v, rv)) < tol
+
+
+def test_split_work_is_merged_by_a_second_launch_when_no_counters_are_free(monkeypatch):
+    """While a CUDA graph is captured with too few arrival counters, the merge of split
+    key segments and the sum of split hidden parts take their own launch, same results."""
+    from dflash_rocm.backends.triton import attention, precompute
+    from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig, PrecomputeLaunchConfig
+    from dflash_rocm.ops.attention import attention_call
+    from dflash_rocm.ops.precompute import precompute_call
+
+    monkeypatch.setattr(attention, "arrival_counters", lambda device, count: None)
+    monkeypatch.setattr(precompute, "arrival_counters", lambda device, count: None)
+    counter = _CountTritonLaunches(monkeypatch)
+    args = paged([70, 33], [16, 9], Hk=2, G=4, D=32, block_size=16)
+    call = attention_call(*args)
+    attention.run_draft_attention(call, AttentionLaunchConfig(block_m=32, block_n=16, num_segments=4))
+    assert counter.count == 2
+    ref = dflash_rocm.draft_attention(*args, backend="reference")
+    assert dflash_rocm.contract.relative_error(call.out, ref) < 1e-3
+    g = make_generator(3, "cpu")
+    w = make_weights(g, "cpu", L=2, Hk=2, D=32, H=64, R=16, is_neox=True, bias=True, v_scale=0.5,
+                     dtype=torch.float32)
+    states = torch.randn(12, 64, generator=g)
+    k, v = precompute.run_precompute(precompute_call(states, torch.arange(12), w, None, None, None, return_kv=True),
+                                     PrecomputeLaunchConfig(block_t=16, block_k=16, split_k=2))
+    assert counter.count == 4
+    rk, rv = dflash_rocm.precompute_and_store_context_kv(states, torch.arange(12), w, None, None, None,
+                                                         return_kv=True, backend="reference")
+    assert max(dflash_rocm.contract.relative_error(k, rk), dflash_rocm.contract.relative_error(v, rv)) < 2e-3

@@ -10,7 +10,7 @@ import torch
 
 from dflash_rocm.backends.triton import INTERPRETING, TritonBackend
 from dflash_rocm.backends.triton.attention import run_draft_attention
-from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig
+from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig, PrecomputeLaunchConfig
 from dflash_rocm.backends.triton.precompute import run_precompute
 from dflash_rocm.ops import ATTENTION, Op
 from dflash_rocm.ops.attention import AttentionCall, AttentionSpec
@@ -45,6 +45,14 @@ def attention_config(call: AttentionCall) -> tuple[str, AttentionLaunchConfig]:
     return name, config
 
 
+def precompute_config(call: PrecomputeCall, platform: Platform) -> PrecomputeLaunchConfig:
+    """The ROCm table's precompute configuration for ``call`` on ``platform``."""
+    w = call.weights
+    return tables.precompute_config(platform.arch, num_tokens=call.num_tokens, hidden=w.hidden_size,
+                                    num_heads_total=2 * w.num_layers * w.num_kv_heads, head_dim=w.head_dim,
+                                    compute_units=platform.compute_units)
+
+
 class RocmBackend(TritonBackend):
     """The Triton backend's kernels and limits, launched the AMD way."""
 
@@ -70,12 +78,7 @@ class RocmBackend(TritonBackend):
 
     @classmethod
     def precompute(cls, call: PrecomputeCall):
-        w = call.weights
-        platform = platform_for(call.device)
-        config = tables.precompute_config(platform.arch, num_tokens=call.num_tokens, hidden=w.hidden_size,
-                                          num_heads_total=2 * w.num_layers * w.num_kv_heads, head_dim=w.head_dim,
-                                          compute_units=platform.compute_units)
-        return run_precompute(call, config)
+        return run_precompute(call, precompute_config(call, platform_for(call.device)))
 
     # -- hooks -----------------------------------------------------------------------------
     @classmethod

@@ -18,7 +18,8 @@ from typing import Callable
 
 from dflash_rocm.backends.triton.common import next_pow2
 from dflash_rocm.backends.triton.launch_config import (AttentionLaunchConfig, PrecomputeLaunchConfig,
-                                                       attention_grid_tiles)
+                                                       IN_KERNEL_MERGE_SEGMENTS, attention_grid_tiles, choose_segments,
+                                                       split_k_for)
 from dflash_rocm.platform import Platform, platform_for_arch
 
 SUPPORTED_ARCHS = ("gfx942", "gfx950", "gfx1100", "gfx1101", "gfx1151", "gfx1200", "gfx1201")
@@ -55,26 +56,29 @@ class TileRule:
     block_n: int
     num_warps: int
     num_stages: int
-    waves_per_eu: int
+    matrix_instr_nonkdim: int  # CDNA: 16 gives 16-row MFMA tiles, so 4 warps share a 64-row tile without replication
     min_keys_per_segment: int  # below this a segment's merge costs more than it saves
     programs_per_cu: float  # how many (tile, head, segment) programs to aim for per CU
 
 
-def _gfx950(w: AttentionWorkload) -> bool:
-    return w.arch == "gfx950"
+def _rdna3(w: AttentionWorkload) -> bool:
+    return w.arch.startswith("gfx11")
 
 
+# Every rule compiles without spills for the sweep `dflash-rocm inspect` audits (tests/test_audit.py).
+# CDNA: one 64-row tile (16 queries x 4 heads) per request on 4 warps with 16x16 MFMA; aim for one
+# program per CU (a second one per CU only shares the SIMDs). RDNA3's WMMA keeps operands twice in
+# registers: 8 warps and 16-key tiles stay under 256 VGPRs; RDNA4 takes 32-key tiles (16 for fp8).
 CDNA_RULES = (
-    TileRule("cdna-d256", lambda w: w.head_dim > 128, 32, 32, 4, 1, 2, 512, 2.0),
-    TileRule("cdna-fp8", lambda w: w.fp8, 64, 64, 4, 1, 2, 256, 2.0),
-    TileRule("cdna4-wide-lds", _gfx950, 64, 128, 8, 2, 2, 512, 2.0),
-    TileRule("cdna-default", lambda w: True, 64, 64, 4, 1, 2, 256, 2.0),
+    TileRule("cdna-d256", lambda w: w.head_dim > 128, 32, 32, 2, 1, 16, 256, 1.0),
+    TileRule("cdna-default", lambda w: True, 64, 64, 4, 1, 16, 256, 1.0),
 )
 RDNA_RULES = (
-    TileRule("rdna-d256", lambda w: w.head_dim > 128, 16, 32, 4, 1, 2, 256, 1.5),
-    TileRule("rdna-fp8", lambda w: w.fp8, 32, 32, 4, 2, 2, 128, 1.5),
-    TileRule("rdna-short-query", lambda w: w.query_len * w.group <= 16, 16, 64, 4, 1, 2, 128, 1.5),
-    TileRule("rdna-default", lambda w: True, 32, 64, 4, 1, 2, 128, 1.5),
+    TileRule("rdna-d256", lambda w: w.head_dim > 128, 16, 16, 4, 1, 0, 256, 1.0),
+    TileRule("rdna-short-query", lambda w: w.query_len * w.group <= 16, 16, 32, 4, 1, 0, 128, 1.0),
+    TileRule("rdna3-default", _rdna3, 64, 16, 8, 1, 0, 256, 1.0),
+    TileRule("rdna4-fp8", lambda w: w.fp8, 64, 16, 8, 1, 0, 256, 1.0),
+    TileRule("rdna4-default", lambda w: True, 64, 32, 4, 1, 0, 256, 1.0),
 )
 MAX_SEGMENTS = {"cdna": 64, "rdna": 32}
 
@@ -93,34 +97,42 @@ def select_rule(w: AttentionWorkload) -> TileRule:
 
 
 def segments_for(w: AttentionWorkload, rule: TileRule, block_m: int) -> int:
-    """Split keys until the grid reaches ``programs_per_cu`` x CUs, in powers of two, never
-    below ``min_keys_per_segment`` keys per segment."""
+    """Key segments (a power of two) for ``programs_per_cu`` x CUs programs."""
     platform = w.platform
     programs = attention_grid_tiles(w.batch, w.query_len, block_m // w.group) * w.num_kv_heads
-    target = int(rule.programs_per_cu * platform.compute_units)
-    segments = 1
-    while (programs * segments < target and segments * 2 <= MAX_SEGMENTS[platform.family]
-           and w.key_span // (segments * 2) >= rule.min_keys_per_segment):
-        segments *= 2
-    return segments
+    return choose_segments(programs, w.key_span, int(rule.programs_per_cu * platform.compute_units),
+                           rule.min_keys_per_segment, MAX_SEGMENTS[platform.family])
+
+
+def _tile_rows(w: AttentionWorkload, rule: TileRule) -> tuple[int, int]:
+    """(block_m, num_warps): the rule's tile, shrunk to the query block when that is
+    smaller (a CDNA warp owns 16 rows, so fewer rows take fewer warps)."""
+    block_m = max(min(rule.block_m, next_pow2(w.group * w.query_len)), next_pow2(w.group), 16)
+    warps = rule.num_warps
+    if rule.matrix_instr_nonkdim:
+        warps = max(1, min(warps, block_m // rule.matrix_instr_nonkdim))
+    return block_m, warps
 
 
 def segmented_config(w: AttentionWorkload) -> tuple[str, AttentionLaunchConfig]:
     """The table's (rule name, config) for a workload within the query limit."""
     rule = select_rule(w)
-    block_m = max(rule.block_m, next_pow2(w.group))
+    block_m, warps = _tile_rows(w, rule)
+    segments = segments_for(w, rule, block_m)
     return rule.name, AttentionLaunchConfig(
-        block_m=block_m, block_n=rule.block_n, num_segments=segments_for(w, rule, block_m),
-        num_warps=rule.num_warps, num_stages=rule.num_stages, waves_per_eu=rule.waves_per_eu)
+        block_m=block_m, block_n=rule.block_n, num_segments=segments, num_warps=warps, num_stages=rule.num_stages,
+        min_segment_keys=rule.min_keys_per_segment, merge_in_kernel=segments <= IN_KERNEL_MERGE_SEGMENTS,
+        matrix_instr_nonkdim=rule.matrix_instr_nonkdim)
 
 
 def unsegmented_config(w: AttentionWorkload) -> tuple[str, AttentionLaunchConfig]:
     """Queries past the query limit (prefill-like): enough query tiles already, one segment."""
-    wave64 = w.platform.family == "cdna"
-    block_m = max(64 if wave64 else 32, next_pow2(w.group))
+    cdna = w.platform.family == "cdna"
+    block_m = max(64 if cdna else 32, next_pow2(w.group))
     return "unsegmented", AttentionLaunchConfig(
-        block_m=block_m, block_n=32 if w.head_dim > 128 else 64, num_segments=1,
-        num_warps=4, num_stages=1, waves_per_eu=2)
+        block_m=block_m, block_n=32 if w.head_dim > 128 else 64 if cdna else 16, num_segments=1,
+        num_warps=max(1, min(4, block_m // 16)) if cdna else 8, num_stages=1,
+        matrix_instr_nonkdim=16 if cdna else 0)
 
 
 @functools.lru_cache(maxsize=1024)  # pure, and asked once per layer and step
@@ -133,17 +145,24 @@ def attention_config(w: AttentionWorkload, query_limit: int | None) -> tuple[str
 @functools.lru_cache(maxsize=1024)
 def precompute_config(arch: str, *, num_tokens: int, hidden: int, num_heads_total: int,
                       head_dim: int, compute_units: int | None = None) -> PrecomputeLaunchConfig:
-    """Token tiles grow with N; split the hidden size until the grid covers the CUs (the
-    device's own count; None: the flagship's). CDNA takes 64-token tiles sooner (wave64,
-    MFMA 32x32) and 8 warps for them."""
+    """Up to 64 tokens in one tile with the hidden size split until the heads fill the
+    CUs (the device's own count; None: the flagship's); beyond, 32-token tiles on CDNA up
+    to 512 tokens (enough programs to balance 304 CUs) and 64-token tiles otherwise
+    (choices judged by `dflash-rocm inspect`'s model). No ``waves_per_eu`` cap (it only
+    padded the register allocation): every config keeps >= 4 waves per SIMD. On CDNA the
+    program order keeps a head's tiles on one XCD."""
     platform = platform_for_arch(arch, compute_units=compute_units)
     cdna = platform.family == "cdna"
-    block_t = 16 if num_tokens <= 16 else 32 if num_tokens <= (128 if cdna else 512) else 64
     block_k = 64 if head_dim <= 128 else 32
-    programs = -(-num_tokens // block_t) * num_heads_total
-    split_k = 1
-    while programs * split_k < 2 * platform.compute_units and hidden // (split_k * 2) >= 4 * block_k:
-        split_k *= 2
-    return PrecomputeLaunchConfig(block_t=block_t, block_k=block_k, split_k=split_k,
-                                  num_warps=8 if cdna and block_t * head_dim >= 8192 else 4,
-                                  num_stages=1 if cdna else 2, waves_per_eu=2 if cdna else 0)
+    xcds = 8 if cdna else 1
+    if num_tokens <= 64:
+        return PrecomputeLaunchConfig(
+            block_t=max(16, next_pow2(num_tokens)), block_k=block_k,
+            split_k=split_k_for(num_heads_total, hidden, block_k, platform.compute_units), num_warps=8, num_stages=2,
+            num_xcds=xcds)
+    if cdna and num_tokens <= 512:
+        return PrecomputeLaunchConfig(block_t=32, block_k=block_k, num_warps=4, num_stages=1, num_xcds=xcds)
+    if cdna:  # gfx950's 4-warp tiles keep its matrix cores fed at 4 waves/SIMD (modelled)
+        return PrecomputeLaunchConfig(block_t=64, block_k=block_k, num_warps=4 if arch == "gfx950" else 8,
+                                      num_stages=1, num_xcds=xcds)
+    return PrecomputeLaunchConfig(block_t=64, block_k=block_k, num_warps=8, num_stages=2)

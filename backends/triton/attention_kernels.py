@@ -3,13 +3,18 @@
 Tile rows pack the ``G`` query heads that share one KV head (row ``r`` is query token
 ``r // G``, head ``kv_head * G + r % G``): a DFlash step has only ~16 queries per request,
 and packing the group is what gives ``tl.dot`` enough rows. The grid is
-(query tiles, KV heads, key segments). Query tiles are numbered as in vLLM's
-unified attention: request ``b``'s tiles start at ``query_start_loc[b] // BLOCK_Q + b``,
-so a program finds its request by binary search and no host sync sizes the grid.
-Each segment covers an equal, ``BLOCK_N``-aligned share of the keys visible to its
-tile; with one segment the kernel normalises and writes ``out`` itself, otherwise it
-writes (max, sum, unnormalised accumulator) partials in log2 space that the merge
-kernel combines with the attention sink.
+(query tiles, KV heads, key segments). When every request's query block fits one tile
+(``ONE_TILE``) tile ``b`` is request ``b``; otherwise tiles are numbered as in vLLM's
+unified attention (request ``b``'s tiles start at ``query_start_loc[b] // BLOCK_Q + b``)
+and a program finds its request by binary search, so no host sync sizes the grid.
+
+Key segments: the keys visible to a tile are cut into ``num_segments`` equal,
+``BLOCK_N``-aligned shares of at least ``min_segment_keys`` keys, decided on the device
+from the real sequence length, so segments past the end exit at once and a short
+sequence in a table sized for long ones is not split at all. A split tile writes, per
+segment, its normalised output in the output dtype and one float32 log2-sum-exp per row;
+the last segment to finish (an atomic counter per tile and head, reset by that program)
+merges them in the same launch, or a second launch merges them (``MERGE_IN_KERNEL`` off).
 """
 
 import triton
@@ -35,55 +40,181 @@ def _find_request(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _tile_keys(qsl_ptr, seq_lens_ptr, num_seqs, tile, window, BLOCK_Q: tl.constexpr, ONE_TILE: tl.constexpr,
+               CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """(request, its first token, its query length, the tile's first query, the request's
+    context length, and the key range [lo, hi) visible to some row of the tile)."""
+    if ONE_TILE:
+        b = tile
+    else:
+        b = _find_request(qsl_ptr, num_seqs, tile, BLOCK_Q)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    if ONE_TILE:
+        tile_q0 = 0
+    else:
+        tile_q0 = (tile - (q_start // BLOCK_Q + b)) * BLOCK_Q
+    context = tl.load(seq_lens_ptr + b) - q_len
+    hi = context + q_len
+    if CAUSAL:
+        hi = tl.minimum(hi, context + tl.minimum(tile_q0 + BLOCK_Q, q_len))
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(0, context + tile_q0 - window + 1)
+    return b, q_start, q_len, tile_q0, context, lo, hi
+
+
+@triton.jit
+def _segment_plan(lo, hi, num_segments, min_segment_keys, BLOCK_N: tl.constexpr):
+    """(keys per segment, segments that have keys) for the key range [lo, hi)."""
+    per_segment = tl.cdiv(tl.maximum(tl.cdiv(hi - lo, num_segments), min_segment_keys), BLOCK_N) * BLOCK_N
+    return per_segment, tl.cdiv(hi - lo, per_segment)
+
+
+@triton.jit
+def _rows(tile_q0, q_start, q_len, kv_head, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """Per tile row: its token (int64), query head, and whether it is a real query."""
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = tile_q0 + rows // G
+    ok = (rows // G < BLOCK_Q) & (q_idx < q_len)
+    return (q_start + q_idx).to(tl.int64), kv_head * G + rows % G, ok, q_idx
+
+
+@triton.jit
+def _finish(acc, m_i, l_i, head, row_ok, sinks_ptr, v_scale, HAS_SINKS: tl.constexpr):
+    """The normalised output of one tile from its running max/sum (log2 space), the
+    sink entering the denominator once."""
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
+        m_all = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_all)
+        l_i = l_i * alpha + tl.exp2(sink - m_all)
+        acc = acc * alpha[:, None]
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    return acc * (v_scale / l_i)[:, None]
+
+
+@triton.jit
+def _merge_rows(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, token, head, row_ok, active, num_tokens,
+                stride_ot, stride_oh, stride_od, HQ: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
+                BLOCK_D: tl.constexpr, SEG_CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """``out`` of ``ROWS`` tile rows from the ``active`` segments' normalised partials and
+    log2-sum-exps, ``SEG_CHUNK`` segments per load (one round trip each)."""
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    c = tl.arange(0, SEG_CHUNK)
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    total = tl.zeros([ROWS], tl.float32)
+    for s0 in range(0, active, SEG_CHUNK):
+        seg_ok = (s0 + c < active)[:, None] & row_ok[None, :]
+        part = ((s0 + c)[:, None] * num_tokens + token[None, :]) * HQ + head[None, :]  # [SEG_CHUNK, ROWS]
+        lse = tl.load(part_lse_ptr + part, mask=seg_ok, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(part_out_ptr + part[:, :, None] * D + d[None, None, :], mask=seg_ok[:, :, None] & d_ok,
+                    other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.exp2(lse - m_safe[None, :])
+        alpha = tl.exp2(m - m_safe)
+        acc = acc * alpha[:, None] + tl.sum(o.to(tl.float32) * w[:, :, None], 0)
+        total = total * alpha + tl.sum(w, 0)
+        m = m_new
+    o = _finish(acc, m, total, head, row_ok, sinks_ptr, 1.0, HAS_SINKS)
+    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od,
+             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _attend(acc, m_i, l_i, q, qk_scale, pos, k_head, v_head, table, start, seg_hi, window, d, d_ok,
+            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, BLOCK_N: tl.constexpr,
+            BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+            IS_FP8: tl.constexpr, FP32_MATH: tl.constexpr):
+    """One key tile: load K/V through the block table, online-softmax update. ``MASKED``
+    only for a tile that reaches past the segment's end (the last one)."""
+    j = start + tl.arange(0, BLOCK_N)
+    if MASKED:
+        j_ok = j < seg_hi
+        block = tl.load(table + j // BLOCK_SIZE, mask=j_ok, other=0).to(tl.int64)
+    else:
+        block = tl.load(table + j // BLOCK_SIZE).to(tl.int64)
+    row = j % BLOCK_SIZE
+    # One 64-bit base per key row (block * block stride); everything inside a block is 32-bit.
+    k_ptrs = (k_head + block * stride_kb + row * stride_ks)[:, None] + d[None, :] * stride_kd
+    v_ptrs = (v_head + block * stride_vb + row * stride_vs)[:, None] + d[None, :] * stride_vd
+    if MASKED:
+        kv_mask = j_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    else:
+        k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+    if FP32_MATH:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    elif IS_FP8:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    if MASKED or CAUSAL or HAS_WINDOW:
+        visible = tl.full([1, BLOCK_N], 1, tl.int1)
+        if MASKED:
+            visible = j_ok[None, :]
+        if CAUSAL:
+            visible = visible & (j[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (j[None, :] > pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    # P is rounded toward zero to V's type (cheap) and the sum taken of the rounded values,
+    # so the weights stay normalised.
+    p = tl.exp2(s - m_safe[:, None]).to(v.dtype, fp_downcast_rounding="rtz" if v.dtype != tl.float32 else None)
+    l_i = l_i * alpha + tl.sum(p.to(tl.float32), 1)
+    acc = acc * alpha[:, None] + tl.dot(p, v)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def draft_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, out_ptr,
-    part_acc_ptr, part_ml_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
-    num_seqs, num_tokens, block_size, scale_log2, window,
+    part_out_ptr, part_lse_ptr, counters_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
+    num_seqs, num_tokens, scale_log2, window, num_segments, min_segment_keys,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_bt, stride_ot, stride_oh, stride_od,
     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    ONE_TILE: tl.constexpr, SPLIT: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, MERGE_CHUNK: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, IS_FP8: tl.constexpr,
     FP32_MATH: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
-    b = _find_request(qsl_ptr, num_seqs, tile, BLOCK_Q)
-    q_start = tl.load(qsl_ptr + b)
-    q_len = tl.load(qsl_ptr + b + 1) - q_start
-    tile_q0 = (tile - (q_start // BLOCK_Q + b)) * BLOCK_Q
+    b, q_start, q_len, tile_q0, context, lo, hi = _tile_keys(qsl_ptr, seq_lens_ptr, num_seqs, tile, window,
+                                                             BLOCK_Q, ONE_TILE, CAUSAL, HAS_WINDOW)
     if tile_q0 >= q_len:
         return
-    seq_len = tl.load(seq_lens_ptr + b)
-    context = seq_len - q_len  # position of the request's first query token
+    seg_lo = lo
+    seg_hi = hi
+    active = 1
+    if SPLIT:
+        per_segment, active = _segment_plan(lo, hi, num_segments, min_segment_keys, BLOCK_N)
+        if segment >= active:
+            return
+        seg_lo = lo + segment * per_segment
+        seg_hi = tl.minimum(hi, seg_lo + per_segment)
 
-    rows = tl.arange(0, BLOCK_M)
-    q_idx = tile_q0 + rows // G
-    head = kv_head * G + rows % G
-    row_ok = (rows // G < BLOCK_Q) & (q_idx < q_len)
+    token, head, row_ok, q_idx = _rows(tile_q0, q_start, q_len, kv_head, G, BLOCK_M, BLOCK_Q)
     pos = context + q_idx
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    token = (q_start + q_idx).to(tl.int64)
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if FP32_MATH:
         q = q.to(tl.float32)
-
-    # Keys visible to any row of this tile, then this segment's share of them.
-    last_q = tl.minimum(tile_q0 + BLOCK_Q, q_len) - 1
-    hi = seq_len
-    if CAUSAL:
-        hi = tl.minimum(seq_len, context + last_q + 1)
-    lo = 0
-    if HAS_WINDOW:
-        lo = tl.maximum(0, context + tile_q0 - window + 1)
-    per_segment = tl.cdiv(tl.cdiv(hi - lo, NUM_SEGMENTS), BLOCK_N) * BLOCK_N
-    seg_lo = lo + segment * per_segment
-    seg_hi = tl.minimum(hi, seg_lo + per_segment)
 
     k_scale = 1.0
     v_scale = 1.0
@@ -94,87 +225,61 @@ def draft_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    n = tl.arange(0, BLOCK_N)
-    for start in range(seg_lo, seg_hi, BLOCK_N):
-        j = start + n
-        j_ok = j < seg_hi
-        block = tl.load(block_table_ptr + b * stride_bt + j // block_size, mask=j_ok, other=0).to(tl.int64)
-        row = (j % block_size).to(tl.int64)
-        kv_mask = j_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + block[:, None] * stride_kb + row[:, None] * stride_ks + kv_head * stride_kh
-                    + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + row[:, None] * stride_vs + kv_head * stride_vh
-                    + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        if FP32_MATH:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        elif IS_FP8:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        visible = j_ok[None, :]
-        if CAUSAL:
-            visible = visible & (j[None, :] <= pos[:, None])
-        if HAS_WINDOW:
-            visible = visible & (j[None, :] > pos[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    k_head = k_cache_ptr + kv_head * stride_kh
+    v_head = v_cache_ptr + kv_head * stride_vh
+    table = block_table_ptr + b * stride_bt
+    full_hi = seg_lo + (seg_hi - seg_lo) // BLOCK_N * BLOCK_N
+    for start in range(seg_lo, full_hi, BLOCK_N):
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, qk_scale, pos, k_head, v_head, table, start, seg_hi, window, d,
+                                d_ok, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, BLOCK_N,
+                                BLOCK_SIZE, False, CAUSAL, HAS_WINDOW, IS_FP8, FP32_MATH)
+    if full_hi < seg_hi:
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, qk_scale, pos, k_head, v_head, table, full_hi, seg_hi, window, d,
+                                d_ok, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, BLOCK_N,
+                                BLOCK_SIZE, True, CAUSAL, HAS_WINDOW, IS_FP8, FP32_MATH)
 
-    if NUM_SEGMENTS == 1:
-        if HAS_SINKS:
-            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
-            m_all = tl.maximum(m_i, sink)
-            alpha = tl.exp2(m_i - m_all)
-            l_i = l_i * alpha + tl.exp2(sink - m_all)
-            acc = acc * alpha[:, None]
-        l_i = tl.where(l_i == 0.0, 1.0, l_i)
-        o = acc / l_i[:, None] * v_scale
+    mask = row_ok[:, None] & d_ok[None, :]
+    if active == 1:
+        o = _finish(acc, m_i, l_i, head, row_ok, sinks_ptr, v_scale, HAS_SINKS)
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od,
-                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+                 o.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         part = (segment * num_tokens + token) * HQ + head
-        tl.store(part_acc_ptr + part[:, None] * D + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
-        tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
-        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        o = acc * (v_scale / l_safe)[:, None]
+        tl.store(part_out_ptr + part[:, None] * D + d[None, :], o.to(part_out_ptr.dtype.element_ty), mask=mask)
+        tl.store(part_lse_ptr + part, tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe)), mask=row_ok)
+        if MERGE_IN_KERNEL:
+            tl.debug_barrier()  # every wave's partial stores precede the release below
+            counter = counters_ptr + tile * tl.num_programs(1) + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == active - 1:
+                _merge_rows(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, token, head, row_ok, active, num_tokens,
+                            stride_ot, stride_oh, stride_od, HQ, D, BLOCK_M, BLOCK_D, MERGE_CHUNK, HAS_SINKS)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 @triton.jit
 def merge_segments_kernel(
-    part_acc_ptr, part_ml_ptr, sinks_ptr, v_scale_ptr, out_ptr, num_tokens,
-    stride_ot, stride_oh, stride_od,
-    HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
-    SEG_BLOCK: tl.constexpr, HAS_SINKS: tl.constexpr, IS_FP8: tl.constexpr,
+    part_out_ptr, part_lse_ptr, qsl_ptr, seq_lens_ptr, sinks_ptr, out_ptr,
+    num_seqs, num_tokens, window, num_segments, min_segment_keys, stride_ot, stride_oh, stride_od,
+    HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, ONE_TILE: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, ROWS: tl.constexpr, MERGE_CHUNK: tl.constexpr,
 ):
-    """One (token, head) per program: combine the segments' partials by log-sum-exp;
-    the sink enters the denominator once, here."""
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    s = tl.arange(0, SEG_BLOCK)
-    s_ok = s < NUM_SEGMENTS
-    part = (s * num_tokens + token) * HQ + head
-    m = tl.load(part_ml_ptr + part * 2, mask=s_ok, other=float("-inf"))
-    l = tl.load(part_ml_ptr + part * 2 + 1, mask=s_ok, other=0.0)
-    m_all = tl.max(m, 0)
-    if HAS_SINKS:
-        sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
-        m_all = tl.maximum(m_all, sink)
-    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
-    w = tl.exp2(m - m_safe)
-    total = tl.sum(l * w, 0)
-    if HAS_SINKS:
-        total += tl.exp2(sink - m_safe)
-    total = tl.where(total == 0.0, 1.0, total)
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
-    acc = tl.load(part_acc_ptr + part[:, None] * D + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-    o = tl.sum(acc * w[:, None], 0) / total
-    if IS_FP8:
-        o = o * tl.load(v_scale_ptr)
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + d * stride_od, o.to(out_ptr.dtype.element_ty),
-             mask=d_ok)
+    """Second launch of a split tile: program (tile, KV head, row group) merges ``ROWS``
+    rows of the tile over the segments the main kernel found active (a tile with one
+    active segment was written already)."""
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    b, q_start, q_len, tile_q0, context, lo, hi = _tile_keys(qsl_ptr, seq_lens_ptr, num_seqs, tile, window,
+                                                             BLOCK_Q, ONE_TILE, CAUSAL, HAS_WINDOW)
+    if tile_q0 >= q_len:
+        return
+    per_segment, active = _segment_plan(lo, hi, num_segments, min_segment_keys, BLOCK_N)
+    if active > 1:
+        r = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
+        q_idx = tile_q0 + r // G
+        row_ok = (r // G < BLOCK_Q) & (q_idx < q_len)
+        _merge_rows(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, (q_start + q_idx).to(tl.int64),
+                    kv_head * G + r % G, row_ok, active, num_tokens, stride_ot, stride_oh, stride_od, HQ, D, ROWS,
+                    BLOCK_D, MERGE_CHUNK, HAS_SINKS)

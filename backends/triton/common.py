@@ -1,10 +1,13 @@
 """What every Triton kernel of this package shares: the interpreter switch and dtype names.
 
-``FP32_MATH``: the Triton interpreter computes bfloat16 arithmetic, ``tl.dot`` and
-``tl.sum`` on raw bits (wrongly) while its bf16 loads, stores and casts are right. Kernels
-therefore upcast to float32 right after loading when interpreting, so their bf16 code
-paths (loads, stores, casts, masks, addressing) still run in CI. Triton reads
-``TRITON_INTERPRET`` when a kernel is decorated, i.e. when this package is imported.
+``FP32_MATH`` (a per-launch constexpr, :func:`fp32_math`): the Triton interpreter computes
+bfloat16 arithmetic, ``tl.dot`` and ``tl.sum`` on raw bits (wrongly) while its bf16 loads,
+stores and casts are right. Kernels therefore upcast bf16 operands to float32 right after
+loading when interpreting, so their bf16 code paths (loads, stores, casts, masks,
+addressing) still run in CI. float16 and float32 need no upcast (numpy computes them
+natively), so for those the interpreter runs the GPU's own code path, casts included.
+Triton reads ``TRITON_INTERPRET`` when a kernel is decorated, i.e. when this package is
+imported.
 """
 
 from __future__ import annotations
@@ -15,7 +18,12 @@ import torch
 import triton.language as tl
 
 INTERPRETING: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
-FP32_MATH: bool = INTERPRETING
+
+
+def fp32_math(dtype: torch.dtype) -> bool:
+    """Whether a launch on ``dtype`` operands must compute in float32: bfloat16 under the
+    interpreter only."""
+    return INTERPRETING and dtype == torch.bfloat16
 
 TL_DTYPES = {
     torch.float16: tl.float16,

@@ -16,6 +16,7 @@ from .common import next_pow2
 
 MAX_SEGMENTS = 64
 MIN_KEYS_PER_SEGMENT = 256
+IN_KERNEL_MERGE_SEGMENTS = 8  # more partials than this are merged by a second launch (one load for all)
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,10 @@ class AttentionLaunchConfig:
 
     ``block_m`` rows of a tile hold ``block_m // G`` query tokens times the ``G`` query
     heads that share one KV head; ``block_n`` keys per loop step; ``num_segments`` splits
-    each tile's key range across programs (merged by a second kernel when > 1).
+    each tile's key range across programs, each segment at least ``min_segment_keys``
+    long (the device decides from the real sequence length how many segments have keys);
+    a split tile is merged by its last segment in the same launch (``merge_in_kernel``)
+    or by a second launch.
     """
 
     block_m: int = 64
@@ -33,6 +37,9 @@ class AttentionLaunchConfig:
     num_warps: int = 4
     num_stages: int = 2
     waves_per_eu: int = 0  # AMD only; 0 leaves the compiler's choice
+    min_segment_keys: int = 0
+    merge_in_kernel: bool = True
+    matrix_instr_nonkdim: int = 0  # AMD only: 16 picks 16x16 MFMA tiles; 0 the compiler's choice
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -53,7 +60,9 @@ class AttentionLaunchConfig:
 class PrecomputeLaunchConfig:
     """Tiles of the fused context-KV kernel: ``block_t`` tokens by one head (``head_dim``
     columns) per program, ``block_k`` of the hidden size per step, the hidden size split
-    ``split_k`` ways (a second launch sums the parts) when the grid is too small."""
+    ``split_k`` ways (a second launch sums the parts) when the grid is too small;
+    ``num_xcds`` > 1 renumbers programs so each of that many XCDs (separate L2s) runs
+    neighbouring ones."""
 
     block_t: int = 32
     block_k: int = 64
@@ -61,6 +70,8 @@ class PrecomputeLaunchConfig:
     num_warps: int = 4
     num_stages: int = 2
     waves_per_eu: int = 0
+    matrix_instr_nonkdim: int = 0
+    num_xcds: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_t", "block_k"):
@@ -79,46 +90,58 @@ def attention_grid_tiles(num_seqs: int, query_len: int, queries_per_tile: int) -
     return num_seqs * max(1, -(-query_len // queries_per_tile))
 
 
-def choose_segments(base_programs: int, key_span: int, target_programs: int) -> int:
-    """Enough key segments to reach ``target_programs``, never below
-    ``MIN_KEYS_PER_SEGMENT`` keys each (the merge would cost more than it wins)."""
-    if base_programs >= target_programs:
-        return 1
-    wanted = -(-target_programs // max(1, base_programs))
-    by_keys = max(1, key_span // MIN_KEYS_PER_SEGMENT)
-    return max(1, min(wanted, by_keys, MAX_SEGMENTS))
+def choose_segments(base_programs: int, key_span: int, target_programs: int, min_keys: int,
+                    max_segments: int = MAX_SEGMENTS) -> int:
+    """A power of two: enough key segments to reach ``target_programs``, at most
+    ``max_segments``, and not more than twice the count of ``min_keys``-long segments the
+    span holds (the kernel packs segments to at least ``min_keys`` keys on the device)."""
+    segments = 1
+    while (base_programs * segments < target_programs and segments * 2 <= max_segments
+           and key_span // (segments * 2) >= min_keys // 2):
+        segments *= 2
+    return segments
+
+
+def split_k_for(num_heads_total: int, hidden: int, block_k: int, compute_units: int) -> int:
+    """A power of two: split the hidden size of a single token tile until the programs
+    (heads x parts) would pass two per compute unit, keeping 4 key steps per part."""
+    split_k = 1
+    while num_heads_total * split_k * 2 <= 2 * compute_units and hidden // (split_k * 2) >= 4 * block_k:
+        split_k *= 2
+    return split_k
 
 
 @functools.lru_cache(maxsize=1024)  # pure, and asked once per layer and step
 def default_attention_config(platform: Platform, *, num_seqs: int, query_len: int, key_span: int,
                              num_q_heads: int, num_kv_heads: int, head_dim: int,
                              fp8: bool) -> AttentionLaunchConfig:
-    """The portable table: pack a request's query block into one tile where it fits
-    (G x query_len rows, at most 64), split keys until the grid covers the device twice."""
+    """The portable table: a request's query block in one tile where it fits (G x
+    query_len rows, at most 64), key segments (powers of two, so only the segment count,
+    a runtime argument, varies) until the grid covers every compute unit once, merged by
+    the last segment when there are few."""
     G = num_q_heads // num_kv_heads
-    block_m = max(16, min(next_pow2(G * max(1, query_len)), 64 if head_dim <= 128 else 32))
-    block_m = max(block_m, next_pow2(G))
+    block_m = max(16, min(next_pow2(G * max(1, query_len)), 64 if head_dim <= 128 else 32), next_pow2(G))
     block_n = 64 if head_dim <= 128 else 32
     if platform.vendor == "cpu":
         # Interpreter: every loop step is Python; a larger key tile means fewer steps.
         block_n = 32
     tiles = attention_grid_tiles(num_seqs, query_len, block_m // G)
-    segments = choose_segments(tiles * num_kv_heads, key_span, 2 * platform.compute_units)
+    segments = choose_segments(tiles * num_kv_heads, key_span, platform.compute_units, MIN_KEYS_PER_SEGMENT)
     return AttentionLaunchConfig(block_m=block_m, block_n=block_n, num_segments=segments,
-                                 num_warps=4 if head_dim <= 128 else 8, num_stages=2)
+                                 num_warps=4 if head_dim <= 128 else 8, num_stages=2,
+                                 min_segment_keys=MIN_KEYS_PER_SEGMENT,
+                                 merge_in_kernel=segments <= IN_KERNEL_MERGE_SEGMENTS)
 
 
 @functools.lru_cache(maxsize=1024)
 def default_precompute_config(platform: Platform, *, num_tokens: int, hidden: int, num_heads_total: int,
                               head_dim: int) -> PrecomputeLaunchConfig:
-    """Tokens per tile grow with N (the GEMM turns compute-bound); split the hidden size
-    while the grid (token tiles x L*2*Hk heads) is under two programs per compute unit."""
-    block_t = 16 if num_tokens <= 16 else 32 if num_tokens <= 256 else 64
+    """Up to 64 tokens in one tile, the hidden size split until the heads fill the
+    device; larger N in 128-token tiles (fewer re-reads of the weight through L2)."""
     block_k = 64 if head_dim <= 128 else 32
-    programs = -(-num_tokens // block_t) * num_heads_total
-    split_k = 1
-    target = 2 * platform.compute_units
-    while programs * split_k < target and hidden // (split_k * 2) >= 4 * block_k:
-        split_k *= 2
-    return PrecomputeLaunchConfig(block_t=block_t, block_k=block_k, split_k=split_k,
-                                  num_warps=4 if block_t * head_dim <= 4096 else 8, num_stages=2)
+    if num_tokens <= 64:
+        block_t = max(16, next_pow2(num_tokens))
+        return PrecomputeLaunchConfig(block_t=block_t, block_k=block_k,
+                                      split_k=split_k_for(num_heads_total, hidden, block_k, platform.compute_units),
+                                      num_warps=4, num_stages=2)
+    return PrecomputeLaunchConfig(block_t=128 if head_dim <= 128 else 64, block_k=block_k, num_warps=8, num_stages=2)

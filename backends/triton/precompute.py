@@ -1,5 +1,6 @@
 """Host side of the fused context-KV precompute: derived weights, the per-layer cache
-table, and one launch (two with a split hidden size) for all layers."""
+table, and one launch for all layers (a second only to sum a split hidden size while a
+CUDA graph is captured with too few arrival counters)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import torch
 
 from dflash_rocm.derived import DerivedCache
 from dflash_rocm.ops.precompute import PrecomputeCall
-from dflash_rocm.platform import platform_for
+from dflash_rocm.platform import Platform, platform_for
 from dflash_rocm.weights import ContextKVWeights
 
-from .common import FP32_MATH, TL_DTYPES, next_pow2
+from .common import INTERPRETING, TL_DTYPES, fp32_math, next_pow2
+from .counters import arrival_counters
 from .launch import launch
 from .launch_config import PrecomputeLaunchConfig, default_precompute_config
 from .precompute_kernels import META_COLS, context_kv_kernel, context_kv_split_epilogue_kernel
@@ -96,11 +98,29 @@ def cache_table(call: PrecomputeCall, slots: list[torch.Tensor | None]) -> torch
     return table
 
 
-def precompute_config_for(call: PrecomputeCall) -> PrecomputeLaunchConfig:
+def precompute_config_for(call: PrecomputeCall, platform: Platform | None = None) -> PrecomputeLaunchConfig:
+    """The portable table's choice for ``call`` on ``platform`` (default: the call's device's)."""
     w = call.weights
-    return default_precompute_config(platform_for(call.device), num_tokens=call.num_tokens,
+    return default_precompute_config(platform or platform_for(call.device), num_tokens=call.num_tokens,
                                      hidden=w.hidden_size, num_heads_total=2 * w.num_layers * w.num_kv_heads,
                                      head_dim=w.head_dim)
+
+
+def caches_aligned(call: PrecomputeCall) -> bool:
+    """Whether every written cache has a contiguous last dim and a base address and other
+    strides that are multiples of 16 elements (vLLM's layouts do): stores can then be
+    vectorised along the head dim."""
+    for layer in call.written_layers:
+        for cache in (call.key_caches[layer], call.value_caches[layer]):
+            if cache.stride(3) != 1 or cache.data_ptr() % 16 or any(s % 16 for s in cache.stride()[:3]):
+                return False
+    return True
+
+
+def slots_fit_int32(call: PrecomputeCall) -> bool:
+    """Whether every written cache has fewer than 2**31 slots (so slot arithmetic is 32-bit)."""
+    return all(c.shape[0] * c.shape[1] < 2 ** 31 for layer in call.written_layers
+               for c in (call.key_caches[layer], call.value_caches[layer]))
 
 
 def run_precompute(call: PrecomputeCall, config: PrecomputeLaunchConfig | None = None):
@@ -125,30 +145,35 @@ def run_precompute(call: PrecomputeCall, config: PrecomputeLaunchConfig | None =
     dummy = call.states
     rows = 2 * L * Hk
     grid_t = -(-N // config.block_t)
+    split_k = config.split_k if grid_t == 1 else 1  # split only a single token tile
     block_d = max(16, next_pow2(D))
     epilogue = dict(HK=Hk, D=D, R=w.rotary_dim, ROWS=rows, BLOCK_T=config.block_t, BLOCK_D=block_d,
-                    SPLIT_K=config.split_k, HAS_BIAS=fused.bias is not None, IS_NEOX=w.is_neox,
+                    SPLIT_K=split_k, HAS_BIAS=fused.bias is not None, IS_NEOX=w.is_neox,
                     HAS_V_SCALE=w.v_scale is not None, IS_FP8=call.is_fp8,
                     FP8_MAX=float(torch.finfo(cache_dtype).max) if call.is_fp8 else 0.0,
                     FP8_MIN_EXP=_FP8_MIN_NORMAL_EXP.get(cache_dtype, 0),
                     CACHE_DTYPE=TL_DTYPES[cache_dtype], SLOT_DTYPE=TL_DTYPES[slot_dtype],
-                    RETURN_KV=call.return_kv, FP32_MATH=FP32_MATH)
+                    RETURN_KV=call.return_kv, ALIGNED=caches_aligned(call), SLOTS_I32=slots_fit_int32(call),
+                    EXACT_FP8_ROUND=INTERPRETING)
     tail = (fused.bias if fused.bias is not None else dummy, fused.k_norm, fused.cos_sin, table,
             call.k_scales if call.k_scales is not None else dummy,
             call.v_scales if call.v_scales is not None else dummy,
             out_k if out_k is not None else dummy, out_v if out_v is not None else dummy)
     v_scale = float(w.v_scale) if w.v_scale is not None else 1.0
     x = call.states
-    if config.split_k > 1:
-        part_acc = torch.empty(config.split_k * N * rows * D, dtype=torch.float32, device=device)
-        part_ss = torch.empty(config.split_k * N, dtype=torch.float32, device=device)
-    else:
-        part_acc = part_ss = dummy
-    launch(context_kv_kernel, (grid_t, rows, config.split_k), config,
-           x, fused.weight, part_acc, part_ss, call.positions, *tail,
-           N, w.hidden_size, x.stride(0), x.stride(1), fused.cos_sin.stride(0), v_scale, w.eps,
-           BLOCK_K=config.block_k, **epilogue)
-    if config.split_k > 1:
+    part_acc = part_ss = counters = dummy
+    if split_k > 1:
+        part_acc = torch.empty(split_k * N * rows * D, dtype=torch.float32, device=device)
+        part_ss = torch.empty(split_k * rows * N, dtype=torch.float32, device=device)
+        counters = arrival_counters(device, grid_t * rows)
+    merge_in_kernel = split_k > 1 and counters is not None
+    counters = dummy if counters is None else counters
+    launch(context_kv_kernel, (split_k * grid_t * rows,), config,
+           x, fused.weight, part_acc, part_ss, counters, call.positions, *tail,
+           N, w.hidden_size, x.stride(0), x.stride(1), fused.cos_sin.stride(0), v_scale, w.eps, grid_t,
+           BLOCK_K=config.block_k, MERGE_IN_KERNEL=merge_in_kernel, NUM_XCDS=config.num_xcds,
+           FP32_MATH=fp32_math(dtype), **epilogue)
+    if split_k > 1 and not merge_in_kernel:
         launch(context_kv_split_epilogue_kernel, (grid_t, rows), config,
                part_acc, part_ss, call.positions, *tail,
                N, w.hidden_size, fused.cos_sin.stride(0), v_scale, w.eps, **epilogue)

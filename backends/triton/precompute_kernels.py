@@ -1,15 +1,24 @@
-"""Triton kernels of the fused context-KV precompute: one launch for all layers (two when
-the hidden size is split).
+"""Triton kernels of the fused context-KV precompute: one launch for all layers.
 
 One program computes a ``[BLOCK_T tokens, head_dim]`` tile of one (layer, K or V, KV
 head): the GEMM against the K/V weight rows with the hidden RMSNorm folded in (the
 norm weight is pre-multiplied into the rows; the per-token inverse RMS, accumulated from
 the same loads of ``x``, scales the tile), then the epilogue: bias, the K head's RMSNorm
 and RoPE, the value scale, and the store straight into that layer's paged cache slot.
+The hidden size is split (``SPLIT_K``) only when all tokens fit one tile and the heads
+alone cannot fill the device; the last part of a tile to finish sums the parts and runs
+the epilogue (an arrival counter, see ``counters.py``), or a second launch does.
+
+Program order: the split parts of a tile, then the token tiles of a head, then heads, so
+neighbours share a head's weight rows. On MI300/MI355 the hardware deals consecutive
+programs round-robin to 8 XCDs, each with its own L2; ``NUM_XCDS`` renumbers programs so
+that each XCD runs a contiguous range and the sharing happens inside one L2.
 
 RoPE without shuffles: the K rows of every head are permuted once (host side) so that
 each rotation pair sits in adjacent columns; ``reshape`` + ``split`` then give the two
-halves of every pair, and the store scatters each column back to its original dim.
+halves of every pair. With a full-width neox rotation the two halves are the first and
+second half of the head, so each is stored as one contiguous run; V rows (and GPT-J
+pairs) keep their order and are stored contiguously too.
 
 Caches of different layers are separate tensors: a small int64 table holds, per layer,
 the K and V cache base addresses, the slot-mapping address (0: layer not written), the
@@ -21,6 +30,19 @@ import triton.language as tl
 
 META_COLS = 12  # per layer: k_ptr, v_ptr, slot_ptr, block_size, 4 K-cache strides, 4 V-cache strides
 _META_COLS: tl.constexpr = tl.constexpr(META_COLS)
+
+
+@triton.jit
+def _xcd_order(pid, num_programs, NUM_XCDS: tl.constexpr):
+    """The logical program hardware program ``pid`` runs: XCD ``x`` (which gets ``pid % NUM_XCDS``)
+    runs a contiguous range of logical programs."""
+    if NUM_XCDS == 1:
+        return pid
+    per = num_programs // NUM_XCDS
+    extra = num_programs % NUM_XCDS
+    xcd = pid % NUM_XCDS
+    local = pid // NUM_XCDS
+    return tl.where(xcd < extra, xcd * (per + 1) + local, extra * (per + 1) + (xcd - extra) * per + local)
 
 
 @triton.jit
@@ -37,39 +59,50 @@ def _round_to_fp8_grid(x, MIN_EXP: tl.constexpr):
 
 
 @triton.jit
-def _store_tile(acc, t, t_ok, layer, kind, kv_head, dim, c_ok, N, meta_ptr, k_scales_ptr, v_scales_ptr,
+def _store_cols(value, t, t_ok, layer, kind, kv_head, dim, dim_ok, N, meta_ptr, k_scales_ptr, v_scales_ptr,
                 out_k_ptr, out_v_ptr, HK: tl.constexpr, D: tl.constexpr, IS_FP8: tl.constexpr,
                 FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, CACHE_DTYPE: tl.constexpr,
-                SLOT_DTYPE: tl.constexpr, RETURN_KV: tl.constexpr, FP32_MATH: tl.constexpr):
+                SLOT_DTYPE: tl.constexpr, RETURN_KV: tl.constexpr, ALIGNED: tl.constexpr,
+                SLOTS_I32: tl.constexpr, EXACT_FP8_ROUND: tl.constexpr):
+    """Store ``value`` (columns = original dims ``dim``) into the layer's cache slots (and
+    the returned K/V). ``ALIGNED``: the host checked that every cache's last dim is
+    contiguous and its base and other strides are multiples of 16 elements, so contiguous
+    dims become vector stores."""
     meta = meta_ptr + layer * _META_COLS
     slot_addr = tl.load(meta + 2)
     if slot_addr != 0:
-        slots = tl.load(slot_addr.to(tl.pointer_type(SLOT_DTYPE)) + t, mask=t_ok, other=-1).to(tl.int64)
+        slots = tl.load(slot_addr.to(tl.pointer_type(SLOT_DTYPE)) + t, mask=t_ok, other=-1)
         ok = t_ok & (slots >= 0)
         block_size = tl.load(meta + 3)
+        if SLOTS_I32:  # every cache has under 2**31 slots: 32-bit division
+            slots = slots.to(tl.int32)
+            block_size = block_size.to(tl.int32)
         block = slots // block_size
-        row = slots % block_size
         strides = meta + 4 + 4 * kind
-        offset = (block[:, None] * tl.load(strides) + row[:, None] * tl.load(strides + 1)
-                  + kv_head * tl.load(strides + 2) + dim[None, :] * tl.load(strides + 3))
-        value = acc
+        row_base = block.to(tl.int64) * tl.load(strides) + (slots - block * block_size) * tl.load(strides + 1) \
+            + kv_head * tl.load(strides + 2)
+        base = tl.load(meta + kind).to(tl.pointer_type(CACHE_DTYPE))
+        stored = value
         if IS_FP8:
             if kind == 0:
                 scale = tl.load(k_scales_ptr + layer)
             else:
                 scale = tl.load(v_scales_ptr + layer)
-            value = tl.minimum(tl.maximum(value / scale, -FP8_MAX), FP8_MAX)
-            if FP32_MATH:
-                value = _round_to_fp8_grid(value, FP8_MIN_EXP)
-        base = tl.load(meta + kind).to(tl.pointer_type(CACHE_DTYPE))
-        tl.store(base + offset, value.to(CACHE_DTYPE), mask=ok[:, None] & c_ok[None, :])
+            stored = tl.minimum(tl.maximum(stored / scale, -FP8_MAX), FP8_MAX)
+            if EXACT_FP8_ROUND:
+                stored = _round_to_fp8_grid(stored, FP8_MIN_EXP)
+        if ALIGNED:  # every row starts 16-byte aligned and its dims are contiguous
+            ptrs = tl.multiple_of(base + row_base[:, None] + dim[None, :], [16, 16])
+        else:
+            ptrs = base + row_base[:, None] + dim[None, :] * tl.load(strides + 3)
+        tl.store(ptrs, stored.to(CACHE_DTYPE), mask=ok[:, None] & dim_ok[None, :])
     if RETURN_KV:
         out = ((layer * N + t.to(tl.int64))[:, None] * HK + kv_head) * D + dim[None, :]
-        mask = t_ok[:, None] & c_ok[None, :]
+        mask = t_ok[:, None] & dim_ok[None, :]
         if kind == 0:
-            tl.store(out_k_ptr + out, acc.to(out_k_ptr.dtype.element_ty), mask=mask)
+            tl.store(out_k_ptr + out, value.to(out_k_ptr.dtype.element_ty), mask=mask)
         else:
-            tl.store(out_v_ptr + out, acc.to(out_v_ptr.dtype.element_ty), mask=mask)
+            tl.store(out_v_ptr + out, value.to(out_v_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -78,7 +111,8 @@ def _epilogue(acc, inv_rms, pid_t, head_row, N, positions_ptr, bias_ptr, k_norm_
               HK: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
               HAS_BIAS: tl.constexpr, IS_NEOX: tl.constexpr, HAS_V_SCALE: tl.constexpr, IS_FP8: tl.constexpr,
               FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, CACHE_DTYPE: tl.constexpr,
-              SLOT_DTYPE: tl.constexpr, RETURN_KV: tl.constexpr, FP32_MATH: tl.constexpr):
+              SLOT_DTYPE: tl.constexpr, RETURN_KV: tl.constexpr, ALIGNED: tl.constexpr, SLOTS_I32: tl.constexpr,
+              EXACT_FP8_ROUND: tl.constexpr):
     layer = head_row // (2 * HK)
     kind = (head_row // HK) % 2  # 0: K, 1: V
     kv_head = head_row % HK
@@ -89,14 +123,13 @@ def _epilogue(acc, inv_rms, pid_t, head_row, N, positions_ptr, bias_ptr, k_norm_
     acc = acc * inv_rms[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + head_row * D + c, mask=c_ok, other=0.0)[None, :]
-    # Column c holds original dim `dim` (K rows were permuted so RoPE pairs are adjacent).
-    pair = c // 2
-    if IS_NEOX:
-        k_dim = tl.where(pair < R // 2, pair + (c % 2) * (R // 2), c)
-    else:
-        k_dim = c
-    dim = tl.where(kind == 0, k_dim, c)
     if kind == 0:
+        # Column c holds original dim k_dim (K rows were permuted so RoPE pairs are adjacent).
+        pair = c // 2
+        if IS_NEOX:
+            k_dim = tl.where(pair < R // 2, pair + (c % 2) * (R // 2), c)
+        else:
+            k_dim = c
         inv_k = tl.rsqrt(tl.sum(acc * acc, 1) / D + eps)
         acc = acc * inv_k[:, None] * tl.load(k_norm_ptr + layer * D + k_dim, mask=c_ok, other=0.0)[None, :]
         pos = tl.load(positions_ptr + t, mask=t_ok, other=0).to(tl.int64)
@@ -106,34 +139,68 @@ def _epilogue(acc, inv_rms, pid_t, head_row, N, positions_ptr, bias_ptr, k_norm_
         cos = tl.load(cs, mask=rot, other=1.0)
         sin = tl.load(cs + R // 2, mask=rot, other=0.0)
         x1, x2 = tl.split(tl.reshape(acc, (BLOCK_T, BLOCK_D // 2, 2)))
-        acc = tl.reshape(tl.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin), (BLOCK_T, BLOCK_D))
+        o1 = x1 * cos - x2 * sin
+        o2 = x2 * cos + x1 * sin
+        if IS_NEOX and R == D and D == BLOCK_D:  # the halves are dims [0, D/2) and [D/2, D)
+            _store_cols(o1, t, t_ok, layer, kind, kv_head, i, i < D // 2, N, meta_ptr, k_scales_ptr, v_scales_ptr,
+                        out_k_ptr, out_v_ptr, HK, D, IS_FP8, FP8_MAX, FP8_MIN_EXP, CACHE_DTYPE, SLOT_DTYPE,
+                        RETURN_KV, ALIGNED, SLOTS_I32, EXACT_FP8_ROUND)
+            _store_cols(o2, t, t_ok, layer, kind, kv_head, i + D // 2, i < D // 2, N, meta_ptr, k_scales_ptr,
+                        v_scales_ptr, out_k_ptr, out_v_ptr, HK, D, IS_FP8, FP8_MAX, FP8_MIN_EXP, CACHE_DTYPE,
+                        SLOT_DTYPE, RETURN_KV, ALIGNED, SLOTS_I32, EXACT_FP8_ROUND)
+        else:
+            _store_cols(tl.reshape(tl.join(o1, o2), (BLOCK_T, BLOCK_D)), t, t_ok, layer, kind, kv_head, k_dim, c_ok,
+                        N, meta_ptr, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, HK, D, IS_FP8, FP8_MAX,
+                        FP8_MIN_EXP, CACHE_DTYPE, SLOT_DTYPE, RETURN_KV, ALIGNED and not IS_NEOX,
+                        SLOTS_I32, EXACT_FP8_ROUND)
     else:
         if HAS_V_SCALE:
             acc = acc * v_scale
-    _store_tile(acc, t, t_ok, layer, kind, kv_head, dim, c_ok, N, meta_ptr, k_scales_ptr, v_scales_ptr,
-                out_k_ptr, out_v_ptr, HK, D, IS_FP8, FP8_MAX, FP8_MIN_EXP, CACHE_DTYPE, SLOT_DTYPE, RETURN_KV,
-                FP32_MATH)
+        _store_cols(acc, t, t_ok, layer, kind, kv_head, c, c_ok, N, meta_ptr, k_scales_ptr, v_scales_ptr, out_k_ptr,
+                    out_v_ptr, HK, D, IS_FP8, FP8_MAX, FP8_MIN_EXP, CACHE_DTYPE, SLOT_DTYPE, RETURN_KV, ALIGNED,
+                    SLOTS_I32, EXACT_FP8_ROUND)
+
+
+@triton.jit
+def _sum_parts(part_acc_ptr, part_ss_ptr, pid_t, head_row, N, ROWS: tl.constexpr, D: tl.constexpr,
+               BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_K: tl.constexpr):
+    """The tile's GEMM result and sum of squares from its ``SPLIT_K`` parts (all loads
+    issued together)."""
+    t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    t_ok = t < N
+    c = tl.arange(0, BLOCK_D)
+    mask = t_ok[:, None] & (c < D)[None, :]
+    acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+    sum_sq = tl.zeros([BLOCK_T], tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_acc_ptr + (s * N + t)[:, None] * (ROWS * D) + head_row * D + c[None, :],
+                       mask=mask, other=0.0, cache_modifier=".cg")
+        sum_sq += tl.load(part_ss_ptr + (s * ROWS + head_row) * N + t, mask=t_ok, other=0.0, cache_modifier=".cg")
+    return acc, sum_sq
 
 
 @triton.jit
 def context_kv_kernel(
-    x_ptr, w_ptr, part_acc_ptr, part_ss_ptr, positions_ptr, bias_ptr, k_norm_ptr, cos_sin_ptr,
+    x_ptr, w_ptr, part_acc_ptr, part_ss_ptr, counters_ptr, positions_ptr, bias_ptr, k_norm_ptr, cos_sin_ptr,
     meta_ptr, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr,
-    N, H, stride_xt, stride_xh, stride_cs, v_scale, eps,
+    N, H, stride_xt, stride_xh, stride_cs, v_scale, eps, grid_t,
     HK: tl.constexpr, D: tl.constexpr, R: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, IS_NEOX: tl.constexpr, HAS_V_SCALE: tl.constexpr, IS_FP8: tl.constexpr,
-    FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, CACHE_DTYPE: tl.constexpr, SLOT_DTYPE: tl.constexpr,
-    RETURN_KV: tl.constexpr, FP32_MATH: tl.constexpr,
+    MERGE_IN_KERNEL: tl.constexpr, NUM_XCDS: tl.constexpr, HAS_BIAS: tl.constexpr, IS_NEOX: tl.constexpr, HAS_V_SCALE: tl.constexpr,
+    IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, CACHE_DTYPE: tl.constexpr,
+    SLOT_DTYPE: tl.constexpr, RETURN_KV: tl.constexpr, ALIGNED: tl.constexpr, SLOTS_I32: tl.constexpr,
+    FP32_MATH: tl.constexpr, EXACT_FP8_ROUND: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
-    head_row = tl.program_id(1)  # (layer * 2 + kind) * HK + kv_head
-    pid_k = tl.program_id(2)
+    pid = _xcd_order(tl.program_id(0), tl.num_programs(0), NUM_XCDS)
+    pid_k = pid % SPLIT_K
+    pid_t = (pid // SPLIT_K) % grid_t
+    head_row = pid // (SPLIT_K * grid_t)  # (layer * 2 + kind) * HK + kv_head
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < N
     c = tl.arange(0, BLOCK_D)
     c_ok = c < D
-    w_rows = (head_row * D + c).to(tl.int64)
+    x_rows = x_ptr + t.to(tl.int64) * stride_xt
+    w_rows = w_ptr + (head_row * D + c).to(tl.int64) * H
     k_per = tl.cdiv(tl.cdiv(H, SPLIT_K), BLOCK_K) * BLOCK_K
     k_lo = pid_k * k_per
     k_hi = tl.minimum(H, k_lo + k_per)
@@ -143,9 +210,8 @@ def context_kv_kernel(
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + kk
         k_ok = k < k_hi
-        x = tl.load(x_ptr + t[:, None].to(tl.int64) * stride_xt + k[None, :] * stride_xh,
-                    mask=t_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptr + w_rows[:, None] * H + k[None, :], mask=c_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_rows[:, None] + k[None, :] * stride_xh, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows[:, None] + k[None, :], mask=c_ok[:, None] & k_ok[None, :], other=0.0)
         xf = x.to(tl.float32)
         sum_sq += tl.sum(xf * xf, 1)
         if FP32_MATH:
@@ -156,13 +222,23 @@ def context_kv_kernel(
         _epilogue(acc, tl.rsqrt(sum_sq / H + eps), pid_t, head_row, N, positions_ptr, bias_ptr, k_norm_ptr,
                   cos_sin_ptr, stride_cs, meta_ptr, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, v_scale,
                   eps, HK, D, R, BLOCK_T, BLOCK_D, HAS_BIAS, IS_NEOX, HAS_V_SCALE, IS_FP8, FP8_MAX, FP8_MIN_EXP,
-                  CACHE_DTYPE, SLOT_DTYPE, RETURN_KV, FP32_MATH)
+                  CACHE_DTYPE, SLOT_DTYPE, RETURN_KV, ALIGNED, SLOTS_I32, EXACT_FP8_ROUND)
     else:
         t64 = t.to(tl.int64)
         part = (pid_k * N + t64)[:, None] * (ROWS * D) + head_row * D + c[None, :]
         tl.store(part_acc_ptr + part, acc, mask=t_ok[:, None] & c_ok[None, :])
-        if head_row == 0:
-            tl.store(part_ss_ptr + pid_k * N + t64, sum_sq, mask=t_ok)
+        tl.store(part_ss_ptr + (pid_k * ROWS + head_row) * N + t64, sum_sq, mask=t_ok)
+        if MERGE_IN_KERNEL:  # the last part of the tile to finish sums them and runs the epilogue
+            tl.debug_barrier()  # every wave's partial stores precede the release below
+            counter = counters_ptr + head_row * grid_t + pid_t
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+                acc, sum_sq = _sum_parts(part_acc_ptr, part_ss_ptr, pid_t, head_row, N, ROWS, D, BLOCK_T, BLOCK_D,
+                                         SPLIT_K)
+                _epilogue(acc, tl.rsqrt(sum_sq / H + eps), pid_t, head_row, N, positions_ptr, bias_ptr, k_norm_ptr,
+                          cos_sin_ptr, stride_cs, meta_ptr, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr,
+                          v_scale, eps, HK, D, R, BLOCK_T, BLOCK_D, HAS_BIAS, IS_NEOX, HAS_V_SCALE, IS_FP8, FP8_MAX,
+                          FP8_MIN_EXP, CACHE_DTYPE, SLOT_DTYPE, RETURN_KV, ALIGNED, SLOTS_I32, EXACT_FP8_ROUND)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 @triton.jit
@@ -174,22 +250,14 @@ def context_kv_split_epilogue_kernel(
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, IS_NEOX: tl.constexpr, HAS_V_SCALE: tl.constexpr, IS_FP8: tl.constexpr,
     FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, CACHE_DTYPE: tl.constexpr, SLOT_DTYPE: tl.constexpr,
-    RETURN_KV: tl.constexpr, FP32_MATH: tl.constexpr,
+    RETURN_KV: tl.constexpr, ALIGNED: tl.constexpr, SLOTS_I32: tl.constexpr, EXACT_FP8_ROUND: tl.constexpr,
 ):
-    """Second launch when the hidden size was split: sum the parts, then the same epilogue."""
+    """Second launch when the hidden size was split and the parts could not be summed in
+    the first (no arrival counters while a CUDA graph is captured): sum, then the epilogue."""
     pid_t = tl.program_id(0)
     head_row = tl.program_id(1)
-    t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    t_ok = t < N
-    c = tl.arange(0, BLOCK_D)
-    mask = t_ok[:, None] & (c < D)[None, :]
-    acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
-    sum_sq = tl.zeros([BLOCK_T], tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        acc += tl.load(part_acc_ptr + (s * N + t)[:, None] * (ROWS * D) + head_row * D + c[None, :],
-                       mask=mask, other=0.0)
-        sum_sq += tl.load(part_ss_ptr + s * N + t, mask=t_ok, other=0.0)
+    acc, sum_sq = _sum_parts(part_acc_ptr, part_ss_ptr, pid_t, head_row, N, ROWS, D, BLOCK_T, BLOCK_D, SPLIT_K)
     _epilogue(acc, tl.rsqrt(sum_sq / H + eps), pid_t, head_row, N, positions_ptr, bias_ptr, k_norm_ptr,
               cos_sin_ptr, stride_cs, meta_ptr, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, v_scale, eps,
               HK, D, R, BLOCK_T, BLOCK_D, HAS_BIAS, IS_NEOX, HAS_V_SCALE, IS_FP8, FP8_MAX, FP8_MIN_EXP,
-              CACHE_DTYPE, SLOT_DTYPE, RETURN_KV, FP32_MATH)
+              CACHE_DTYPE, SLOT_DTYPE, RETURN_KV, ALIGNED, SLOTS_I32, EXACT_FP8_ROUND)

@@ -1,0 +1,31 @@
+"""Arrival counters for merging split work in the same launch.
+
+A tile split across programs (key segments of the attention, hidden-size parts of the
+precompute) is finished by whichever program arrives last: each program writes its
+partial, then increments the tile's counter (acquire-release); the one that sees
+``parts - 1`` merges the partials and resets the counter to zero. So the counters are
+zero between launches and no launch pays a memset; they are kept per device and stream.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import next_pow2
+
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, count: int) -> torch.Tensor | None:
+    """At least ``count`` zeroed int32 counters on ``device`` for the current stream.
+    None while a CUDA graph is captured and the kept buffer is too small: memory
+    allocated during capture belongs to the graph, so the caller merges in a second
+    launch instead."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    counters = _COUNTERS.get((device, stream))
+    if counters is None or counters.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = torch.zeros(max(next_pow2(count), 4096), dtype=torch.int32, device=device)
+        _COUNTERS[(device, stream)] = counters
+    return counters

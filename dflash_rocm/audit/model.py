@@ -1,0 +1,177 @@
+"""A bound-and-bottleneck time model of one launch, from compiled facts and traffic.
+
+Per launch: ``time = launch gap + max(issue, DRAM, L2, Infinity Cache)`` where
+
+- *issue* is the makespan of the programs list-scheduled, in dispatch order, onto the
+  concurrent slots (units x workgroups per unit, from registers, waves and shared
+  memory). A program takes its hot-loop trips times the cycles one iteration needs on
+  a SIMD shared by ``k`` co-resident waves, ``max(k*matrix, k*vector, matrix + vector)``
+  (matrix and vector work of different waves overlap; one wave's own do not), or the
+  load latency over ``num_stages`` when that is longer, plus its straight-line code
+  (longest path; less a peeled last trip the program does not take) and the latency of
+  its dependent loads (index tables; partials other programs wrote, for a merge);
+- *DRAM* is the bytes that miss every cache at the peak bandwidth, derated when the
+  resident programs cannot keep ``bandwidth x latency`` bytes in flight (Little's law);
+- *L2* and *Infinity Cache* are the bytes each level serves at its bandwidth. A chunk
+  read again hits a cache if that cache saw it recently (within two rounds of programs)
+  or the launch's whole working set fits in half of it; on MI300/MI355 consecutive
+  programs go to different XCDs, each with its own L2.
+
+Every constant is in :mod:`.targets` and printed with the results. This is a model of
+the compiled code, not a measurement.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import asdict, dataclass
+
+from .targets import Target
+from .traffic import Program
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    waves_per_simd: float  # resident waves per SIMD when the unit is full
+    groups_per_unit: int  # resident workgroups (programs) per CU / SM
+    limited_by: str
+
+    def slots(self, target: Target) -> int:
+        return self.groups_per_unit * target.units
+
+
+def occupancy(facts: dict, target: Target) -> Occupancy:
+    warps = facts["num_warps"]
+    shared = facts["shared_bytes"]
+    limits = {}
+    if target.amd:
+        waves = facts.get("occupancy_waves") or target.max_waves_per_simd
+        limits["registers"] = max(1, (waves * target.simds) // warps) if waves else 0
+    else:
+        regs_per_warp = math.ceil(max(facts["registers"], 1) * 32 / 256) * 256
+        warps_per_sm = min(64, (16384 // regs_per_warp) * 4)
+        limits["registers"] = warps_per_sm // warps
+        limits["blocks"] = 32
+    limits["waves"] = (target.max_waves_per_simd * target.simds) // warps
+    if shared:
+        limits["shared memory"] = target.lds_bytes // (shared + (0 if target.amd else 1024))
+    limited_by = min(limits, key=limits.get)
+    groups = limits[limited_by]
+    return Occupancy(groups * warps / target.simds, groups, limited_by)
+
+
+@dataclass(frozen=True)
+class LaunchModel:
+    programs: int
+    active_programs: int
+    slots: int
+    occupancy: Occupancy
+    iteration_cycles: float  # one hot-loop iteration of one wave at the launch's co-residency
+    requested_bytes: int  # every byte programs read or write (through L2)
+    llc_bytes: int  # bytes crossing the L2s (served by the Infinity Cache or DRAM)
+    dram_bytes: int
+    write_bytes: int
+    reread_bytes: int  # requested reads beyond the first of each chunk
+    issue_s: float
+    dram_s: float
+    l2_s: float
+    llc_s: float
+    fill: float  # fraction of DRAM bandwidth the resident programs can keep busy
+    seconds: float
+
+    @property
+    def bound(self) -> str:
+        terms = {"issue": self.issue_s, "DRAM": self.dram_s, "L2": self.l2_s, "IC": self.llc_s}
+        return max(terms, key=terms.get)
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["occupancy"] = asdict(self.occupancy)
+        out["bound"] = self.bound
+        return out
+
+
+def _cache_misses(programs: list[Program], domains: int, capacity: int, window: int) -> int:
+    """Bytes of chunk reads that miss a cache level (one cache per domain; program ``i``
+    runs in domain ``i % domains``)."""
+    per_domain: list[dict] = [{} for _ in range(domains)]
+    per_domain_total = [0] * domains
+    for i, p in enumerate(programs):
+        seen = per_domain[i % domains]
+        for chunk, size in p.reads:
+            if chunk not in seen:
+                per_domain_total[i % domains] += size
+                seen[chunk] = None
+    fits = [total <= capacity // 2 for total in per_domain_total]
+    last: list[dict] = [{} for _ in range(domains)]
+    missed = 0
+    for i, p in enumerate(programs):
+        d = i % domains
+        for chunk, size in p.reads:
+            when = last[d].get(chunk)
+            if when is None or not (fits[d] or (i - when) // domains <= window):
+                missed += size
+            last[d][chunk] = i
+    return missed
+
+
+def model_launch(programs: list[Program], facts: dict, target: Target, num_stages: int) -> LaunchModel:
+    occ = occupancy(facts, target)
+    slots = occ.slots(target)
+    if slots == 0:
+        raise ValueError(f"a workgroup of this kernel does not fit on {target.arch} ({occ.limited_by})")
+    warps = facts["num_warps"]
+    active = [p for p in programs if p.active]
+    resident_per_unit = min(occ.groups_per_unit, max(1, math.ceil(len(active) / target.units)))
+    k = max(1.0, resident_per_unit * warps / target.simds)
+    loop = facts.get("hot_loop")
+    iteration = peeled = 0.0
+    if loop:
+        matrix, vector = loop["matrix_cycles"], loop["vector_cycles"]
+        iteration = max(k * matrix, k * vector, matrix + vector)
+        peeled = matrix + vector  # a peeled last trip is a copy of the loop body on the straight path
+    # Traffic through the hierarchy.
+    reads = sum(size for p in programs for _, size in p.reads)
+    writes = sum(p.write_bytes for p in programs)
+    scratch = 0
+    if loop and loop["scratch"]:
+        scratch = sum(p.iterations for p in active) * warps * loop["scratch"] * target.wave_size * 8
+    window = 2 * max(1, slots // target.l2_domains)
+    l2_miss = _cache_misses(programs, target.l2_domains, target.l2_bytes, window)
+    unique = sum({chunk: size for p in programs for chunk, size in p.reads}.values())
+    if target.llc_bytes:
+        dram_reads = _cache_misses(programs, 1, target.llc_bytes, 2 * slots)
+        llc = l2_miss + writes
+    else:
+        dram_reads, llc = l2_miss, 0
+    # A trip waits for its loads unless they were issued num_stages - 1 trips ahead; a load
+    # takes the DRAM latency for the share of bytes that miss the caches, the L2's otherwise.
+    miss = dram_reads / reads if reads else 1.0
+    latency = miss * target.dram_latency_s + (1 - miss) * target.l2_latency_s
+    trip_s = max(iteration / target.clock_hz, latency / max(1, num_stages))
+    # Data other programs wrote is in this program's L2 only when there is one L2.
+    remote_s = target.l2_latency_s if target.l2_domains == 1 else target.dram_latency_s
+    # Issue makespan: list scheduling in dispatch order.
+    free = [0.0] * min(slots, max(1, len(programs)))
+    heapq.heapify(free)
+    for p in programs:
+        start = heapq.heappop(free)
+        busy = p.chain * target.l2_latency_s
+        if p.active:
+            straight = k * max(0.0, facts["straight_cycles"] - (peeled if p.skips_peeled_trip else 0.0))
+            busy += (p.iterations * trip_s + straight / target.clock_hz + p.remote_chain * remote_s
+                     + (target.dram_latency_s if p.iterations or (p.reads and not p.remote_chain) else 0.0))
+        heapq.heappush(free, start + busy)
+    issue = max(free) if programs else 0.0
+    dram = dram_reads + writes
+    requested = reads + writes + scratch
+    per_iteration = [sum(s for _, s in p.reads) / max(1, p.iterations) for p in active[:slots]]
+    in_flight = sum(per_iteration) * max(1, num_stages)
+    fill = min(1.0, in_flight / (target.peak.bandwidth * target.dram_latency_s)) if in_flight else 1.0
+    dram_s = dram / (target.peak.bandwidth * fill) if dram else 0.0
+    l2_s = requested / target.l2_bandwidth
+    llc_s = llc / target.llc_bandwidth if llc else 0.0
+    seconds = target.launch_gap_s + max(issue, dram_s, l2_s, llc_s)
+    return LaunchModel(len(programs), len(active), slots, occ, iteration, requested, llc, dram,
+                       writes, reads - unique, issue, dram_s, l2_s, llc_s, fill, seconds)

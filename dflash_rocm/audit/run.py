@@ -1,0 +1,156 @@
+"""The audit end to end: capture every launch of the sweep, compile each distinct
+specialisation once per target, model each launch, sum per case against the floor."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+from dflash_rocm.workloads import DraftShape
+
+from . import sweep
+from .compiler import FactsCache, Specialisation, compile_all, specialise
+from .model import LaunchModel, model_launch
+from .targets import TARGETS, Target
+from .traffic import programs_of
+
+
+@dataclass
+class LaunchResult:
+    kernel: str
+    grid: tuple[int, ...]
+    options: dict
+    constexprs: dict
+    spec_key: str
+    flags: dict
+    facts: dict
+    model: LaunchModel | None
+    error: str | None = None
+
+    def as_dict(self) -> dict:
+        return {"kernel": self.kernel, "grid": list(self.grid), "options": self.options,
+                "constexprs": {k: repr(v) if not isinstance(v, (int, float, bool, str)) else v
+                               for k, v in self.constexprs.items()},
+                "specialisation": self.spec_key, "flags": self.flags, "facts": self.facts,
+                "model": self.model.as_dict() if self.model else None, "error": self.error}
+
+
+@dataclass
+class CaseResult:
+    target: Target
+    case: sweep.Case
+    config_name: str
+    config: dict
+    launches: list[LaunchResult] = field(default_factory=list)
+    skipped: str | None = None
+
+    @property
+    def floor_s(self) -> float:
+        return self.case.cost().floor_seconds(self.target.peak.bandwidth, self.target.peak.bf16_flops)
+
+    @property
+    def modelled_s(self) -> float | None:
+        if self.skipped or any(launch.model is None for launch in self.launches):
+            return None
+        return sum(launch.model.seconds for launch in self.launches)
+
+    @property
+    def pct_floor(self) -> float | None:
+        total = self.modelled_s
+        return None if not total else 100 * self.floor_s / total
+
+    @property
+    def cache_variant(self) -> str:
+        if self.case.op != "attention" or not self.target.amd:
+            return ""
+        return ">2G" if self.case.large_cache else "<2G"
+
+    def as_dict(self) -> dict:
+        c = self.case
+        return {"target": self.target.arch, "part": self.target.peak.name, "op": c.op, "shape": c.shape.name,
+                "kv": "fp8" if c.fp8 else "bf16", "batch": c.batch, "context": c.context, "table_span": c.table_span,
+                "tokens": c.tokens, "cache": self.cache_variant, "label": c.label, "config_name": self.config_name,
+                "config": self.config, "skipped": self.skipped, "floor_bytes": c.cost().bytes,
+                "floor_us": self.floor_s * 1e6,
+                "modelled_us": None if self.modelled_s is None else self.modelled_s * 1e6,
+                "pct_floor": self.pct_floor, "launches": [launch.as_dict() for launch in self.launches]}
+
+
+@dataclass(frozen=True)
+class AuditPlan:
+    shapes: tuple[DraftShape, ...]
+    targets: tuple[str, ...] = tuple(TARGETS)
+    ops: tuple[str, ...] = ("attention", "precompute")
+    kv: tuple[str, ...] = ("bf16", "fp8")
+    batches: tuple[int, ...] = sweep.ATTENTION_BATCHES
+    contexts: tuple[int, ...] = sweep.ATTENTION_CONTEXTS
+    tokens: tuple[int, ...] = sweep.PRECOMPUTE_TOKENS
+    extras: bool = True  # the issue's extra attention cases (b64 4k, b1 1k in a 32k table)
+
+    def cases(self) -> list[tuple[Target, sweep.Case]]:
+        out = []
+        for arch in self.targets:
+            target = TARGETS[arch]
+            for shape in self.shapes:
+                for case in sweep.default_cases(shape, ops=self.ops, batches=self.batches, contexts=self.contexts,
+                                                tokens=self.tokens, kv=self.kv, extras=self.extras):
+                    out += [(target, variant) for variant in sweep.cache_variants(case, target)]
+        return out
+
+
+@dataclass
+class Audit:
+    cases: list[CaseResult]
+    specialisations: int  # distinct compiled kernels behind the cases
+    compiled_now: int  # of which compiled by this run (the rest were cached)
+
+
+def target_for(platform, peak=None) -> Target | None:
+    """The audit's model of ``platform`` (its own CU count and, when known, its own part's
+    peaks), or None when the audit has no target for its architecture."""
+    from dataclasses import replace
+
+    target = TARGETS.get(platform.arch)
+    if target is None or platform.vendor == "cpu":
+        return None
+    return replace(target, units=platform.compute_units, peak=peak or target.peak)
+
+
+def model_case(case: sweep.Case, target: Target, cache: FactsCache) -> CaseResult:
+    """One case, captured, compiled (or read from the cache) and modelled."""
+    captured = sweep.capture_case(case, target)
+    result = CaseResult(target, case, captured.config_name, captured.config, skipped=captured.skipped)
+    specs = [specialise(launch, target) for launch in captured.launches]
+    facts, _ = compile_all(specs, cache)
+    result.launches = [_launch_result(case, target, launch, spec, facts[spec.key])
+                       for launch, spec in zip(captured.launches, specs)]
+    return result
+
+
+def _launch_result(case: sweep.Case, target: Target, launch, spec: Specialisation, facts: dict) -> LaunchResult:
+    error, model = facts.get("error"), None
+    if error is None:
+        try:
+            model = model_launch(programs_of(case, launch), facts, target, launch.options.get("num_stages", 1))
+        except ValueError as exc:  # e.g. a workgroup that fits nowhere: a finding, reported
+            error = str(exc)
+    return LaunchResult(launch.name, launch.grid, launch.options, launch.constexprs, spec.key, spec.flags, facts,
+                        model, error)
+
+
+def run_audit(plan: AuditPlan, cache: FactsCache, jobs: int | None = None,
+              progress: Callable[[int, int, str], None] | None = None) -> Audit:
+    results: list[CaseResult] = []
+    pending: list[tuple[CaseResult, object, Specialisation]] = []
+    for target, case in plan.cases():
+        captured = sweep.capture_case(case, target)
+        result = CaseResult(target, case, captured.config_name, captured.config, skipped=captured.skipped)
+        results.append(result)
+        for launch in captured.launches:
+            pending.append((result, launch, specialise(launch, target)))
+    jobs = jobs or min(8, os.cpu_count() or 1)
+    facts, compiled_now = compile_all((spec for _, _, spec in pending), cache, jobs=jobs, progress=progress)
+    for result, launch, spec in pending:
+        result.launches.append(_launch_result(result.case, result.target, launch, spec, facts[spec.key]))
+    return Audit(results, len(facts), compiled_now)

@@ -1,0 +1,207 @@
+"""What every program of a launch reads and writes, kernel by kernel.
+
+Each function mirrors its kernel's indexing (tiles, segments, split-K, early exits) for a
+sweep case and returns the programs in dispatch order (``program_id(0)`` fastest, as the
+hardware dispatcher walks the grid). A program names the chunks it reads (so the model
+can tell a re-read served by a cache from a first read) and counts the bytes it writes.
+A kernel without an entry here cannot be modelled: the audit says so instead of guessing.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from typing import Callable, Hashable
+
+from dflash_rocm.backends.triton.launch import CapturedLaunch
+
+from .sweep import BLOCK_SIZE, Case
+
+
+@dataclass(frozen=True)
+class Program:
+    iterations: int  # hot-loop trips
+    reads: tuple[tuple[Hashable, int], ...]  # (chunk, bytes): a chunk read twice is one datum read twice
+    write_bytes: int
+    chain: int = 1  # dependent loads of cached index data before the first streaming load
+    active: bool = True  # False: exits at once (an empty tile)
+    remote_chain: int = 0  # dependent round trips to data other programs just wrote (merges)
+    skips_peeled_trip: bool = False  # the kernel peels a masked last trip after the loop; this program has none
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _grid(launch: CapturedLaunch) -> tuple[int, int, int]:
+    g = tuple(launch.grid) + (1, 1)
+    return g[0], g[1], g[2]
+
+
+def _order(launch: CapturedLaunch):
+    """(x, y, z) program ids in dispatch order."""
+    gx, gy, gz = _grid(launch)
+    for z in range(gz):
+        for y in range(gy):
+            for x in range(gx):
+                yield x, y, z
+
+
+def _tile_keys(case: Case, c: dict, tile: int) -> tuple[int, int, int, int] | None:
+    """(request, first query of the tile, lo, hi) as the kernel's ``_tile_keys``; None for
+    a tile past its request's queries."""
+    q_len, seq_len = case.query_len, case.seq_len
+    if c["ONE_TILE"]:
+        b, tile_q0 = tile, 0
+    else:
+        first = [r * q_len // c["BLOCK_Q"] + r for r in range(case.batch)]
+        b = bisect.bisect_right(first, tile) - 1
+        tile_q0 = (tile - first[b]) * c["BLOCK_Q"]
+    if b >= case.batch or tile_q0 >= q_len:
+        return None
+    context = seq_len - q_len
+    hi = min(seq_len, context + min(tile_q0 + c["BLOCK_Q"], q_len)) if c["CAUSAL"] else seq_len
+    lo = max(0, context + tile_q0 - case.shape.sliding_window + 1) if c["HAS_WINDOW"] else 0
+    return b, tile_q0, lo, hi
+
+
+def _segment_plan(lo: int, hi: int, segments: int, min_keys: int, block_n: int) -> tuple[int, int]:
+    per_segment = _cdiv(max(_cdiv(hi - lo, segments), min_keys), block_n) * block_n
+    return per_segment, _cdiv(hi - lo, per_segment)
+
+
+def _index_chain(case: Case, c: dict) -> int:
+    """Dependent loads before the first key load: the request search (unless one tile per
+    request), seq_len/query_start_loc, the block table."""
+    return 2 + (0 if c["ONE_TILE"] else math.ceil(math.log2(case.batch + 1)))
+
+
+def attention_programs(case: Case, launch: CapturedLaunch) -> list[Program]:
+    c = launch.constexprs
+    block_q, block_n, G, D = c["BLOCK_Q"], c["BLOCK_N"], c["G"], c["D"]
+    segments, min_keys = launch.grid[2], launch.arg("min_segment_keys")
+    kv_bytes = 1 if c["IS_FP8"] else 2
+    chain = _index_chain(case, c)
+    programs = []
+    for tile, head, segment in _order(launch):
+        keys = _tile_keys(case, c, tile)
+        if keys is None:
+            programs.append(Program(0, (), 0, chain, active=False))
+            continue
+        b, tile_q0, lo, hi = keys
+        per_segment, active = _segment_plan(lo, hi, segments, min_keys, block_n) if c["SPLIT"] else (hi - lo, 1)
+        if segment >= active:
+            programs.append(Program(0, (), 0, chain, active=False))
+            continue
+        rows = min(block_q, case.query_len - tile_q0) * G
+        seg_lo = lo + segment * per_segment
+        n = min(hi, seg_lo + per_segment) - seg_lo
+        reads = [(("q", b, tile, head), rows * D * 2), (("kv", b, head, seg_lo, n), 2 * n * D * kv_bytes),
+                 (("bt", b, seg_lo // BLOCK_SIZE), 4 * _cdiv(n, BLOCK_SIZE))]
+        part = rows * (2 * D + 4)
+        written, remote = (rows * D * 2, 0) if active == 1 else (part, 0)
+        if active > 1 and c["MERGE_IN_KERNEL"] and segment == active - 1:  # modelled as the last to arrive
+            reads += [(("part", tile, head, s), part) for s in range(active)]
+            written, remote = part + rows * D * 2, _cdiv(active, c["MERGE_CHUNK"])  # one round trip per load
+        programs.append(Program(n // block_n, tuple(reads), written, chain, remote_chain=remote,
+                                skips_peeled_trip=n % block_n == 0))
+    return programs
+
+
+def merge_programs(case: Case, launch: CapturedLaunch) -> list[Program]:
+    c = launch.constexprs
+    segments, min_keys = launch.arg("num_segments"), launch.arg("min_segment_keys")
+    chain = _index_chain(case, c)
+    programs = []
+    for tile, head, group in _order(launch):
+        keys = _tile_keys(case, c, tile)
+        active = 1 if keys is None else _segment_plan(keys[2], keys[3], segments, min_keys, c["BLOCK_N"])[1]
+        rows = 0 if keys is None else min(c["ROWS"], case.query_len * c["G"] - keys[1] * c["G"] - group * c["ROWS"])
+        if active == 1 or rows <= 0:
+            programs.append(Program(0, (), 0, chain, active=False))
+            continue
+        part = rows * (2 * c["D"] + 4)
+        programs.append(Program(0, tuple((("part", tile, head, group, s), part) for s in range(active)),
+                                rows * c["D"] * 2, chain, remote_chain=_cdiv(active, c["MERGE_CHUNK"])))
+    return programs
+
+
+def _tokens_in(case: Case, t: int, block_t: int) -> int:
+    return max(0, min(block_t, case.tokens - t * block_t))
+
+
+def _epilogue_io(case: Case, c: dict, t: int, head_row: int) -> tuple[list, int]:
+    """Reads (slots, positions, cos/sin) and cache writes of one finished tile."""
+    s = case.shape
+    rows = _tokens_in(case, t, c["BLOCK_T"])
+    kind = (head_row // s.kv_heads) % 2
+    cache_bytes = 1 if c["IS_FP8"] else 2
+    reads = [(("slots", t), 8 * rows)]
+    if kind == 0:
+        reads += [(("pos", t), 8 * rows), (("cos_sin", t), 4 * rows * c["R"])]
+    return reads, rows * c["D"] * cache_bytes
+
+
+def xcd_order(pid: int, num_programs: int, xcds: int) -> int:
+    """The kernels' ``_xcd_order``: the logical program hardware program ``pid`` runs."""
+    if xcds == 1:
+        return pid
+    per, extra = divmod(num_programs, xcds)
+    xcd, local = pid % xcds, pid // xcds
+    return xcd * (per + 1) + local if xcd < extra else extra * (per + 1) + (xcd - extra) * per + local
+
+
+def precompute_programs(case: Case, launch: CapturedLaunch) -> list[Program]:
+    c = launch.constexprs
+    H, D, split, block_t, block_k = case.shape.hidden, c["D"], c["SPLIT_K"], c["BLOCK_T"], c["BLOCK_K"]
+    k_per = _cdiv(_cdiv(H, split), block_k) * block_k
+    grid_t, total = launch.arg("grid_t"), launch.grid[0]
+    programs = []
+    for pid in range(total):  # hardware dispatch order
+        logical = xcd_order(pid, total, c["NUM_XCDS"])
+        k, t, head_row = logical % split, (logical // split) % grid_t, logical // (split * grid_t)
+        rows = _tokens_in(case, t, block_t)
+        k_len = max(0, min(H, (k + 1) * k_per) - k * k_per)
+        reads = [(("x", t, k), rows * k_len * 2), (("w", head_row, k), D * k_len * 2)]
+        remote = 0
+        if split == 1:
+            extra, written = _epilogue_io(case, c, t, head_row)
+            reads += extra
+        else:
+            written = rows * D * 4 + rows * 4
+            if c["MERGE_IN_KERNEL"] and k == split - 1:  # modelled as the last part to arrive
+                extra, cache_written = _epilogue_io(case, c, t, head_row)
+                reads += extra + [(("part", t, head_row, s), rows * (D + 1) * 4) for s in range(split)]
+                written += cache_written
+                remote = 1
+        programs.append(Program(_cdiv(k_len, block_k), tuple(reads), written, remote_chain=remote))
+    return programs
+
+
+def split_epilogue_programs(case: Case, launch: CapturedLaunch) -> list[Program]:
+    c = launch.constexprs
+    D, split = c["D"], c["SPLIT_K"]
+    programs = []
+    for t, head_row, _ in _order(launch):
+        rows = _tokens_in(case, t, c["BLOCK_T"])
+        extra, written = _epilogue_io(case, c, t, head_row)
+        reads = [(("part", t, head_row, s), rows * (D + 1) * 4) for s in range(split)] + extra
+        programs.append(Program(0, tuple(reads), written, remote_chain=1))
+    return programs
+
+
+PROGRAMS: dict[str, Callable[[Case, CapturedLaunch], list[Program]]] = {
+    "draft_attention_kernel": attention_programs,
+    "merge_segments_kernel": merge_programs,
+    "context_kv_kernel": precompute_programs,
+    "context_kv_split_epilogue_kernel": split_epilogue_programs,
+}
+
+
+def programs_of(case: Case, launch: CapturedLaunch) -> list[Program]:
+    try:
+        model = PROGRAMS[launch.name]
+    except KeyError:
+        raise KeyError(f"no traffic model for kernel {launch.name}: add one to dflash_rocm.audit.traffic") from None
+    return model(case, launch)

@@ -1,0 +1,312 @@
+"""The compiled-kernel audit (``dflash-rocm inspect``).
+
+Fast tests check its parts on synthetic input: launch capture, the ISA readers, the
+traffic and time model. The slow tests compile every launch the tables make for the
+sweep, on every target, with the specialisation a real launch gets, and hold the
+kernels to compile-time facts (no spills, no redundant MFMA work, occupancy, a bounded
+number of variants) and to issue 10's modelled targets. Nothing here is timed.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from dflash_rocm.audit import isa, model, sweep, traffic
+from dflash_rocm.audit.targets import TARGETS
+from dflash_rocm.backends.triton.launch import capture_launches
+from dflash_rocm.launches import counts as launch_counts
+from dflash_rocm.workloads import SHAPES
+from support import HAS_TRITON
+
+ROOT = Path(__file__).resolve().parent.parent
+QWEN = SHAPES["qwen3-8b-dflash-b16"]
+
+
+# ---- capture ------------------------------------------------------------------------------
+
+def test_capture_records_the_launches_of_a_real_sized_call_without_running_them():
+    from dflash_rocm.backends.triton.attention import run_draft_attention
+
+    case = sweep.Case("attention", QWEN, fp8=False, batch=8, context=32768, large_cache=True)
+    target = TARGETS["gfx942"]
+    call = sweep.attention_call(case, target)
+    assert call.key_cache.device.type == "meta" and call.key_cache.untyped_storage().size() > 2 ** 31
+    name, config = sweep.table_config(case, target, call)
+    before = launch_counts()
+    with capture_launches() as launches:
+        run_draft_attention(call, config)
+    assert launch_counts() == before
+    kernels = [launch.name for launch in launches]
+    assert kernels[0] == "draft_attention_kernel"
+    assert launches[0].grid[1] == QWEN.kv_heads
+    assert launches[0].constexprs["BLOCK_M"] == config.block_m
+    assert launches[0].options["num_warps"] == config.num_warps
+
+
+def test_capture_case_covers_both_cache_sizes_on_amd_and_skips_fp8_where_unconverted():
+    case = sweep.Case("attention", QWEN, fp8=False, batch=1, context=8192)
+    variants = sweep.cache_variants(case, TARGETS["gfx942"])
+    assert [v.large_cache for v in variants] == [False, True]
+    assert sweep.cache_variants(case, TARGETS["sm_90"]) == [case]
+    huge = sweep.Case("attention", QWEN, fp8=False, batch=64, context=32768)
+    assert [v.large_cache for v in sweep.cache_variants(huge, TARGETS["gfx942"])] == [True]
+    fp8 = sweep.capture_case(sweep.Case("precompute", QWEN, fp8=True, tokens=16), TARGETS["gfx1100"])
+    assert fp8.skipped and not fp8.launches
+
+
+# ---- ISA readers --------------------------------------------------------------------------
+
+AMD_LOOP = """
+draft:
+	s_load_dwordx2 s[0:1], s[4:5], 0x0
+	s_cbranch_scc1 .LBB0_3
+; %bb.1:
+	v_exp_f32_e32 v1, v1
+	v_add_f32_e32 v1, v1, v2
+	v_add_f32_e32 v1, v1, v2
+	s_branch .LBB0_4
+.LBB0_3:
+	v_mov_b32_e32 v1, 0
+.LBB0_4:                                ; =>This Inner Loop Header: Depth=1
+	buffer_load_dwordx4 v[0:3], v4, s[8:11], 0 offen
+	v_mfma_f32_32x32x8_bf16 v[0:15], v[16:17], v[18:19], v[0:15]
+	v_exp_f32_e32 v5, v5
+	v_add_f32_e32 v6, v6, v7
+	s_cbranch_scc1 .LBB0_4
+; %bb.5:
+	global_store_short v[8:9], v10, off
+	global_store_dwordx4 v[8:9], v[0:3], off
+	global_store_dwordx4 v[8:9], v[0:3], off
+	s_endpgm
+    .vgpr_count:     60
+    .vgpr_spill_count: 0
+; ScratchSize: 0
+; Occupancy: 8
+"""
+
+
+def test_amd_reader_counts_the_hot_loop_per_iteration_and_one_side_of_each_branch():
+    target = TARGETS["gfx942"]
+    facts = isa.amd_facts(AMD_LOOP, target)
+    loop = facts["hot_loop"]
+    assert (loop["matrix"], loop["exp"], loop["valu"], loop["vmem"]) == (1, 1, 1, 1)
+    assert loop["matrix_flops"] == 2 * 32 * 32 * 8
+    assert loop["matrix_cycles"] == pytest.approx(2 * 32 * 32 * 8 / target.matrix_flops_per_cycle)
+    assert loop["load_widths"] == {"16": 1}
+    assert facts["store_widths"] == {"2": 1, "16": 2}
+    assert (facts["vgpr"], facts["occupancy_waves"], facts["scratch_bytes"]) == (60, 8, 0)
+    # Longest path outside the loop: the three-instruction side of the branch, not both sides.
+    straight = 2 + (target.trans_cycles + 2 * target.valu_cycles + 1) + 3 * target.valu_cycles + 1
+    assert facts["straight_cycles"] == pytest.approx(straight)
+
+
+SASS_LOOP = """
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/               @P0 EXIT ;
+.L_x_1:
+        /*0020*/                   LDGSTS.E.BYPASS.128 [R2], desc[UR4][R4.64] ;
+        /*0030*/                   HGMMA.64x64x16.F32.BF16 R88, gdesc[UR24], RZ, !UPT ;
+        /*0040*/                   MUFU.EX2 R5, R5 ;
+        /*0050*/                   FADD R6, R6, R7 ;
+        /*0060*/              @!P0 BRA `(.L_x_1) ;
+        /*0070*/                   STG.E.U16 desc[UR4][R2.64], R9 ;
+        /*0080*/                   STG.E.128 desc[UR4][R2.64], R12 ;
+        /*0090*/                   EXIT ;
+.L_x_2:
+        /*00a0*/                   BRA `(.L_x_2);
+"""
+
+
+def test_sass_reader_finds_the_loop_by_its_backward_branch():
+    target = TARGETS["sm_90"]
+    listing = isa.sass_listing(SASS_LOOP, target)
+    facts = isa.listing_facts(listing)
+    loop = facts["hot_loop"]
+    assert (loop["matrix"], loop["exp"], loop["vmem"]) == (1, 1, 1)
+    assert loop["matrix_flops"] == 2 * 64 * 64 * 16 // 4  # one warp's quarter of the warpgroup MMA
+    assert loop["load_widths"] == {"16": 1}
+    assert facts["store_widths"] == {"2": 1, "16": 1}
+
+
+# ---- model --------------------------------------------------------------------------------
+
+def test_occupancy_from_registers_waves_and_shared_memory():
+    gfx942, sm90 = TARGETS["gfx942"], TARGETS["sm_90"]
+    amd = model.occupancy({"num_warps": 4, "shared_bytes": 0, "occupancy_waves": 2}, gfx942)
+    assert (amd.groups_per_unit, amd.waves_per_simd, amd.limited_by) == (2, 2.0, "registers")
+    lds = model.occupancy({"num_warps": 4, "shared_bytes": 40 * 1024, "occupancy_waves": 8}, gfx942)
+    assert (lds.groups_per_unit, lds.limited_by) == (1, "shared memory")
+    nv = model.occupancy({"num_warps": 4, "shared_bytes": 0, "registers": 128}, sm90)
+    assert nv.groups_per_unit == 4  # 128 regs x 128 threads: 4 blocks fill the 64K register file
+
+
+def test_a_chunk_shared_by_consecutive_programs_misses_every_xcd_l2_once():
+    programs = [traffic.Program(1, ((("w", 0), 1000),), 0) for _ in range(16)]
+    assert model._cache_misses(programs, domains=8, capacity=4 << 20, window=4) == 8 * 1000
+    assert model._cache_misses(programs, domains=1, capacity=4 << 20, window=4) == 1000
+
+
+def test_dram_time_is_derated_when_too_few_bytes_are_in_flight():
+    target = TARGETS["gfx942"]
+    facts = {"num_warps": 4, "shared_bytes": 0, "occupancy_waves": 8, "straight_cycles": 0,
+             "hot_loop": {"matrix_cycles": 0, "vector_cycles": 1, "instructions": 1, "scratch": 0}}
+    few = [traffic.Program(100, ((("kv", i), 100 * 4096),), 0) for i in range(8)]
+    many = [traffic.Program(100, ((("kv", i), 100 * 4096),), 0) for i in range(2048)]
+    slow, fast = model.model_launch(few, facts, target, 1), model.model_launch(many, facts, target, 1)
+    assert slow.fill < 0.1 and fast.fill == 1.0
+    assert fast.dram_s == pytest.approx(fast.dram_bytes / target.peak.bandwidth)
+
+
+# ---- traffic ------------------------------------------------------------------------------
+
+def _attention_launch(case, arch="gfx942"):
+    target = TARGETS[arch]
+    return sweep.capture_case(case, target).launches[0]
+
+
+def test_attention_traffic_reads_each_key_once_per_tile_and_kv_head():
+    case = sweep.Case("attention", QWEN, fp8=False, batch=8, context=8192)
+    launch = _attention_launch(case)
+    programs = traffic.attention_programs(case, launch)
+    kv = sum(size for p in programs for chunk, size in p.reads if chunk[0] == "kv")
+    tiles = -(-case.query_len // launch.constexprs["BLOCK_Q"])
+    assert kv == tiles * case.batch * case.seq_len * QWEN.kv_heads * QWEN.head_dim * 2 * 2
+    trips = sum(p.iterations + (not p.skips_peeled_trip) for p in programs if p.active)  # loop + peeled last trip
+    assert trips >= kv / (2 * 2 * QWEN.head_dim * launch.constexprs["BLOCK_N"])
+
+
+def test_every_captured_kernel_has_a_traffic_model():
+    for case in sweep.default_cases(QWEN, batches=(1,), contexts=(8192,), tokens=(16, 4096), kv=("bf16",)):
+        for launch in sweep.capture_case(case, TARGETS["gfx942"]).launches:
+            assert traffic.programs_of(case, launch)
+
+
+# ---- compiled facts of the whole sweep (slow) ---------------------------------------------
+
+CHECKED_ARCHS = ("gfx942", "gfx950", "gfx1100", "gfx1201", "sm_90")
+
+
+@pytest.fixture(scope="module")
+def audit(tmp_path_factory):
+    """``dflash-rocm inspect`` over the default sweep, as JSON (compiled facts cached per run)."""
+    if not HAS_TRITON:
+        pytest.skip("needs Triton")
+    out = tmp_path_factory.mktemp("audit")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-m", "dflash_rocm", "inspect", "--quiet", "--json", str(out / "a.json"),
+                             "--cache-dir", str(out / "cache"), "--jobs", str(min(4, os.cpu_count() or 1))],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    data = json.loads((out / "a.json").read_text())
+    data["_table"] = result.stdout
+    data["_cache"] = out / "cache"
+    return data
+
+
+def _launches(audit, kernel=None, archs=CHECKED_ARCHS):
+    for case in audit["cases"]:
+        if case["target"] not in archs or case["skipped"]:
+            continue
+        for launch in case["launches"]:
+            if kernel is None or launch["kernel"] == kernel:
+                yield case, launch
+
+
+@pytest.mark.slow
+def test_inspect_reports_every_launch_of_the_sweep_as_modelled_not_measured(audit):
+    assert audit["measured"] is False
+    assert {c["target"] for c in audit["cases"]} == set(TARGETS)
+    assert all(launch["error"] is None for _, launch in _launches(audit))
+    assert all(len(line) <= 100 for line in audit["_table"].splitlines())
+    assert "MODELLED, NOT MEASURED" in audit["_table"]
+    for arch in TARGETS:
+        assert arch in audit["assumptions"] and "TB/s" in audit["assumptions"][arch]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", CHECKED_ARCHS)
+def test_no_table_config_spills_or_uses_scratch(audit, arch):
+    bad = [f"{c['label']} {c['cache']} {launch['kernel']}: {launch['facts']['vgpr_spills']} spills, "
+           f"{launch['facts']['scratch_bytes']} B scratch"
+           for c, launch in _launches(audit, archs=(arch,))
+           if launch["facts"]["vgpr_spills"] or launch["facts"]["scratch_bytes"]]
+    assert not bad, "\n".join(bad[:10])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_cdna_attention_computes_each_score_tile_once(audit, arch):
+    """The MFMA work of one loop iteration, summed over the workgroup's waves, is exactly
+    QK^T plus PV of the tile (no warp computes rows another warp computes), and the
+    exponentials are one per score plus a few per row."""
+    for case, launch in _launches(audit, "draft_attention_kernel", (arch,)):
+        c, f = launch["constexprs"], launch["facts"]
+        warps, loop = f["num_warps"], f["hot_loop"]
+        ideal = 4 * c["BLOCK_M"] * c["BLOCK_N"] * c["BLOCK_D"]
+        assert loop["matrix_flops"] * warps == ideal, (case["label"], loop["matrix_kinds"], warps)
+        wave = TARGETS[arch].wave_size
+        assert loop["exp"] * warps * wave <= c["BLOCK_M"] * c["BLOCK_N"] + 2 * warps * wave, case["label"]
+
+
+@pytest.mark.slow
+def test_precompute_runs_at_least_four_waves_per_simd_on_gfx942(audit):
+    for case, launch in _launches(audit, archs=("gfx942",)):
+        if launch["kernel"].startswith("context_kv"):
+            assert launch["model"]["occupancy"]["waves_per_simd"] >= 4, (case["label"], launch["kernel"])
+
+
+@pytest.mark.slow
+def test_compiled_variants_per_kernel_and_architecture_are_bounded(audit):
+    """Segment and split counts are runtime arguments (powers of two), so over the whole
+    sweep a kernel compiles once per KV dtype, merge mode and the argument attributes
+    (cache under/over 2 GiB, a batch of 1, 16-divisible strides): a few, not one per
+    segment count (the portable table once picked any of 1..33, each a JIT compile)."""
+    constexprs, variants = defaultdict(set), defaultdict(set)
+    for case, launch in _launches(audit, archs=tuple(TARGETS)):
+        constexprs[(case["target"], launch["kernel"], case["kv"])].add(json.dumps(launch["constexprs"], sort_keys=True))
+        variants[(case["target"], launch["kernel"])].add(launch["specialisation"])
+    assert constexprs and max(len(v) for v in constexprs.values()) <= 4, {k: len(v) for k, v in constexprs.items()}
+    assert max(len(v) for v in variants.values()) <= 24, {k: len(v) for k, v in variants.items()}
+
+
+@pytest.mark.slow
+def test_real_launch_specialisation_aligned_pointers_and_buffer_ranges(audit):
+    for case, launch in _launches(audit, "draft_attention_kernel", ("gfx942",)):
+        flags = launch["flags"]
+        assert "D" in flags["k_cache_ptr"] and "D" in flags["q_ptr"]
+        assert ("S" in flags["k_cache_ptr"]) == (case["cache"] == "<2G"), case["label"]
+
+
+def _case(audit, arch, label, cache=""):
+    return next(c for c in audit["cases"] if c["target"] == arch and c["label"] == label and c["cache"] == cache)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,label,cache,floor_pct", [
+    ("gfx942", "attn b64 4k bf16", ">2G", 85), ("gfx942", "pre N=16 bf16", "", 75),  # issue 10's targets, met
+    # Below issue 10's targets (55, 65, 50 %), held where the fixes brought them (from ~30, ~36, 14 %):
+    ("gfx942", "attn b1 8k bf16", ">2G", 44), ("gfx942", "pre N=256 bf16", "", 50), ("sm_90", "pre N=256 bf16", "", 32)])
+def test_modelled_share_of_the_floor(audit, arch, label, cache, floor_pct):
+    """The *modelled* share of the hardware floor (assumptions in dflash_rocm.audit.targets)
+    of the cases issue 10 set targets for; a kernel or table change that loses ground fails."""
+    assert _case(audit, arch, label, cache)["pct_floor"] >= floor_pct
+
+
+@pytest.mark.slow
+def test_a_rerun_reads_every_compiled_fact_from_the_cache(audit, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-m", "dflash_rocm", "inspect", "--quiet", "--target", "gfx942",
+                             "--op", "precompute", "--tokens", "16,256", "--csv", "-", "--json", str(tmp_path / "a.json"),
+                             "--cache-dir", str(audit["_cache"])],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rerun = json.loads((tmp_path / "a.json").read_text())
+    assert rerun["specialisations"] > 0 and rerun["compiled_now"] == 0
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("target,op,kv,label")
+    assert sum(line.startswith("gfx942,precompute") for line in lines) >= 4
