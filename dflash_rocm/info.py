@@ -43,11 +43,19 @@ def collect_info() -> dict:
         "backends": {name: {"available": not reasons, "reasons": reasons}
                      for name, reasons in dispatch.device_reasons(device).items()},
         "auto_order": list(dispatch.AUTO_ORDER),
-        "environment": {v.name: {"value": v.get(), "set": v.is_set(), "help": v.help} for v in envs.ALL},
+        "environment": {v.name: environment_entry(v) for v in envs.ALL},
         "vllm_plugin": plugin_status(),
         "aiter": aiter_status(),
     }
     return info
+
+
+def environment_entry(var: envs.EnvVar) -> dict:
+    """The value in effect and whether it is valid (``problem`` says why not): ``info``
+    must show a bad value, not fail on it."""
+    problem = var.problem()
+    return {"value": var.get(), "set": var.is_set(), "valid": problem is None, "problem": problem,
+            "help": var.help}
 
 
 def aiter_status() -> str:
@@ -57,7 +65,10 @@ def aiter_status() -> str:
         return dispatch.import_error("rocm") or "rocm backend unavailable"
     from dflash_rocm.backends.rocm import aiter_attention
 
-    features, why = aiter_attention.probe()
+    try:
+        features, why = aiter_attention.probe()
+    except ValueError as exc:  # a bad DFLASH_ROCM_AITER: info reports it, calls refuse it
+        return str(exc)
     if why:
         return why
     return "usable (paged CK attention" + (", sinks" if features.sinks else ", no sinks") + ")"

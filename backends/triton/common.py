@@ -9,12 +9,12 @@ paths (loads, stores, casts, masks, addressing) still run in CI. Triton reads
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton.language as tl
 
-INTERPRETING: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from dflash_rocm import envs
+
+INTERPRETING: bool = envs.TRITON_INTERPRET.value()
 FP32_MATH: bool = INTERPRETING
 
 TL_DTYPES = {
