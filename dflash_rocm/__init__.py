@@ -42,18 +42,27 @@ _map_source_backends()
 
 
 def _configure_logging() -> None:
-    """Library etiquette: no handler unless ``DFLASH_ROCM_LOG_LEVEL`` asks for output."""
+    """Library etiquette: no handler unless ``DFLASH_ROCM_LOG_LEVEL`` asks for output.
+
+    A value that is not a level warns once (here, at import) and keeps WARNING: a typo in
+    a logging knob must never stop the package from importing."""
     from . import envs
 
     if not envs.LOG_LEVEL.is_set():
         return
     logger = logging.getLogger(__name__)
-    logger.setLevel(getattr(logging, envs.LOG_LEVEL.get().upper(), logging.WARNING))
+    try:
+        level, problem = envs.LOG_LEVEL.value(), None
+    except ValueError as exc:
+        level, problem = logging.WARNING, exc
+    logger.setLevel(level)
     if not logger.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("[dflash_rocm %(levelname)s] %(message)s"))
         logger.addHandler(handler)
         logger.propagate = False
+    if problem is not None:
+        logger.warning("%s; keeping WARNING", problem)
 
 
 _configure_logging()

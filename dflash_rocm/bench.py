@@ -33,6 +33,7 @@ GPU_TOKENS = (1, 16, 64, 256, 1024, 8192)
 GPU_BATCHES = (1, 4, 16, 64)
 GPU_CONTEXTS = (1024, 8192, 32768, 131072)
 MAX_CACHE_TOKENS = 1 << 21  # batch x context kept under ~8 GB of bf16 cache per shape
+MAX_TOKENS = 1 << 16  # precompute tokens per step: 8x the largest default, states of 512 MB at hidden 4096
 
 
 @dataclass
@@ -76,7 +77,7 @@ def default_plan(device: torch.device, *, shapes=None, tokens=None, batches=None
         chosen = [s.scaled_for_cpu() for s in chosen]
     notes = ["CPU run: Triton executes in its interpreter and torch on 2 cores; the numbers say nothing "
              "about GPU speed (this is a smoke test)"] if cpu else []
-    return BenchPlan(
+    plan = BenchPlan(
         device=device, dtype=dtype, cache_dtype=cache_dtype or dtype, shapes=chosen,
         tokens=list(tokens or ((4, 16) if cpu else (16, 256, 4096) if quick else GPU_TOKENS)),
         batches=list(batches or ((1, 2) if cpu else (1, 16) if quick else GPU_BATCHES)),
@@ -85,6 +86,26 @@ def default_plan(device: torch.device, *, shapes=None, tokens=None, batches=None
         # The reference is the oracle, not a contender: timed only when named.
         backends=list(backends) if backends else [b for b in registry.NAMES if b != "reference"],
         repeats=repeats or (2 if cpu else 20), warmup=0 if cpu else 3, notes=notes)
+    _check_sizes(plan)
+    return plan
+
+
+def _check_sizes(plan: BenchPlan) -> None:
+    """Refuse sizes that cannot be benchmarked, in one line; say in one note which
+    attention cases are left out for their cache size (never drop one silently)."""
+    if any(n < 1 for n in plan.tokens + plan.batches + plan.contexts) or plan.repeats < 1:
+        raise ValueError("tokens, batches, contexts and repeats must be positive integers")
+    if PRECOMPUTE.name in plan.ops and max(plan.tokens) > MAX_TOKENS:
+        raise ValueError(f"--tokens {max(plan.tokens)}: at most {MAX_TOKENS} context tokens per step")
+    if ATTENTION.name not in plan.ops:
+        return
+    over = [f"B={b} ctx={c}" for b in plan.batches for c in plan.contexts if b * c > MAX_CACHE_TOKENS]
+    if len(over) == len(plan.batches) * len(plan.contexts):
+        raise ValueError(f"every attention case needs more than {MAX_CACHE_TOKENS} cached tokens (batch x context; "
+                         f"{over[0]} is {plan.batches[0] * plan.contexts[0]}): choose a smaller --batch or --context")
+    if over:
+        plan.notes.append(f"attention cases over {MAX_CACHE_TOKENS} cached tokens (batch x context) are left out: "
+                          + ", ".join(over))
 
 
 _NO_KERNEL = {"empty", "empty_strided", "empty_like", "new_empty", "view", "_unsafe_view", "as_strided", "t",

@@ -20,15 +20,63 @@ CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3fn": torch.fl
 def _use_interpreter_without_gpu() -> None:
     """On a machine without a GPU, run Triton kernels through the interpreter so the
     triton backend is checked too. Must happen before any kernel module is imported."""
-    if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+    from . import envs
+
+    if not torch.cuda.is_available() and not envs.TRITON_INTERPRET.is_set():
         os.environ["TRITON_INTERPRET"] = "1"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad argument in one line (no usage block) and exits 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def positive_int_list(text: str) -> list[int]:
+    """argparse type: comma-separated integers >= 1 (at least one)."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
+
+
+def device_arg(text: str) -> torch.device:
+    """argparse type: ``cpu`` or a visible ``cuda[:N]`` (ROCm GPUs are cuda devices in torch)."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: torch sees no GPU here; use --device cpu")
+        if device.index is not None and device.index >= count:
+            raise argparse.ArgumentTypeError(f"{text!r}: torch sees {count} GPU(s), cuda:0..cuda:{count - 1}")
+    elif device.type != "cpu":
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return device
 
 
 def _add_dtype_and_device(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="states/query dtype")
     parser.add_argument("--kv-cache-dtype", choices=list(CACHE_DTYPES), default="auto",
                         help="cache dtype (auto: as --dtype)")
-    parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--device", type=device_arg, help="torch device (default: cuda if available, else cpu)")
 
 
 def _draft_shape(args):
@@ -40,9 +88,9 @@ def _draft_shape(args):
     return SHAPES[args.shape]
 
 
-def _device(arg: str | None) -> torch.device:
-    if arg:
-        return torch.device(arg)
+def _device(arg: torch.device | None) -> torch.device:
+    if arg is not None:
+        return arg
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
@@ -94,13 +142,6 @@ def _write_outputs(outputs) -> None:
         elif path:
             with open(path, "w") as f:
                 f.write(text())
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def cmd_bench(args) -> int:
@@ -231,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .registry import NAMES
     from .workloads import DEFAULT_SHAPE, SHAPES
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="dflash-rocm",
         description="DFlash draft kernels (fused context-KV precompute, draft attention) for AMD, NVIDIA "
                     "and any Triton device, checked against a reference.")
@@ -279,13 +320,14 @@ def build_parser() -> argparse.ArgumentParser:
                      "the full sweep, saved")))
     bench.add_argument("--shape", action="append", choices=sorted(SHAPES), help="draft shape (repeatable)")
     bench.add_argument("--op", action="append", choices=sorted(_OPS), help="only this operation (repeatable)")
-    bench.add_argument("--tokens", type=_int_list, help="context tokens per step for the precompute, e.g. 1,16,256")
-    bench.add_argument("--batch", type=_int_list, help="requests per step for attention, e.g. 1,4,16")
-    bench.add_argument("--context", type=_int_list, help="context lengths for attention, e.g. 1024,8192")
+    bench.add_argument("--tokens", type=positive_int_list,
+                       help="context tokens per step for the precompute, e.g. 1,16,256")
+    bench.add_argument("--batch", type=positive_int_list, help="requests per step for attention, e.g. 1,4,16")
+    bench.add_argument("--context", type=positive_int_list, help="context lengths for attention, e.g. 1024,8192")
     bench.add_argument("--backend", action="append", choices=sorted(NAMES),
                        help="time only this backend (repeatable; the reference only when named)")
     _add_dtype_and_device(bench)
-    bench.add_argument("--repeats", type=int, help="timed repeats per case (median reported)")
+    bench.add_argument("--repeats", type=positive_int, help="timed repeats per case (median reported)")
     bench.add_argument("--quick", action="store_true", help="a short sweep (what scripts/gpu_check.sh runs)")
     bench.add_argument("--json", metavar="PATH", help="also write JSON ('-' for stdout)")
     bench.add_argument("--csv", metavar="PATH", help="also write CSV ('-' for stdout)")
@@ -308,10 +350,11 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--shape", choices=sorted(SHAPES), default=DEFAULT_SHAPE, help="draft shape preset")
     tune.add_argument("--checkpoint", metavar="DIR", help="take heads and attention mode from a draft checkpoint")
     _add_dtype_and_device(tune)
-    tune.add_argument("--block-size", type=int, default=16, help="KV cache page size")
-    tune.add_argument("--query-limit", type=int, help="num_speculative_tokens + 1 (default: the shape's block)")
-    tune.add_argument("--batch-limit", type=int, default=64, help="largest batch to tune for")
-    tune.add_argument("--max-model-len", type=int, default=32768, help="longest sequence to tune for")
+    tune.add_argument("--block-size", type=positive_int, default=16, help="KV cache page size")
+    tune.add_argument("--query-limit", type=positive_int,
+                      help="num_speculative_tokens + 1 (default: the shape's block)")
+    tune.add_argument("--batch-limit", type=positive_int, default=64, help="largest batch to tune for")
+    tune.add_argument("--max-model-len", type=positive_int, default=32768, help="longest sequence to tune for")
     tune.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
                       help="tune causal (or --no-causal) attention (default: the shape's)")
     tune.add_argument("--simulate-arch", metavar="ARCH", help="tune on CPU as if on ARCH (interpreter; slow)")
@@ -336,10 +379,10 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--target", action="append", choices=list(TARGETS), help="GPU target (repeatable)")
     inspect.add_argument("--op", action="append", choices=["attention", "precompute"], help="only this operation")
     inspect.add_argument("--kv", action="append", choices=["bf16", "fp8"], help="KV cache dtype (repeatable)")
-    inspect.add_argument("--batch", type=_int_list, help="attention batches, e.g. 1,8,64")
-    inspect.add_argument("--context", type=_int_list, help="attention context lengths, e.g. 1024,8192")
-    inspect.add_argument("--tokens", type=_int_list, help="precompute context tokens, e.g. 16,256")
-    inspect.add_argument("--jobs", type=int, help="compile processes (default: CPU count, at most 8)")
+    inspect.add_argument("--batch", type=positive_int_list, help="attention batches, e.g. 1,8,64")
+    inspect.add_argument("--context", type=positive_int_list, help="attention context lengths, e.g. 1024,8192")
+    inspect.add_argument("--tokens", type=positive_int_list, help="precompute context tokens, e.g. 16,256")
+    inspect.add_argument("--jobs", type=positive_int, help="compile processes (default: CPU count, at most 8)")
     inspect.add_argument("--cache-dir", type=Path, help="where compiled facts are kept "
                                                        "(default: DFLASH_ROCM_CACHE_DIR/audit)")
     inspect.add_argument("--no-cache", action="store_true", help="compile everything, keep nothing")
@@ -351,12 +394,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Every refusal is one line on stderr and exit status 2 (1: ``check`` found a
+    disagreement): bad arguments (argparse types), bad input files, devices or sizes."""
+    from . import BackendUnavailable
+
     _use_interpreter_without_gpu()
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # argparse: --help (0) or one error line (2)
+        return exc.code if isinstance(exc.code, int) else 2
     try:
         return args.func(args)
-    except (ValueError, TypeError) as exc:
-        print(f"dflash-rocm {args.command}: {exc}", file=sys.stderr)
+    except (ValueError, TypeError, OSError, BackendUnavailable) as exc:
+        message = " ".join(str(exc).split())  # one line, whatever the exception held
+        print(f"dflash-rocm {args.command}: {message}", file=sys.stderr)
         return 2
 
 

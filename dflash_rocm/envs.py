@@ -1,18 +1,48 @@
-"""Every environment variable dflash_rocm reads, in one table.
+"""Every environment variable dflash_rocm reads, in one table, with one parser per kind.
 
 Values are read at the moment they are needed (never cached at import), so tests and
-long-lived servers see changes; ``dflash-rocm info`` prints this table with the
-values in effect.
+long-lived servers see changes; ``dflash-rocm info`` prints this table with the values
+in effect and whether each is valid.
+
+Switches share one spelling: ``0/1``, ``false/true``, ``off/on``, ``no/yes``, any case,
+surrounding blanks ignored; some also take a mode word (``auto``). A value outside that
+set is refused where it is used, with a ``ValueError`` that names the variable and the
+accepted values: a typo must not silently mean "off". Where an operation reads a knob
+(:meth:`EnvVar.setting`), the refusal is a warning and the default applies: no
+environment fault fails a call. ``TRITON_INTERPRET`` is the one
+exception: Triton itself decides whether kernels are interpreted, so we read it exactly
+as Triton does (see :class:`TritonSwitch`) and only *report* values that look mistaken.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
+from typing import Any
+
+TRUE_WORDS = ("1", "true", "on", "yes")
+_warned: set[str] = set()
+FALSE_WORDS = ("0", "false", "off", "no")
+
+
+def parse_switch(name: str, raw: str, modes: tuple[str, ...] = ()) -> bool | str:
+    """``raw`` as a switch: True, False, or one of ``modes`` (lower case)."""
+    word = raw.strip().lower()
+    if word in modes:
+        return word
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS:
+        return False
+    accepted = ", ".join(modes + TRUE_WORDS + FALSE_WORDS)
+    raise ValueError(f"{name}={raw!r}: expected one of {accepted} (any case)")
 
 
 @dataclass(frozen=True)
 class EnvVar:
+    """A free-form variable: ``value()`` is the string (stripped; the default when unset)."""
+
     name: str
     default: str
     help: str
@@ -24,35 +54,132 @@ class EnvVar:
     def is_set(self) -> bool:
         return bool(os.environ.get(self.name, "").strip())
 
+    def value(self) -> Any:
+        """The parsed value; ``ValueError`` naming the variable when it is not valid."""
+        return self.parse(self.get())
+
+    def parse(self, raw: str) -> Any:
+        return raw
+
+    def setting(self) -> Any:
+        """The value where an operation reads it. A bad value is refused, once, with a
+        warning that names the variable and what it accepts, and the default applies: a
+        tuning or probing knob must never fail an attention or precompute call."""
+        try:
+            return self.value()
+        except ValueError as exc:
+            if self.name not in _warned:
+                _warned.add(self.name)
+                logging.getLogger("dflash_rocm").warning("%s; using the default %r", exc, self.default)
+            return self.parse(self.default)
+
+    def problem(self) -> str | None:
+        """Why the current value is not valid (None: it is), for ``dflash-rocm info``."""
+        try:
+            self.value()
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+
+@dataclass(frozen=True)
+class Switch(EnvVar):
+    """On/off, optionally with mode words (``modes``): ``value()`` is a bool or a mode."""
+
+    modes: tuple[str, ...] = ()
+
+    def parse(self, raw: str) -> bool | str:
+        return parse_switch(self.name, raw, self.modes)
+
+
+@dataclass(frozen=True)
+class PositiveInt(EnvVar):
+    """``value()`` is a positive int, or None when unset."""
+
+    def parse(self, raw: str) -> int | None:
+        if not raw.strip():
+            return None
+        try:
+            number = int(raw)
+        except ValueError:
+            number = 0
+        if number < 1:
+            raise ValueError(f"{self.name}={raw!r}: expected a positive integer")
+        return number
+
+
+LOG_LEVEL_NAMES = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
+
+
+@dataclass(frozen=True)
+class LogLevel(EnvVar):
+    """``value()`` is a :mod:`logging` level: a level name (any case) or a number >= 0."""
+
+    def parse(self, raw: str) -> int:
+        word = raw.upper()
+        if word in LOG_LEVEL_NAMES:
+            return getattr(logging, word)
+        if word.isdigit():
+            return int(word)
+        raise ValueError(f"{self.name}={raw!r}: expected one of {', '.join(LOG_LEVEL_NAMES)} "
+                         "(any case) or a number >= 0")
+
+
+# What Triton 3.9 reads as "on" (its C++ ``getenv_bool``, behind ``triton.knobs``):
+# the value lower-cased, *not* stripped, compared with these words; anything else is
+# "off" without a word of complaint. Tested against Triton's own function.
+TRITON_TRUE_WORDS = TRUE_WORDS + ("y",)
+
+
+@dataclass(frozen=True)
+class TritonSwitch(EnvVar):
+    """``TRITON_INTERPRET`` as Triton reads it (so ``true`` means on, and `` 1`` off):
+    our view of whether kernels are interpreted must be Triton's. ``problem()`` flags
+    values Triton takes as off that are not one of our off words."""
+
+    def value(self) -> bool:
+        raw = os.environ.get(self.name)
+        return raw is not None and raw.lower() in TRITON_TRUE_WORDS
+
+    def problem(self) -> str | None:
+        raw = os.environ.get(self.name)
+        if raw is None or self.value() or raw.strip().lower() in FALSE_WORDS + ("",):
+            return None
+        return (f"{self.name}={raw!r}: Triton reads it as off (it takes {', '.join(TRITON_TRUE_WORDS)} "
+                "as on, any case, blanks not stripped)")
+
 
 BACKEND = EnvVar(
     "DFLASH_ROCM_BACKEND", "auto",
     "backend for both operations: auto, reference, triton, rocm, aiter or cuda "
     "(the backend= argument of a call wins)")
-LOG_LEVEL = EnvVar(
+LOG_LEVEL = LogLevel(
     "DFLASH_ROCM_LOG_LEVEL", "WARNING",
-    "level of the 'dflash_rocm' logger (INFO shows which backend served each new call shape)")
-QUERY_LIMIT = EnvVar(
+    "level of the 'dflash_rocm' logger: DEBUG, INFO, WARNING, ERROR, CRITICAL or a number "
+    "(INFO shows which backend served each new call shape); a bad value warns and keeps WARNING")
+QUERY_LIMIT = PositiveInt(
     "DFLASH_ROCM_QUERY_LIMIT", "",
     "rocm: largest query length per request the segmented kernel is compiled and tuned for "
     "(DFlash: num_speculative_tokens + 1); longer queries take the unsegmented path")
-TUNE = EnvVar(
+TUNE = Switch(
     "DFLASH_ROCM_TUNE", "auto",
-    "rocm startup tuning: 0, 1 or auto (auto: on for RDNA gfx1x)")
+    "rocm startup tuning: auto (on for RDNA gfx1x), or on/off (1/0, true/false, yes/no)",
+    modes=("auto",))
 CACHE_DIR = EnvVar(
     "DFLASH_ROCM_CACHE_DIR", "",
     "where tuned launch configs are kept (default: $XDG_CACHE_HOME/dflash_rocm)")
-AITER = EnvVar(
+AITER = Switch(
     "DFLASH_ROCM_AITER", "auto",
-    "rocm: 0 never uses aiter; auto uses its paged attention on CDNA where it serves the call "
-    "(checked against the Triton kernel on first use)")
-VLLM = EnvVar(
+    "rocm: off (0/false/no) never uses aiter; auto or on uses its paged attention on CDNA where it "
+    "serves the call (checked against the Triton kernel on first use)",
+    modes=("auto",))
+VLLM = Switch(
     "DFLASH_ROCM_VLLM", "1",
-    "0 leaves vLLM untouched even when the plugin is installed")
-TRITON_INTERPRET = EnvVar(
+    "off (0/false/no) leaves vLLM untouched even when the plugin is installed")
+TRITON_INTERPRET = TritonSwitch(
     "TRITON_INTERPRET", "0",
-    "1 runs Triton kernels on CPU tensors through the interpreter (read when kernels are "
-    "first imported)")
+    "on (1/true/yes/on, as Triton reads it) runs Triton kernels on CPU tensors through the "
+    "interpreter (read when kernels are first imported)")
 NO_COLOR = EnvVar(
     "NO_COLOR", "",
     "any value: the command line prints no colour (no-color.org)")

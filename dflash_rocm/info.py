@@ -46,7 +46,7 @@ def collect_info() -> dict:
         "backends": {name: {"available": not reasons, "reasons": reasons}
                      for name, reasons in dispatch.device_reasons(device).items()},
         "auto_order": list(registry.priority_for(p, device.type)),
-        "environment": {v.name: {"value": v.get(), "set": v.is_set(), "help": v.help} for v in envs.ALL},
+        "environment": {v.name: environment_entry(v) for v in envs.ALL},
         "vllm_plugin": plugin_status(),
         "vllm_attention": [{"backend": b.name, "layout": b.layout, "dflash_rocm": b.served}
                            for b in vllm_order(p.vendor)],
@@ -64,6 +64,15 @@ def backend_status(reasons: dict[str, list[str]]) -> dict[str, str]:
         if cls is not None and not reasons.get(name):
             status.update(cls.status())
     return status
+
+
+
+def environment_entry(var: envs.EnvVar) -> dict:
+    """The value in effect and whether it is valid (``problem`` says why not): ``info``
+    must show a bad value, not fail on it."""
+    problem = var.problem()
+    return {"value": var.get(), "set": var.is_set(), "valid": problem is None, "problem": problem,
+            "help": var.help}
 
 
 def format_info(info: dict, width: int | None = WIDTH, style: Style = Style()) -> str:

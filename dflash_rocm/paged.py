@@ -83,7 +83,8 @@ def read_rows(cache: torch.Tensor | PackedCache, blocks: torch.Tensor, rows: tor
         return cache[blocks, rows]
     r = cache.row_pack
     picked = cache.view[blocks, rows // r, rows % r]  # [n, Hk, D // C, C]
-    return picked.reshape(*picked.shape[:2], -1)
+    n, hk, outer, inner = picked.shape
+    return picked.reshape(n, hk, outer * inner)
 
 
 def write_rows(cache: torch.Tensor | PackedCache, blocks: torch.Tensor, rows: torch.Tensor,
@@ -93,7 +94,8 @@ def write_rows(cache: torch.Tensor | PackedCache, blocks: torch.Tensor, rows: to
         cache[blocks, rows] = values
         return
     r, c = cache.row_pack, cache.dim_pack
-    cache.view[blocks, rows // r, rows % r] = values.reshape(*values.shape[:2], -1, c)
+    n, hk, d = values.shape
+    cache.view[blocks, rows // r, rows % r] = values.reshape(n, hk, d // c, c)
 
 
 def logical(cache: torch.Tensor | PackedCache) -> torch.Tensor:

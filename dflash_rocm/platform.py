@@ -109,5 +109,8 @@ def simulate_platform(arch: str, compute_units: int | None = None) -> Iterator[P
 
 
 def triton_interpreter_requested() -> bool:
-    """Whether ``TRITON_INTERPRET=1`` is set now (Triton reads it when kernels are decorated)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Whether ``TRITON_INTERPRET`` asks for the interpreter now, read as Triton reads it
+    (Triton reads it when kernels are decorated)."""
+    from . import envs
+
+    return envs.TRITON_INTERPRET.value()

@@ -6,27 +6,37 @@ table config's output on the same inputs, and replaces it only on a clear win: t
 incumbent's median time over the candidate's, across repeated rounds, must reach
 ``min_speedup``. Winners are kept as JSON under ``DFLASH_ROCM_CACHE_DIR`` (default
 ``$XDG_CACHE_HOME/dflash_rocm``), one file per identity (architecture, versions, kernel
-source, dtypes, heads, page size, causal, window, sinks, query limit). Writes are
-atomic; a file lock serialises tensor-parallel ranks (the first tunes, the others wait
-and read its file); a corrupt or foreign file is ignored with a warning and rewritten.
+source, dtypes, heads, page size, causal, window, sinks, query limit).
 
-Everything device-specific (running a config, timing it) is injected, so the logic is
-tested on CPU with a fake timer.
+The tuner is an optimisation, so no fault of its cache may fail a call: a file that is
+unreadable, not JSON, too deeply nested, of another schema or identity is ignored and
+rewritten; an entry that does not pass the caller's validation is dropped and the file
+rewritten; a directory that cannot be created, locked or written leaves the missing
+workloads on the table's configs (one warning naming the path). Writes happen only under
+an exclusive file lock (tensor-parallel ranks: the first tunes, the others wait and read
+its file), after re-reading the file, and are atomic (temporary file, fsync, rename), so
+concurrent writers neither lose an update nor leave a torn file; a reader needs no lock.
+
+Everything device-specific (running a config, timing it, validating an entry) is
+injected, so the logic is tested on CPU with a fake timer.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import statistics
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import IO, Any, Callable, Generic, Iterable, Sequence, TypeVar
 
 import torch
 
@@ -39,6 +49,7 @@ SCHEMA = 1
 MIN_SPEEDUP = 1.03  # a clear win: 3% faster by paired medians
 VALIDATION_TOLERANCE = 5e-3  # relative error against the table config's output
 ROUNDS = 3
+MAX_FILE_BYTES = 16 << 20  # a table is a few KB; anything this big is not ours
 
 
 def cache_dir() -> Path:
@@ -63,6 +74,20 @@ class Workload:
     key_span: int
 
 
+def _positive_int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what}: expected a positive int, got {value!r}")
+    return value
+
+
+def _optional_time(value: Any, what: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{what}: expected a time >= 0 or null, got {value!r}")
+    return float(value)
+
+
 @dataclass
 class TunedEntry:
     workload: Workload
@@ -79,10 +104,59 @@ class TunedEntry:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TunedEntry":
-        return cls(workload=Workload(**d["workload"]), default=dict(d["default"]), best=dict(d["best"]),
-                   default_us=d.get("default_us"), best_us=d.get("best_us"), speedup=float(d["speedup"]),
-                   rejected=list(d.get("rejected", [])))
+    def from_dict(cls, d: Any) -> "TunedEntry":
+        """An entry as written by :meth:`as_dict`; ``ValueError`` for anything else
+        (unknown or missing keys, wrong types, out-of-range numbers)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"entry: expected an object, got {type(d).__name__}")
+        keys = set(cls.__dataclass_fields__)
+        if set(d) - keys or {"workload", "default", "best", "speedup"} - set(d):
+            raise ValueError(f"entry keys {sorted(d)}: expected {sorted(keys)}")
+        w = d["workload"]
+        if not isinstance(w, dict) or set(w) != set(Workload.__dataclass_fields__):
+            raise ValueError(f"workload {w!r}: expected batch, query_len and key_span")
+        workload = Workload(**{k: _positive_int(v, f"workload.{k}") for k, v in w.items()})
+        for name in ("default", "best"):
+            if not isinstance(d[name], dict):
+                raise ValueError(f"{name}: expected an object, got {d[name]!r}")
+        speedup = d["speedup"]
+        if isinstance(speedup, bool) or not isinstance(speedup, (int, float)) or not (
+                math.isfinite(speedup) and speedup > 0):
+            raise ValueError(f"speedup: expected a positive number, got {speedup!r}")
+        rejected = d.get("rejected", [])
+        if not isinstance(rejected, list) or not all(isinstance(r, str) for r in rejected):
+            raise ValueError("rejected: expected a list of strings")
+        return cls(workload=workload, default=dict(d["default"]), best=dict(d["best"]),
+                   default_us=_optional_time(d.get("default_us"), "default_us"),
+                   best_us=_optional_time(d.get("best_us"), "best_us"), speedup=float(speedup),
+                   rejected=list(rejected))
+
+
+T = TypeVar("T")
+
+
+class WorkloadIndex(Generic[T]):
+    """The value of the smallest tuned workload that covers a call (ceiling bucket on
+    batch, query length and key span; smallest by query length, then batch, then span),
+    found by bisection over sorted buckets instead of a scan: it is asked on every call."""
+
+    def __init__(self, items: Iterable[tuple[Workload, T]]) -> None:
+        nested: dict[int, dict[int, dict[int, T]]] = {}
+        for w, value in items:
+            nested.setdefault(w.query_len, {}).setdefault(w.batch, {}).setdefault(w.key_span, value)
+        self._query_lens = sorted(nested)
+        self._levels = [
+            (sorted(by_batch), [(sorted(by_span), [by_span[s] for s in sorted(by_span)])
+                                for _, by_span in sorted(by_batch.items())])
+            for _, by_batch in sorted(nested.items())]
+
+    def find(self, batch: int, query_len: int, key_span: int) -> T | None:
+        for batches, rows in self._levels[bisect.bisect_left(self._query_lens, query_len):]:
+            for spans, values in rows[bisect.bisect_left(batches, batch):]:
+                i = bisect.bisect_left(spans, key_span)
+                if i < len(spans):
+                    return values[i]
+        return None
 
 
 @dataclass
@@ -90,34 +164,80 @@ class TunedTable:
     identity: dict[str, Any]
     entries: list[TunedEntry]
 
+    @functools.cached_property
+    def _index(self) -> WorkloadIndex[dict]:
+        return WorkloadIndex((e.workload, e.best) for e in self.entries)
+
     def lookup(self, batch: int, query_len: int, key_span: int) -> dict | None:
-        """The tuned config of the smallest tuned workload that covers this call (ceiling
-        bucket on batch, query length and key span); None when the call is larger than
-        anything tuned (the table's own config then applies)."""
-        covering = [e for e in self.entries
-                    if e.workload.batch >= batch and e.workload.query_len >= query_len
-                    and e.workload.key_span >= key_span]
-        if not covering:
-            return None
-        best = min(covering, key=lambda e: (e.workload.query_len, e.workload.batch, e.workload.key_span))
-        return best.best
+        """The tuned config of the smallest tuned workload that covers this call; None
+        when the call is larger than anything tuned (the table's own config then
+        applies). The index is built on first use: do not change ``entries`` after."""
+        return self._index.find(batch, query_len, key_span)
 
 
-def load_table(path: Path, identity: dict[str, Any]) -> TunedTable | None:
-    """The table at ``path``, or None (with a warning) when it is corrupt or foreign."""
-    if not path.is_file():
-        return None
+EntryCheck = Callable[[TunedEntry], None]
+
+
+@dataclass
+class ReadResult:
+    """What a read found: the valid entries (None: no usable file) and what was wrong."""
+
+    table: TunedTable | None
+    problems: list[str]
+
+    @property
+    def dirty(self) -> bool:
+        return bool(self.problems)
+
+
+def read_table(path: Path, identity: dict[str, Any], check: EntryCheck | None = None) -> ReadResult:
+    """The table at ``path``, never raising: a missing file is no table and no problem;
+    a file that cannot be read or parsed, or belongs to another schema or identity, is
+    no table and one problem; each entry that fails :meth:`TunedEntry.from_dict` or
+    ``check`` is dropped, one problem each."""
     try:
-        data = json.loads(path.read_text())
+        with open(path, "rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)
+    except FileNotFoundError:
+        return ReadResult(None, [])
+    except OSError as exc:
+        return ReadResult(None, [f"cannot read it ({exc.strerror or exc})"])
+    try:
+        if len(raw) > MAX_FILE_BYTES:
+            raise ValueError(f"larger than {MAX_FILE_BYTES} bytes")
+        data = json.loads(raw)
+        if not isinstance(data, dict):
+            raise ValueError(f"a JSON {type(data).__name__}, expected an object")
         if data.get("schema") != SCHEMA:
             raise ValueError(f"schema {data.get('schema')!r}, expected {SCHEMA}")
         if data.get("identity") != identity:
             raise ValueError("it was tuned for another identity (GPU, versions, kernel or shapes)")
-        entries = [TunedEntry.from_dict(e) for e in data["entries"]]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        logger.warning("ignoring tuning file %s (%s); it will be rewritten", path, exc)
-        return None
-    return TunedTable(identity, entries)
+        if not isinstance(data.get("entries"), list):
+            raise ValueError("no list of entries")
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError; nesting: RecursionError
+        return ReadResult(None, [str(exc) if not isinstance(exc, RecursionError) else "JSON nested too deeply"])
+    entries, problems = [], []
+    for i, item in enumerate(data["entries"]):
+        try:
+            entry = TunedEntry.from_dict(item)
+            if check is not None:
+                check(entry)
+        except (ValueError, TypeError) as exc:
+            problems.append(f"entry {i} dropped: {exc}")
+            continue
+        entries.append(entry)
+    return ReadResult(TunedTable(identity, entries), problems)
+
+
+def _warn_problems(path: Path, found: ReadResult) -> None:
+    """One warning per read, however many entries were dropped."""
+    if not found.problems:
+        return
+    if found.table is None:
+        logger.warning("ignoring tuning file %s (%s); it will be rewritten", path, found.problems[0])
+    else:
+        more = f" and {len(found.problems) - 1} more" if len(found.problems) > 1 else ""
+        logger.warning("tuning file %s: %s%s; it will be rewritten", path, found.problems[0], more)
 
 
 def save_table(path: Path, table: TunedTable) -> None:
@@ -137,16 +257,25 @@ def save_table(path: Path, table: TunedTable) -> None:
         raise
 
 
-@contextlib.contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    """Exclusive lock on ``path.lock``: one tensor-parallel rank tunes, the rest wait."""
+def acquire_lock(path: Path) -> IO:
+    """An exclusive lock on ``path.lock`` (one tensor-parallel rank tunes, the rest wait),
+    held until :func:`release_lock`. Raises ``OSError`` when the directory or the lock
+    file cannot be created."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(str(path) + ".lock", "a+") as handle:
+    handle = open(str(path) + ".lock", "a+")
+    try:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+    except BaseException:
+        handle.close()
+        raise
+    return handle
+
+
+def release_lock(handle: IO) -> None:
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+    finally:
+        handle.close()
 
 
 @dataclass
@@ -209,14 +338,27 @@ def _config_dict(config) -> dict:
 def tune(identity: dict[str, Any], workloads: Sequence[Workload], default_for: Callable[[Workload], Any],
          candidates_for: Callable[[Workload, Any], Sequence], runner_for: Callable[[Workload], Runner], *,
          path: Path | None = None, progress: Callable[[int, int, Workload], None] | None = None,
-         min_speedup: float = MIN_SPEEDUP, rounds: int = ROUNDS) -> TunedTable:
-    """Load the table for ``identity`` or tune the missing workloads and save it, under
-    the file lock. Returns the table."""
+         min_speedup: float = MIN_SPEEDUP, rounds: int = ROUNDS, check: EntryCheck | None = None) -> TunedTable:
+    """The table for ``identity`` covering ``workloads``: read without a lock when the
+    file already covers them, else tune what is missing under the file lock and save.
+    Never raises for a cache fault (see the module docstring); ``check`` validates
+    every loaded entry (raise ``ValueError`` to drop it)."""
     path = path or table_path(identity)
-    with file_lock(path):
-        table = load_table(path, identity) or TunedTable(identity, [])
-        done = {e.workload for e in table.entries}
-        todo = [w for w in workloads if w not in done]
+    found = read_table(path, identity, check)
+    if not found.dirty and found.table is not None and not _missing(found.table, workloads):
+        return found.table
+    try:
+        lock = acquire_lock(path)
+    except OSError as exc:  # no directory, no lock file: use what could be read, tune nothing
+        also = f"; {found.problems[0]}" if found.problems else ""
+        logger.warning("tuning cache %s is not usable (%s%s); workloads not in it use the table's configs",
+                       path, exc, also)
+        return found.table or TunedTable(identity, [])
+    try:
+        found = read_table(path, identity, check)  # another rank may have tuned meanwhile
+        _warn_problems(path, found)
+        table = found.table or TunedTable(identity, [])
+        todo = _missing(table, workloads)
         for i, workload in enumerate(todo):
             if progress:
                 progress(i, len(todo), workload)
@@ -228,6 +370,17 @@ def tune(identity: dict[str, Any], workloads: Sequence[Workload], default_for: C
                 logger.warning("tuning skipped %s: %s", workload, exc)
                 continue
             table.entries.append(entry)
-        if todo:
-            save_table(path, table)
+        if todo or found.dirty:
+            try:
+                save_table(path, table)
+            except OSError as exc:
+                logger.warning("cannot save tuned launch configs to %s (%s); they serve this process only",
+                               path, exc)
+    finally:
+        release_lock(lock)
     return table
+
+
+def _missing(table: TunedTable, workloads: Sequence[Workload]) -> list[Workload]:
+    done = {e.workload for e in table.entries}
+    return [w for w in workloads if w not in done]

@@ -99,8 +99,9 @@ def unfused_precompute(call: PrecomputeCall, ops: TorchOps):
     """SPEC.md section 2 the way vLLM computes it, with ``ops`` supplying each step."""
     w = call.weights
     N, L, Hk, D = call.num_tokens, w.num_layers, w.num_kv_heads, w.head_dim
-    normed = torch.empty_like(call.states)
-    ops.rms_norm(normed, call.states, w.hidden_norm_weight, w.eps)
+    states = call.states.contiguous()  # vLLM's kernels index rows densely (no copy when already so)
+    normed = torch.empty_like(states)
+    ops.rms_norm(normed, states, w.hidden_norm_weight, w.eps)
     kv = F.linear(normed, w.kv_weight, w.kv_bias).view(N, L, 2, Hk, D)
     kv = kv.permute(2, 1, 0, 3, 4).contiguous()  # [2, L, N, Hk, D]: K and V layer-major
     k_raw, v = kv[0], kv[1]

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import layer_attention_modes, read_draft_config, rope_parameters_of
+from .checkpoint import DraftDims, config_flag, layer_attention_modes, read_draft_config, rope_setup
 from .contract import FP8_DTYPES
-from .rope import build_cos_sin_cache, rotary_dim_for
+from .rope import build_cos_sin_cache
 from .weights import ContextKVWeights
 
 
@@ -59,17 +59,20 @@ DEFAULT_SHAPE = "qwen3-8b-dflash-b16"
 def draft_shape(path: str | os.PathLike):
     """The :class:`DraftShape` of a checkpoint (its first layer's attention mode; sinks
     when ``dflash_config.attention_sink_bias`` is set)."""
+    path = Path(path)
     config = read_draft_config(path)
-    Hq = int(config["num_attention_heads"])
-    D = int(config.get("head_dim") or config["hidden_size"] // Hq)
-    window, causal = layer_attention_modes(config)[0]
+    dims = DraftDims.of(config, path)
+    rope = rope_setup(config, dims, path)
+    try:
+        window, causal = layer_attention_modes(config)[0]
+    except ValueError as exc:
+        raise ValueError(f"config {str(path / 'config.json')!r}: {exc}") from None
     dflash = config.get("dflash_config") or {}
     return DraftShape(
-        name=Path(path).name, hidden=int(config["hidden_size"]), layers=int(config["num_hidden_layers"]),
-        q_heads=Hq, kv_heads=int(config.get("num_key_value_heads", Hq)), head_dim=D,
-        rotary_dim=rotary_dim_for(D, rope_parameters_of(config)), sliding_window=window, causal=causal,
+        name=path.name, hidden=dims.hidden, layers=dims.layers, q_heads=dims.q_heads, kv_heads=dims.kv_heads,
+        head_dim=dims.head_dim, rotary_dim=rope.rotary_dim, sliding_window=window, causal=causal,
         sinks=bool(dflash.get("attention_sink_bias", config.get("add_swa_attention_sink_bias", False))),
-        is_neox=bool(config.get("is_neox_style", True)), note=f"checkpoint {path}")
+        is_neox=config_flag(config, "is_neox_style", path / "config.json", True), note=f"checkpoint {path}")
 
 
 def _generator(seed: int, device: torch.device) -> torch.Generator:

@@ -10,8 +10,10 @@ import os
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from dflash_rocm import envs  # imports no kernel module, so TRITON_INTERPRET can still be set
+
+if not torch.cuda.is_available() and not envs.TRITON_INTERPRET.is_set():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402

@@ -1,17 +1,18 @@
 """What this machine offers the tests, decided once."""
 
 import importlib.util
-import os
 
 import pytest
 import torch
+
+from dflash_rocm import envs
 
 HAS_GPU = torch.cuda.is_available()
 HAS_ROCM_GPU = HAS_GPU and bool(getattr(torch.version, "hip", None))
 HAS_CUDA_GPU = HAS_GPU and not HAS_ROCM_GPU
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRETING = envs.TRITON_INTERPRET.value()
 
 needs_interpreter = pytest.mark.skipif(
     not (INTERPRETING and HAS_TRITON),

@@ -76,6 +76,8 @@ def fake_aiter(tmp_path, monkeypatch):
         except RuntimeError:
             return None
     yield make
+    for name in [m for m in list(sys.modules) if m == "aiter" or m.startswith("aiter.")]:
+        del sys.modules[name]  # an imported stand-in must not outlive its test
     aiter_attention.probe.cache_clear()
     aiter_attention._verified.clear()
 

@@ -93,3 +93,86 @@ def test_module_entry_point_and_help():
     result = subprocess.run([sys.executable, "-m", "dflash_rocm", "check", "--help"], capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0 and "--checkpoint" in result.stdout and "--kv-cache-dtype" in result.stdout
+
+
+# -- every CLI error is one line on stderr and exit status 2 (issue 16) --------------------------
+
+BAD_ARGUMENTS = [
+    (["bench", "--device", "foo"], "argument --device: expected cpu, cuda or cuda:N, got 'foo'"),
+    (["check", "--device", "cuda:99"], "argument --device: 'cuda:99'"),
+    (["bench", "--device", "meta"], "argument --device"),
+    (["bench", "--tokens", "0"], "argument --tokens: expected comma-separated positive integers, got '0'"),
+    (["bench", "--tokens", "-3"], "argument --tokens: expected comma-separated positive integers"),
+    (["bench", "--tokens", "4,,x"], "argument --tokens"),
+    (["bench", "--context", "1e8"], "argument --context: expected comma-separated positive integers, got '1e8'"),
+    (["bench", "--batch", "0"], "argument --batch"),
+    (["bench", "--repeats", "-1"], "argument --repeats: expected a positive integer, got '-1'"),
+    (["bench", "--repeats", "0"], "argument --repeats"),
+    (["bench", "--shape", "nonsense"], "argument --shape: invalid choice"),
+    (["tune", "--batch-limit", "0"], "argument --batch-limit: expected a positive integer, got '0'"),
+    (["tune", "--block-size", "0"], "argument --block-size: expected a positive integer"),
+    (["tune", "--max-model-len", "-1"], "argument --max-model-len: expected a positive integer, got '-1'"),
+    (["tune", "--query-limit", "0"], "argument --query-limit"),
+    (["nonsense"], "invalid choice"),
+]
+
+
+@pytest.mark.parametrize("argv,words", BAD_ARGUMENTS, ids=[" ".join(a) for a, _ in BAD_ARGUMENTS])
+def test_a_bad_argument_is_one_line_and_exit_2(capsys, argv, words):
+    rc, out, err = run_cli(capsys, *argv)
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and words in err and "Traceback" not in err
+
+
+def one_line_refusal(capsys, *argv) -> str:
+    rc, _, err = run_cli(capsys, *argv)
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_bench_refuses_sizes_whose_cache_cannot_be_allocated(capsys):
+    err = one_line_refusal(capsys, "bench", "--op", "attention", "--batch", "64", "--context", "100000000")
+    assert "every attention case needs more than 2097152 cached tokens" in err
+
+
+def test_bench_says_which_cases_it_leaves_out():
+    from dflash_rocm import bench
+
+    plan = bench.default_plan(torch.device("cpu"), ops=["draft_attention"], batches=[1, 64],
+                              contexts=[1024, 100000])
+    left_out = [n for n in plan.notes if "left out" in n]
+    assert len(left_out) == 1 and "B=64 ctx=100000" in left_out[0] and "B=1 ctx=1024" not in left_out[0]
+
+
+def test_bench_refuses_a_token_count_past_its_limit(capsys):
+    assert "at most 65536 context tokens" in one_line_refusal(capsys, "bench", "--op", "precompute",
+                                                              "--tokens", "100000")
+
+
+def test_check_refuses_a_quantised_checkpoint_in_one_line(tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+    from test_checkpoint import write_draft
+
+    write_draft(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors["layers.0.self_attn.k_proj.weight"] = tensors["layers.0.self_attn.k_proj.weight"].to(torch.int8)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    err = one_line_refusal(capsys, "check", "--checkpoint", str(tmp_path), "--backend", "reference")
+    assert "layers.0.self_attn.k_proj.weight is I8" in err
+
+
+def test_check_refuses_a_truncated_checkpoint_in_one_line(tmp_path, capsys):
+    from test_checkpoint import write_draft
+
+    write_draft(tmp_path)
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:100])
+    assert "not a readable safetensors file" in one_line_refusal(capsys, "check", "--checkpoint", str(tmp_path))
+
+
+def test_an_unwritable_output_path_is_one_line(tmp_path, capsys, monkeypatch):
+    from dflash_rocm import bench
+
+    monkeypatch.setattr(bench, "run_bench", lambda plan, progress=None: ([], "header"))
+    err = one_line_refusal(capsys, "bench", "--quiet", "--json", str(tmp_path / "missing" / "out.json"))
+    assert "No such file or directory" in err

@@ -1,6 +1,7 @@
 """The tuner's logic on CPU with an injected timer: candidates, validation, promotion,
 persistence, locking and corrupt files; then its use by the rocm backend and the CLI."""
 
+import contextlib
 import json
 import logging
 import threading
@@ -13,7 +14,8 @@ import dflash_rocm
 from dflash_rocm import cli, tuning
 from dflash_rocm.backends.rocm import settings, tables, tuner
 from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig
-from dflash_rocm.platform import simulate_platform
+from dflash_rocm.ops.attention import AttentionSpec
+from dflash_rocm.platform import platform_for_arch, simulate_platform
 from support import needs_interpreter
 
 DEFAULT = AttentionLaunchConfig(block_m=32, block_n=64, num_segments=4, num_warps=4, num_stages=1, waves_per_eu=2)
@@ -126,7 +128,7 @@ def test_corrupt_and_foreign_files_are_ignored_with_a_warning_and_rewritten(cach
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="dflash_rocm"):
             table = _tune(FakeRunner({DEFAULT: 1.0}))
-        assert "ignoring tuning file" in caplog.text and "rewritten" in caplog.text
+        assert str(path) in caplog.text and "rewritten" in caplog.text
         assert len(table.entries) == 1
         assert json.loads(path.read_text())["identity"] == IDENTITY
 
@@ -142,20 +144,21 @@ def test_lookup_takes_the_smallest_covering_workload():
 
 def test_the_file_lock_serialises_ranks(cache_dir):
     path = tuning.table_path(IDENTITY)
-    events = []
+    events, held = [], threading.Event()
 
     def holder():
-        with tuning.file_lock(path):
-            events.append("held")
-            time.sleep(0.3)
-            events.append("released")
+        lock = tuning.acquire_lock(path)
+        events.append("held")
+        held.set()
+        time.sleep(0.3)
+        events.append("released")
+        tuning.release_lock(lock)
 
     t = threading.Thread(target=holder)
     t.start()
-    while not events:
-        time.sleep(0.01)
-    with tuning.file_lock(path):
-        events.append("second")
+    assert held.wait(timeout=30)
+    tuning.release_lock(tuning.acquire_lock(path))
+    events.append("second")
     t.join()
     assert events == ["held", "released", "second"]
 
@@ -230,3 +233,347 @@ def test_tune_command_prints_the_table(monkeypatch, capsys):
 def test_tune_command_refuses_without_an_amd_gpu(capsys):
     assert cli.main(["tune"]) == 2
     assert "needs an AMD GPU" in capsys.readouterr().err
+
+
+# -- cache faults, entry validation, concurrent writers, lookups (issue 16) ----------------------
+
+ATTN_ARGS = None  # built on first use: paged() lives in a module that needs the interpreter
+
+
+def attn_args():
+    global ATTN_ARGS
+    if ATTN_ARGS is None:
+        from test_triton_backend import paged
+        ATTN_ARGS = paged([60], [4], Hk=1, G=2, D=32, block_size=16)
+    return ATTN_ARGS
+
+
+def fast_warps_runner(spec, w, device):
+    """Every config gives the same output; 8 warps times "faster" (the table says 4)."""
+    return tuning.Runner(lambda c: torch.ones(4), lambda c: 0.5 if c.num_warps == 8 else 1.0)
+
+
+@pytest.fixture
+def rdna(monkeypatch):
+    """A simulated gfx1100 with tuning on, a one-workload tuning space (batch 1, query 4,
+    keys 64) and a fake GPU runner: tuning is instant and promotes ``num_warps=8``."""
+    monkeypatch.setenv("DFLASH_ROCM_TUNE", "1")
+    monkeypatch.setattr(tuner, "gpu_runner", fast_warps_runner)
+    previous = settings.current()
+    settings.configure(batch_limit=1, max_model_len=64, query_limit=4)
+    try:
+        with simulate_platform("gfx1100") as platform:
+            yield platform
+    finally:
+        settings.configure(**previous.__dict__)
+
+
+def spec_of_args():
+    from dflash_rocm.ops.attention import attention_call
+    return attention_call(*attn_args()).spec
+
+
+def serve(times=3):
+    """Attention calls through the rocm backend, each checked against the reference."""
+    from dflash_rocm.backends import rocm
+    from dflash_rocm.ops.attention import attention_call
+
+    ref = dflash_rocm.draft_attention(*attn_args(), backend="reference")
+    for _ in range(times):
+        out = dflash_rocm.draft_attention(*attn_args(), backend="rocm")
+        assert dflash_rocm.contract.relative_error(out, ref) < 2e-3
+    return rocm.attention_config(attention_call(*attn_args()))
+
+
+def warnings_about(caplog, text):
+    return [r for r in caplog.records if r.name == "dflash_rocm" and r.levelno >= logging.WARNING
+            and text in r.getMessage()]
+
+
+@contextlib.contextmanager
+def read_only(directory):
+    """``directory`` read-only inside the block. Root ignores permission bits, so under
+    root every write-mode open, create, mkdir and rename inside it also fails with EACCES,
+    as it would for anyone else."""
+    import builtins
+    import errno
+    import os
+
+    def chmod_all(dirs, files):
+        for p in [directory, *directory.rglob("*")]:
+            p.chmod(dirs if p.is_dir() else files)
+
+    root = str(directory.resolve())
+
+    def inside(path):
+        try:
+            return os.path.realpath(os.fspath(path)).startswith(root + os.sep)
+        except TypeError:  # a file descriptor
+            return False
+
+    def denied(path):
+        return PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+
+    real_open, real_os_open, real_mkdir, real_replace = builtins.open, os.open, os.mkdir, os.replace
+
+    def guarded_open(file, mode="r", *args, **kwargs):
+        if inside(file) and any(c in mode for c in "wax+"):
+            raise denied(file)
+        return real_open(file, mode, *args, **kwargs)
+
+    def guarded_os_open(path, flags, *args, **kwargs):
+        if inside(path) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise denied(path)
+        return real_os_open(path, flags, *args, **kwargs)
+
+    def guarded_mkdir(path, *args, **kwargs):
+        if inside(path):
+            raise denied(path)
+        return real_mkdir(path, *args, **kwargs)
+
+    def guarded_replace(src, dst, *args, **kwargs):
+        if inside(dst):
+            raise denied(dst)
+        return real_replace(src, dst, *args, **kwargs)
+
+    chmod_all(0o555, 0o444)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            if os.geteuid() == 0:
+                mp.setattr(builtins, "open", guarded_open)
+                mp.setattr(os, "open", guarded_os_open)
+                mp.setattr(os, "mkdir", guarded_mkdir)
+                mp.setattr(os, "replace", guarded_replace)
+            yield
+    finally:
+        chmod_all(0o755, 0o644)
+
+
+def _table_path(platform):
+    return tuner.last_path(spec_of_args(), platform)
+
+
+def _fault_file_is_cache_dir(cache_dir, path, identity):
+    cache_dir.parent.mkdir(parents=True, exist_ok=True)
+    cache_dir.write_text("not a directory")
+
+
+def _fault_json(text):
+    def write(cache_dir, path, identity):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text(identity) if callable(text) else text)
+    return write
+
+
+def _fault_lock_is_a_directory(cache_dir, path, identity):
+    (path.parent / (path.name + ".lock")).mkdir(parents=True)
+
+
+CACHE_FAULTS = {
+    "cache dir is a file": _fault_file_is_cache_dir,
+    "file holds a JSON list": _fault_json("[1, 2, 3]"),
+    "file holds deeply nested JSON": _fault_json("[" * 200_000 + "]" * 200_000),
+    "file holds a string": _fault_json('"entries"'),
+    "entries are not a list": _fault_json(lambda ident: json.dumps({"schema": 1, "identity": ident, "entries": {}})),
+    "lock file cannot be created": _fault_lock_is_a_directory,
+}
+
+
+@needs_interpreter
+@pytest.mark.parametrize("fault", list(CACHE_FAULTS))
+def test_a_cache_fault_never_fails_an_attention_call_and_warns_once(fault, rdna, cache_dir, caplog):
+    path = _table_path(rdna)
+    CACHE_FAULTS[fault](cache_dir, path, tuner.identity(rdna, spec_of_args(), settings.effective_query_limit()))
+    with caplog.at_level(logging.WARNING, logger="dflash_rocm"):
+        serve(times=3)
+    named = warnings_about(caplog, str(path))
+    assert len(named) == 1, [r.getMessage() for r in caplog.records]
+    assert len(warnings_about(caplog, "")) == 1
+
+
+@needs_interpreter
+def test_a_read_only_cache_holding_a_valid_table_is_used_without_a_warning(rdna, cache_dir, caplog):
+    serve(times=1)  # tunes and saves: num_warps=8 wins
+    tuner.forget_tables()
+    with read_only(cache_dir), caplog.at_level(logging.WARNING, logger="dflash_rocm"):
+        source, config = serve(times=3)
+    assert source == "tuned" and config.num_warps == 8
+    assert not warnings_about(caplog, "")
+
+
+@needs_interpreter
+def test_a_read_only_cache_without_a_table_falls_back_to_the_table_with_one_warning(rdna, cache_dir, caplog):
+    cache_dir.mkdir(parents=True)
+    with read_only(cache_dir), caplog.at_level(logging.WARNING, logger="dflash_rocm"):
+        source, _ = serve(times=3)
+    assert source != "tuned"
+    assert len(warnings_about(caplog, str(_table_path(rdna)))) == 1
+    assert len(warnings_about(caplog, "")) == 1
+
+
+def _entry_with(**best):
+    entry = tuning.TunedEntry(tuning.Workload(1, 4, 64), DEFAULT.as_dict(), {**DEFAULT.as_dict(), **best},
+                              1.0, 0.5, 2.0).as_dict()
+    for key, value in best.items():
+        if value is KeyError:
+            del entry["best"][key]
+    return entry
+
+
+BAD_ENTRIES = {
+    "block_m 8": _entry_with(block_m=8),
+    "block_n 48": _entry_with(block_n=48),
+    "block_m 4096": _entry_with(block_m=4096),
+    "unknown key": _entry_with(swizzle=2),
+    "missing key": _entry_with(num_stages=KeyError),
+    "string for an int": _entry_with(num_warps="4"),
+    "bool for an int": _entry_with(num_stages=True),
+    "float for an int": _entry_with(block_n=64.0),
+    "too many segments for RDNA": _entry_with(num_segments=64),
+    "no segments": _entry_with(num_segments=0),
+    "3 warps": _entry_with(num_warps=3),
+    "0 stages": _entry_with(num_stages=0),
+    "negative waves": _entry_with(waves_per_eu=-1),
+    "workload with a string": {**_entry_with(), "workload": {"batch": "1", "query_len": 4, "key_span": 64}},
+    "negative speed-up": {**_entry_with(), "speedup": -1.0},
+    "entry is a list": [1, 2],
+    "best is a list": {**_entry_with(), "best": [16, 64]},
+}
+
+
+@needs_interpreter
+@pytest.mark.parametrize("bad", list(BAD_ENTRIES))
+def test_a_bad_entry_is_dropped_with_a_warning_and_the_file_rewritten(bad, rdna, cache_dir, caplog):
+    path = _table_path(rdna)
+    serve(times=1)
+    data = json.loads(path.read_text())
+    data["entries"] = [BAD_ENTRIES[bad]]
+    path.write_text(json.dumps(data))
+    tuner.forget_tables()
+    with caplog.at_level(logging.WARNING, logger="dflash_rocm"):
+        source, config = serve(times=3)
+    named = warnings_about(caplog, str(path))
+    assert len(named) == 1 and "dropped" in named[0].getMessage().replace(str(path), "")
+    rewritten = json.loads(path.read_text())["entries"]
+    assert len(rewritten) == 1 and rewritten[0]["best"]["num_warps"] == 8  # tuned again, valid
+    assert source == "tuned" and config.num_warps == 8
+
+
+@pytest.mark.parametrize("field,value,group,words", [
+    ("block_m", 16, 32, "GQA group"), ("num_segments", 33, 1, "1..32 on rdna"), ("waves_per_eu", 99, 1, "0..16"),
+    ("num_stages", 99, 1, "1..8"), ("block_n", 512, 1, "16..256")])
+def test_launch_config_checks_bounds(field, value, group, words):
+    with pytest.raises(ValueError, match=words):
+        tuner.launch_config_from_dict({**DEFAULT.as_dict(), field: value}, group, "rdna")
+    assert tuner.launch_config_from_dict(DEFAULT.as_dict(), 4, "rdna") == DEFAULT
+
+
+@needs_interpreter
+def test_a_tuned_config_that_fails_to_launch_is_dropped_and_the_call_served(rdna, caplog, monkeypatch):
+    from dflash_rocm.backends import rocm
+
+    real = rocm.run_draft_attention
+    failed = []
+
+    def launch(call, config):
+        if config.num_warps == 8:
+            failed.append(config)
+            raise RuntimeError("out of resources: shared memory")
+        real(call, config)
+
+    monkeypatch.setattr(rocm, "run_draft_attention", launch)
+    with caplog.at_level(logging.WARNING, logger="dflash_rocm"):
+        source, _ = serve(times=3)
+    assert len(failed) == 1 and source != "tuned"
+    assert len(warnings_about(caplog, "failed")) == 1
+
+
+@needs_interpreter
+def test_the_identity_is_built_once_per_spec(rdna, monkeypatch):
+    calls = []
+    real = tuner.identity
+    monkeypatch.setattr(tuner, "identity", lambda *a: calls.append(a) or real(*a))
+    tuner.cached_identity.cache_clear()
+    serve(times=4)
+    assert len(calls) == 1
+
+
+def _tune_in_process(path, batches, barrier):
+    barrier.wait()
+    workloads = [tuning.Workload(b, 16, 8192) for b in batches]
+    tuning.tune(IDENTITY, workloads, lambda w: DEFAULT, lambda w, d: tuner.candidates(d, 4),
+                lambda w: FakeRunner({DEFAULT: 1.0}).runner(), path=path, rounds=1)
+
+
+def _read_while_written(path, stop, torn):
+    while not stop.is_set():
+        try:
+            data = json.loads(path.read_text())
+            assert data["identity"] == IDENTITY and isinstance(data["entries"], list)
+        except FileNotFoundError:
+            continue
+        except Exception:
+            torn.value += 1
+
+
+def test_concurrent_writer_processes_lose_no_update_and_leave_no_torn_file(cache_dir):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    path = tuning.table_path(IDENTITY)
+    writers = 4
+    barrier, stop, torn = ctx.Barrier(writers), ctx.Event(), ctx.Value("i", 0)
+    reader = ctx.Process(target=_read_while_written, args=(path, stop, torn))
+    reader.start()
+    procs = [ctx.Process(target=_tune_in_process, args=(path, [2 * k + 1, 2 * k + 2], barrier))
+             for k in range(writers)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    stop.set()
+    reader.join(timeout=30)
+    assert [p.exitcode for p in procs] == [0] * writers
+    batches = sorted(e["workload"]["batch"] for e in json.loads(path.read_text())["entries"])
+    assert batches == list(range(1, 2 * writers + 1))
+    assert torn.value == 0 and not list(path.parent.glob("*.tmp"))
+
+
+def _brute_force(entries, b, q, s):
+    covering = [e for e in entries if e[0].batch >= b and e[0].query_len >= q and e[0].key_span >= s]
+    if not covering:
+        return None
+    return min(covering, key=lambda e: (e[0].query_len, e[0].batch, e[0].key_span))[1]
+
+
+def test_the_workload_index_finds_what_a_scan_finds():
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    sizes = st.sampled_from([1, 2, 4, 16, 64, 1024, 8192])
+
+    @given(st.lists(st.tuples(sizes, sizes, sizes), max_size=12, unique=True), sizes, sizes, sizes)
+    def check(workloads, b, q, s):
+        entries = [(tuning.Workload(*w), i) for i, w in enumerate(workloads)]
+        assert tuning.WorkloadIndex(entries).find(b, q, s) == _brute_force(entries, b, q, s)
+
+    check()
+
+
+def test_tuned_candidates_stay_within_what_the_entry_check_accepts(monkeypatch):
+    """RDNA's tables split keys at most 32 ways: a 64-way candidate would be tuned, then
+    dropped by the check on every load."""
+    rdna_default = AttentionLaunchConfig(block_m=16, block_n=64, num_segments=32, num_warps=4, num_stages=1,
+                                         waves_per_eu=2)
+    offered = []
+
+    def fake_tune(identity, workloads, default_for, candidates_for, runner_for, **kwargs):
+        offered.extend(candidates_for(workloads[0], rdna_default))
+        return tuning.TunedTable(identity, [])
+
+    monkeypatch.setattr(tuning, "tune", fake_tune)
+    spec = AttentionSpec(32, 2, 128, 16, torch.bfloat16, torch.bfloat16, False, None, False)
+    tuner.tune_attention(platform_for_arch("gfx1100"), spec, torch.device("cpu"))
+    assert offered and max(c.num_segments for c in offered) == 32
+    for c in offered:
+        assert tuner.launch_config_from_dict(c.as_dict(), 16, "rdna") == c

@@ -44,8 +44,8 @@ class AiterFeatures:
 @functools.lru_cache(maxsize=1)
 def probe() -> tuple[AiterFeatures | None, str | None]:
     """``(features, None)`` or ``(None, why aiter cannot be used)``."""
-    if envs.AITER.get() == "0":
-        return None, f"disabled ({envs.AITER.name}=0)"
+    if envs.AITER.setting() is False:
+        return None, f"disabled ({envs.AITER.name}={envs.AITER.get()})"
     if importlib.util.find_spec("aiter") is None:
         return None, "not installed (pip install amd-aiter in a ROCm environment)"
     try:

@@ -38,10 +38,9 @@ def attention_config(call: AttentionCall) -> tuple[str, AttentionLaunchConfig]:
     w = attention_workload(call, platform)
     name, config = tables.attention_config(w, settings.query_limit())
     if name != "unsegmented" and settings.tuning_enabled(platform):
-        table = tuner.tune_attention(platform, call.spec, call.device)
-        tuned = table.lookup(w.batch, w.query_len, w.key_span)
+        tuned = tuner.tuned_config(platform, call.spec, call.device, w.batch, w.query_len, w.key_span)
         if tuned is not None:
-            return "tuned", AttentionLaunchConfig(**tuned)
+            return "tuned", tuned
     return name, config
 
 
@@ -51,6 +50,25 @@ def precompute_config(call: PrecomputeCall, platform: Platform) -> PrecomputeLau
     return tables.precompute_config(platform.arch, num_tokens=call.num_tokens, hidden=w.hidden_size,
                                     num_heads_total=2 * w.num_layers * w.num_kv_heads, head_dim=w.head_dim,
                                     compute_units=platform.compute_units)
+
+
+def run_tuned_or_table(call: AttentionCall, source: str, config: AttentionLaunchConfig) -> None:
+    """Launch ``config``; a tuned config that fails (a stale or crafted entry that passed
+    the checks but does not compile here) is dropped for this process with a warning and
+    the call runs again with the table's config: the tuner must never fail a call.
+    Rerunning is safe, the kernels write only ``out``."""
+    if source != "tuned":
+        run_draft_attention(call, config)
+        return
+    try:
+        run_draft_attention(call, config)
+    except Exception as exc:  # any launch failure of a tuned config
+        platform = platform_for(call.device)
+        logger.warning("tuned launch config %s failed (%s: %s); dropped, using the table's config",
+                       config, type(exc).__name__, exc)
+        tuner.forget_config(platform, call.spec, config)
+        run_draft_attention(call, tables.attention_config(attention_workload(call, platform),
+                                                          settings.query_limit())[1])
 
 
 class RocmBackend(TritonBackend):
@@ -74,7 +92,7 @@ class RocmBackend(TritonBackend):
 
     @classmethod
     def draft_attention(cls, call: AttentionCall) -> None:
-        run_draft_attention(call, attention_config(call)[1])
+        run_tuned_or_table(call, *attention_config(call))
 
     @classmethod
     def precompute(cls, call: PrecomputeCall):

@@ -48,16 +48,8 @@ def current() -> RocmSettings:
 
 def query_limit() -> int | None:
     """``DFLASH_ROCM_QUERY_LIMIT`` if set, else the configured limit (None: 8192)."""
-    if envs.QUERY_LIMIT.is_set():
-        raw = envs.QUERY_LIMIT.get()
-        try:
-            value = int(raw)
-        except ValueError:
-            raise ValueError(f"{envs.QUERY_LIMIT.name}={raw!r}: expected a positive int") from None
-        if value < 1:
-            raise ValueError(f"{envs.QUERY_LIMIT.name}={raw!r}: expected a positive int")
-        return value
-    return _configured.query_limit
+    from_env = envs.QUERY_LIMIT.setting()
+    return _configured.query_limit if from_env is None else from_env
 
 
 def effective_query_limit() -> int:
@@ -65,10 +57,8 @@ def effective_query_limit() -> int:
 
 
 def tuning_enabled(platform: Platform) -> bool:
-    """``DFLASH_ROCM_TUNE``: 1 on, 0 off, auto (default) on for RDNA gfx1x GPUs only."""
-    mode = envs.TUNE.get().lower()
-    if mode not in ("0", "1", "auto"):
-        raise ValueError(f"{envs.TUNE.name}={mode!r}: expected 0, 1 or auto")
+    """``DFLASH_ROCM_TUNE``: on, off, or auto (default): on for RDNA gfx1x GPUs only."""
+    mode = envs.TUNE.setting()
     if mode == "auto":
         return platform.family == "rdna" and not platform.simulated
-    return mode == "1"
+    return mode

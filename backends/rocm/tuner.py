@@ -6,8 +6,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import logging
 import threading
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -23,6 +24,8 @@ from dflash_rocm.platform import Platform
 from dflash_rocm.timing import median_seconds
 
 from . import settings, tables
+
+logger = logging.getLogger("dflash_rocm")
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 SPAN_BUCKETS = (1024, 4096, 16384, 65536, 131072)
@@ -42,6 +45,74 @@ def identity(platform: Platform, spec: AttentionSpec, query_limit: int) -> dict:
             "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "block_size": spec.block_size,
             "causal": spec.causal, "sliding_window": spec.sliding_window, "sinks": spec.sinks,
             "query_limit": query_limit}
+
+
+@functools.lru_cache(maxsize=256)
+def cached_identity(platform: Platform, spec: AttentionSpec, query_limit: int) -> dict:
+    """:func:`identity`, built once per (platform, spec, limit). Calls never need it: they
+    find their tuned table by that triple (see :func:`tuned_config`)."""
+    return identity(platform, spec, query_limit)
+
+
+WARP_COUNTS = (1, 2, 4, 8, 16)
+MAX_BLOCK = 256  # twice the largest tile the tables or the candidates use
+MAX_STAGES = 8  # the tables and the candidates use 1 or 2
+MAX_WAVES_PER_EU = 16
+MAX_SEGMENT_KEYS = 1 << 20
+MATRIX_INSTR_NONKDIMS = (0, 16, 32)  # 0: the compiler's choice; 16 or 32: MFMA tile edge
+BOOL_FIELDS = ("merge_in_kernel",)
+
+
+def launch_config_from_dict(d: object, group: int, family: str) -> AttentionLaunchConfig:
+    """A tuned entry's config, validated like a table entry: exactly the launch fields,
+    ints (``merge_in_kernel`` a bool), power-of-two tiles of 16..256 rows with ``block_m >= group`` (each tile holds
+    whole query tokens), segments within the family's table limit, a warp count the
+    compiler takes, stages >= 1 and waves per EU >= 0 within sane bounds. ``ValueError``
+    says what is wrong. (What still fails to compile is caught at launch: see
+    ``run_tuned_or_table`` in this package.)"""
+    if not isinstance(d, dict):
+        raise ValueError(f"config: expected an object, got {type(d).__name__}")
+    fields = set(AttentionLaunchConfig.__dataclass_fields__)
+    if set(d) != fields:
+        unknown, missing = sorted(set(d) - fields), sorted(fields - set(d))
+        raise ValueError(f"config keys: unknown {unknown}, missing {missing}")
+    for name, value in d.items():
+        if name in BOOL_FIELDS:
+            if not isinstance(value, bool):
+                raise ValueError(f"config {name}: expected true or false, got {value!r}")
+        elif isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"config {name}: expected an int, got {value!r}")
+    for name in ("block_m", "block_n"):
+        value = d[name]
+        if not 16 <= value <= MAX_BLOCK or value & (value - 1):
+            raise ValueError(f"config {name}: expected a power of two in 16..{MAX_BLOCK}, got {value}")
+    if d["block_m"] < group:
+        raise ValueError(f"config block_m {d['block_m']} is smaller than the GQA group {group}")
+    max_segments = tables.MAX_SEGMENTS.get(family, 1)
+    if not 1 <= d["num_segments"] <= max_segments:
+        raise ValueError(f"config num_segments: expected 1..{max_segments} on {family}, got {d['num_segments']}")
+    if d["num_warps"] not in WARP_COUNTS:
+        raise ValueError(f"config num_warps: expected one of {WARP_COUNTS}, got {d['num_warps']}")
+    if not 1 <= d["num_stages"] <= MAX_STAGES:
+        raise ValueError(f"config num_stages: expected 1..{MAX_STAGES}, got {d['num_stages']}")
+    if not 0 <= d["waves_per_eu"] <= MAX_WAVES_PER_EU:
+        raise ValueError(f"config waves_per_eu: expected 0..{MAX_WAVES_PER_EU}, got {d['waves_per_eu']}")
+    if not 0 <= d["min_segment_keys"] <= MAX_SEGMENT_KEYS:
+        raise ValueError(f"config min_segment_keys: expected 0..{MAX_SEGMENT_KEYS}, got {d['min_segment_keys']}")
+    if d["matrix_instr_nonkdim"] not in MATRIX_INSTR_NONKDIMS:
+        raise ValueError(f"config matrix_instr_nonkdim: expected one of {MATRIX_INSTR_NONKDIMS}, "
+                         f"got {d['matrix_instr_nonkdim']}")
+    return AttentionLaunchConfig(**d)
+
+
+def entry_check(spec: AttentionSpec, platform: Platform) -> tuning.EntryCheck:
+    """What :func:`tuning.tune` runs on every loaded entry of this spec's table."""
+    group = spec.num_q_heads // spec.num_kv_heads
+
+    def check(entry: tuning.TunedEntry) -> None:
+        launch_config_from_dict(entry.best, group, platform.family)
+
+    return check
 
 
 def workloads(query_limit: int, batch_limit: int, max_model_len: int,
@@ -115,36 +186,95 @@ def gpu_runner(spec: AttentionSpec, w: tuning.Workload, device: torch.device) ->
     return tuning.Runner(run, time)
 
 
-_tables: dict[str, tuning.TunedTable] = {}
+@dataclass(frozen=True)
+class TunedConfigs:
+    """A spec's tuned table with its configs built once, indexed for per-call lookups."""
+
+    table: tuning.TunedTable
+    index: tuning.WorkloadIndex[AttentionLaunchConfig]
+
+    @classmethod
+    def of(cls, table: tuning.TunedTable, spec: AttentionSpec, platform: Platform) -> "TunedConfigs":
+        group = spec.num_q_heads // spec.num_kv_heads
+        return cls(table, tuning.WorkloadIndex(
+            (e.workload, launch_config_from_dict(e.best, group, platform.family)) for e in table.entries))
+
+
+_tables: dict[tuple, TunedConfigs] = {}
 _tables_lock = threading.Lock()
+
+
+def _key(platform: Platform, spec: AttentionSpec) -> tuple:
+    return platform, spec, settings.effective_query_limit()
 
 
 def tune_attention(platform: Platform, spec: AttentionSpec, device: torch.device, *, runner_for=None,
                    progress=None, path: Path | None = None) -> tuning.TunedTable:
-    """The tuned table for ``spec`` on this GPU: from memory, from disk, or tuned now."""
-    limit = settings.effective_query_limit()
-    ident = identity(platform, spec, limit)
-    key = tuning.identity_digest(ident)
+    """The tuned table for ``spec`` on this GPU: from memory, from disk, or tuned now.
+    A cache fault never raises here (see :mod:`dflash_rocm.tuning`)."""
+    return _tuned_configs(platform, spec, device, runner_for=runner_for, progress=progress, path=path).table
+
+
+def _tuned_configs(platform: Platform, spec: AttentionSpec, device: torch.device, *, runner_for=None,
+                   progress=None, path: Path | None = None) -> TunedConfigs:
+    key = _key(platform, spec)
     with _tables_lock:
         if key in _tables:
             return _tables[key]
+    limit = key[2]
+    ident = cached_identity(platform, spec, limit)
     s = settings.current()
     todo = workloads(limit, s.batch_limit, s.max_model_len, spec.sliding_window)
 
     def default_for(w):
         return tables.segmented_config(table_workload(platform, spec, w))[1]
 
-    table = tuning.tune(ident, todo, default_for,
-                        lambda w, d: candidates(d, spec.num_q_heads // spec.num_kv_heads),
-                        runner_for or (lambda w: gpu_runner(spec, w, device)), path=path, progress=progress)
+    def candidates_for(w, default):  # only what a loaded entry may hold (launch_config_from_dict)
+        return [c for c in candidates(default, spec.num_q_heads // spec.num_kv_heads)
+                if c.num_segments <= tables.MAX_SEGMENTS[platform.family]]
+
+    table = tuning.tune(ident, todo, default_for, candidates_for,
+                        runner_for or (lambda w: gpu_runner(spec, w, device)), path=path, progress=progress,
+                        check=entry_check(spec, platform))
+    configs = TunedConfigs.of(table, spec, platform)
     with _tables_lock:
-        _tables[key] = table
-    return table
+        return _tables.setdefault(key, configs)
+
+
+def tuned_config(platform: Platform, spec: AttentionSpec, device: torch.device, batch: int, query_len: int,
+                 key_span: int) -> AttentionLaunchConfig | None:
+    """The tuned config for one call, or None (the table's config applies). Per call this
+    is a dict lookup and a few bisections. Tuning is an optimisation: if it fails for any
+    reason the spec is remembered as untuned with one warning, and calls go on."""
+    key = _key(platform, spec)
+    configs = _tables.get(key)
+    if configs is None:
+        try:
+            configs = _tuned_configs(platform, spec, device)
+        except Exception as exc:  # a tuner fault must not fail the call
+            logger.warning("ROCm tuning failed for %s (%s: %s); using the table's configs",
+                           spec, type(exc).__name__, exc)
+            configs = TunedConfigs(tuning.TunedTable(cached_identity(platform, spec, key[2]), []),
+                                   tuning.WorkloadIndex(()))
+            with _tables_lock:
+                configs = _tables.setdefault(key, configs)
+    return configs.index.find(batch, query_len, key_span)
+
+
+def forget_config(platform: Platform, spec: AttentionSpec, config: AttentionLaunchConfig) -> None:
+    """Stop using ``config`` for ``spec`` in this process (it failed at launch)."""
+    key = _key(platform, spec)
+    with _tables_lock:
+        configs = _tables.get(key)
+        if configs is None:
+            return
+        entries = [e for e in configs.table.entries if e.best != config.as_dict()]
+        _tables[key] = TunedConfigs.of(tuning.TunedTable(configs.table.identity, entries), spec, platform)
 
 
 def last_path(spec: AttentionSpec, platform: Platform) -> Path:
     """Where the table for ``spec`` on ``platform`` lives."""
-    return tuning.table_path(identity(platform, spec, settings.effective_query_limit()))
+    return tuning.table_path(cached_identity(platform, spec, settings.effective_query_limit()))
 
 
 def forget_tables() -> None:

@@ -12,18 +12,19 @@ imported.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton.language as tl
 
-INTERPRETING: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from dflash_rocm import envs
+
+INTERPRETING: bool = envs.TRITON_INTERPRET.value()
 
 
 def fp32_math(dtype: torch.dtype) -> bool:
     """Whether a launch on ``dtype`` operands must compute in float32: bfloat16 under the
     interpreter only."""
     return INTERPRETING and dtype == torch.bfloat16
+
 
 TL_DTYPES = {
     torch.float16: tl.float16,

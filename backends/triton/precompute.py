@@ -4,6 +4,7 @@ CUDA graph is captured with too few arrival counters)."""
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -72,6 +73,10 @@ _FP8_MIN_NORMAL_EXP = {torch.float8_e4m3fn: -6, torch.float8_e4m3fnuz: -7}
 
 _TABLES: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 _TABLES_KEPT = 32
+# Callers on several threads (a server's workers) share the tables: a lookup's
+# move_to_end must not meet another's eviction of the same key. The table is built
+# outside the lock; two threads building the same one keep the first.
+_TABLES_LOCK = threading.Lock()
 
 
 def cache_table(call: PrecomputeCall, slots: list[torch.Tensor | None]) -> torch.Tensor:
@@ -87,14 +92,17 @@ def cache_table(call: PrecomputeCall, slots: list[torch.Tensor | None]) -> torch
         kc, vc = call.key_caches[layer], call.value_caches[layer]
         rows.append((kc.data_ptr(), vc.data_ptr(), s.data_ptr(), kc.shape[1], *kc.stride(), *vc.stride()))
     key = (call.device, tuple(rows))
-    table = _TABLES.get(key)
-    if table is None:
-        table = torch.tensor(rows, dtype=torch.int64).to(call.device, non_blocking=True)
-        _TABLES[key] = table
+    with _TABLES_LOCK:
+        table = _TABLES.get(key)
+        if table is not None:
+            _TABLES.move_to_end(key)
+            return table
+    table = torch.tensor(rows, dtype=torch.int64).to(call.device, non_blocking=True)
+    with _TABLES_LOCK:
+        table = _TABLES.setdefault(key, table)
+        _TABLES.move_to_end(key)
         if len(_TABLES) > _TABLES_KEPT:
             _TABLES.popitem(last=False)
-    else:
-        _TABLES.move_to_end(key)
     return table
 
 

@@ -32,8 +32,8 @@ _registered = False
 def register() -> None:
     """The entry point: idempotent, and a no-op when ``DFLASH_ROCM_VLLM=0``."""
     global _registered
-    if envs.VLLM.get() == "0":
-        logger.info("%s=0: vLLM's own DFlash path stays in place", envs.VLLM.name)
+    if not envs.VLLM.value():
+        logger.info("%s=%s: vLLM's own DFlash path stays in place", envs.VLLM.name, envs.VLLM.get())
         return
     with _lock:
         if _registered:
@@ -80,8 +80,10 @@ def plugin_status() -> dict:
         reasons.append("the vllm.general_plugins entry point is not installed (pip install dflash-rocm)")
     if allowed is not None and PLUGIN_NAME not in allowed.split(","):
         reasons.append(f"VLLM_PLUGINS={allowed!r} does not name {PLUGIN_NAME}")
-    if envs.VLLM.get() == "0":
-        reasons.append(f"{envs.VLLM.name}=0")
+    if problem := envs.VLLM.problem():
+        reasons.append(problem)
+    elif not envs.VLLM.value():
+        reasons.append(f"{envs.VLLM.name}={envs.VLLM.get()}")
     if version is None:
         reasons.append("vLLM is not installed")
     elif why := incompatibility():
