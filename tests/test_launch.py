@@ -1,0 +1,109 @@
+"""The direct launch of compiled kernels: what skips Triton's JIT prelude on hot calls.
+
+A stand-in kernel records how it was launched: through the JIT (``kernel[grid](...)``,
+which returns the compiled kernel) or through the compiled kernel (``compiled[grid](...)``
+with every parameter, constexprs included, in order). The real path needs a GPU; its
+mechanics and Triton's specialisation rules are checked here.
+"""
+
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+
+from dflash_rocm.backends.triton import launch as launching
+from dflash_rocm.backends.triton.attention_kernels import draft_attention_kernel, merge_segments_kernel
+from dflash_rocm.backends.triton.precompute_kernels import context_kv_kernel, context_kv_split_epilogue_kernel
+
+
+class FakeKernel:
+    __name__ = "fake_kernel"
+
+    def __init__(self, *param_kinds):
+        self.params = [NS(name=f"p{i}", is_constexpr=c) for i, c in enumerate(param_kinds)]
+        self.log = []
+
+    def __getitem__(self, grid):
+        def jit(*args, **kwargs):
+            self.log.append(("jit", grid, args, kwargs))
+            return FakeCompiled(self.log)
+        return jit
+
+
+class FakeCompiled:
+    def __init__(self, log):
+        self.log = log
+
+    def __getitem__(self, grid):
+        return lambda *args: self.log.append(("compiled", grid, args))
+
+
+@pytest.fixture
+def on_a_gpu(monkeypatch):
+    monkeypatch.setattr(launching, "INTERPRETING", False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+def test_a_second_launch_with_the_same_specialisation_calls_the_compiled_kernel(on_a_gpu):
+    kernel = FakeKernel(False, False, True)
+    x = torch.zeros(64)
+    launching.launch(kernel, (3,), None, x, 7, p2=5)
+    launching.launch(kernel, (4,), None, torch.zeros(64), 23, p2=5)
+    assert [entry[0] for entry in kernel.log] == ["jit", "compiled"]
+    assert kernel.log[0][3] == {"p2": 5}
+    assert kernel.log[1][1] == (4,) and kernel.log[1][2][1:] == (23, 5)  # runtime args, then constexprs
+
+
+@pytest.mark.parametrize("first,second", [(2, 1), (2, 16), (16, 2), (5, 2 ** 31), (0.5, 1)],
+                         ids=["becomes-one", "becomes-multiple-of-16", "stops-being-one", "becomes-64-bit",
+                              "float-then-int"])
+def test_a_new_specialisation_goes_through_the_jit(on_a_gpu, first, second):
+    kernel = FakeKernel(False, True)
+    launching.launch(kernel, (1,), None, first, p1=0)
+    launching.launch(kernel, (1,), None, second, p1=0)
+    assert [entry[0] for entry in kernel.log] == ["jit", "jit"]
+
+
+def test_pointer_alignment_and_dtype_are_part_of_the_specialisation(on_a_gpu):
+    kernel = FakeKernel(False)
+    base = torch.zeros(64)
+    launching.launch(kernel, (1,), None, base)
+    launching.launch(kernel, (1,), None, base[1:])  # 4 bytes off: not 16-byte aligned
+    launching.launch(kernel, (1,), None, base.to(torch.float16))
+    launching.launch(kernel, (1,), None, base[4:])  # 16 bytes off: aligned again
+    assert [entry[0] for entry in kernel.log] == ["jit", "jit", "jit", "compiled"]
+
+
+def test_constexprs_and_options_pick_their_own_launcher(on_a_gpu):
+    kernel = FakeKernel(False, True)
+    launching.launch(kernel, (1,), None, 3, p1=0)
+    launching.launch(kernel, (1,), None, 3, p1=1)
+    launching.launch(kernel, (1,), NS(num_warps=8, num_stages=1), 3, p1=1)
+    assert [entry[0] for entry in kernel.log] == ["jit", "jit", "jit"]
+
+
+def test_the_specialisation_matches_tritons_own():
+    """Two argument lists get the same key exactly when Triton's specialisation agrees."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+
+    t = torch.zeros(64)
+    values = [0, 1, 2, 15, 16, 48, -16, 2 ** 31 - 1, 2 ** 31, 0.5, True, t, t[1:], t[4:], t.half()]
+    for target, amd in ((GPUTarget("cuda", 90, 32), False), (GPUTarget("hip", "gfx942", 64), True)):
+        backend = type(make_backend(target))
+        for a in values:
+            for b in values:
+                ours = launching.specialization((a,), amd) == launching.specialization((b,), amd)
+                theirs = (native_specialize_impl(backend, a, False, True, True)
+                          == native_specialize_impl(backend, b, False, True, True))
+                assert ours == theirs, (target.backend, a if not isinstance(a, torch.Tensor) else "tensor", b)
+
+
+@pytest.mark.parametrize("kernel", [draft_attention_kernel, merge_segments_kernel, context_kv_kernel,
+                                    context_kv_split_epilogue_kernel], ids=lambda k: k.__name__)
+def test_every_kernel_declares_its_constexprs_last(kernel):
+    from triton.runtime.jit import JITFunction
+    params = JITFunction(kernel.fn).params  # what a GPU run decorates (the interpreter wraps it)
+    first = next(i for i, p in enumerate(params) if p.is_constexpr)
+    assert all(p.is_constexpr for p in params[first:]), kernel.__name__
