@@ -178,6 +178,74 @@ def check_disjoint(written: str, w: torch.Tensor | PackedCache, other: str, o: t
                          f"(pass separate tensors)")
 
 
+def signature(x: Any) -> tuple:
+    """What structural checks read of an argument: a tensor's or packed cache's shape,
+    strides, dtype and device; any other value's type and value."""
+    if isinstance(x, torch.Tensor):
+        return x.shape, x.stride(), x.dtype, x.device
+    if isinstance(x, PackedCache):
+        v = x.view
+        return PackedCache, v.shape, v.stride(), v.dtype, v.device
+    return type(x), x
+
+
+class Structure:
+    """A call's structure (the tuple of its arguments' :func:`signature`), hashed once: it
+    keys the structure memo here and backend choices in dispatch on every call."""
+
+    __slots__ = ("parts", "_hash")
+
+    def __init__(self, parts: tuple):
+        self.parts = parts
+        self._hash = hash(parts)  # TypeError for an unhashable argument: no memo for that call
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, Structure) and self._hash == other._hash
+                                 and self.parts == other.parts)
+
+    def __repr__(self) -> str:
+        return f"Structure({self.parts!r})"
+
+
+class LayoutMemo:
+    """Calls whose structure already passed the structural checks, with what those checks
+    derived (defaults, constant scale tensors). A server makes the same few call structures
+    over and over: each is checked once. Bounded; a lost race between threads only means a
+    second check."""
+
+    def __init__(self, capacity: int = 1024):
+        self._capacity = capacity
+        self._known: dict[Structure, tuple[Structure, Any]] = {}
+
+    @staticmethod
+    def structure(parts: tuple) -> Structure | None:
+        try:
+            return Structure(parts)
+        except TypeError:  # an unhashable argument: checked every time
+            return None
+
+    def get(self, key: Structure | None) -> tuple[Structure, Any] | None:
+        """``(the remembered equal structure, what its checks derived)`` or None. Handing
+        out the remembered object lets later lookups of it compare by identity."""
+        return None if key is None else self._known.get(key)
+
+    def remember(self, key: Structure | None, derived: Any) -> None:
+        if key is None:
+            return
+        if len(self._known) >= self._capacity:
+            self._known.clear()
+        self._known[key] = (key, derived)
+
+
+def storages_apart(written: torch.Tensor | PackedCache, *others: torch.Tensor | PackedCache) -> bool:
+    """The cheap sufficient test: ``written`` lives in a storage none of ``others`` uses."""
+    mine = memory_of(written).untyped_storage().data_ptr()
+    return all(memory_of(o).untyped_storage().data_ptr() != mine for o in others)
+
+
 _LAYOUTS_KEPT = 256
 _passed_layouts: dict[tuple, None] = {}
 
@@ -240,11 +308,9 @@ def scale_tensor(name: str, value: Any, n: int, device: torch.device) -> torch.T
         check_device(name, value, device)
         return value.reshape(n).to(torch.float32).contiguous()
     if n == 1 and not isinstance(value, (Sequence, torch.Tensor)):
-        return torch.tensor([positive_float(name, value)], dtype=torch.float32, device=device)
+        # a fill kernel with the value as its argument: no host data crosses to the device
+        return torch.full((1,), positive_float(name, value), dtype=torch.float32, device=device)
     items = per_layer(name, value, n)
-    if all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in items):
-        return torch.tensor([positive_float(f"{name}[{i}]", v) for i, v in enumerate(items)],
-                            dtype=torch.float32, device=device)
     return torch.cat([scale_tensor(f"{name}[{i}]", v, 1, device) for i, v in enumerate(items)])
 
 

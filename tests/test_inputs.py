@@ -155,3 +155,22 @@ def test_meta_tensors_are_refused_with_a_clear_error():
     with pytest.raises(ValueError, match="meta device"):
         dflash_rocm.precompute_and_store_context_kv(**{**p, "context_states": p["context_states"].to("meta"),
                                                        "weights": p["weights"]})
+
+
+def test_aliasing_is_judged_per_call_not_only_per_structure():
+    """A structure checked once must not let a later call of the same shapes through when
+    its tensors alias: addresses are part of the verdict."""
+    args = precompute_args()
+    dflash_rocm.precompute_and_store_context_kv(**args)
+    args["value_caches"][0] = args["key_caches"][0]
+    with pytest.raises(ValueError, match="shares memory"):
+        dflash_rocm.precompute_and_store_context_kv(**args)
+    a = attention_args()
+    dflash_rocm.draft_attention(**a)
+    a["out"] = a["query"]
+    with pytest.raises(ValueError, match="out"):
+        dflash_rocm.draft_attention(**a)
+    p = precompute_args()
+    p["context_states"] = p["key_caches"][1].view(-1)[:p["context_states"].numel()].view(p["context_states"].shape)
+    with pytest.raises(ValueError, match="context_states"):
+        dflash_rocm.precompute_and_store_context_kv(**p)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ...contract import FP8_DTYPES, dtype_name
-from ...paged import PackedCache, cache_packing, memory_of
+from ...paged import PackedCache, cache_packing
 from ...platform import platform_for
 
 
@@ -54,6 +54,9 @@ class AttentionCall:
     # Host-side bounds; None when the caller skipped validation and gave no hint.
     max_query_len: int | None
     max_seq_len: int | None
+    # Every argument's shape, strides, dtype and device (and the scalars): what the
+    # structural checks read, and so everything a backend's reasons may depend on.
+    layout: object = None
 
     @property
     def num_tokens(self) -> int:
@@ -126,13 +129,9 @@ class AttentionCall:
                              self.cache_dtype, self.causal, self.sliding_window, self.sinks is not None)
 
     def support_key(self) -> tuple:
-        """Every property a backend's ``*_not_supported_reasons`` may read: dispatch caches
-        its choice per key (a backend that starts reading another property adds it here)."""
-        contiguous = tuple(memory_of(t).stride(-1) == 1
-                           for t in (self.query, self.key_cache, self.value_cache, self.out))
-        return (self.device, platform_for(self.device), self.dtype, self.cache_dtype, self.num_q_heads,
-                self.num_kv_heads, self.head_dim, self.block_size, self.causal, self.sliding_window is not None,
-                self.sinks is not None, self.block_table.dtype, contiguous, self.packing)
+        """What a backend's ``*_not_supported_reasons`` may read: the call's structure and
+        its platform. Dispatch remembers its choice per key."""
+        return self.layout, platform_for(self.device)
 
     def signature(self) -> str:
         """A readable summary of the call's shape: logged once per distinct value."""

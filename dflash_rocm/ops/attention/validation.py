@@ -8,19 +8,87 @@ from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
 
 import torch
 
 from ...contract import FP8_DTYPES, QUERY_DTYPES
-from ...validation import (IndexChecks, cache_arg, check_device, check_disjoint, check_layout_once, check_dtype, check_scale_values,
-                           check_shape, check_writable, index_tensor, int_bound, scale_tensor, tensor_arg)
+from ...validation import (IndexChecks, LayoutMemo, cache_arg, check_device, check_disjoint, check_dtype,
+                           check_layout_once, check_scale_values, check_shape, check_writable, index_tensor, int_bound,
+                           scale_tensor, signature, storages_apart, tensor_arg)
 from .call import AttentionCall
+
+
+_STRUCTURES = LayoutMemo()
+
+
+@dataclass(frozen=True)
+class _Derived:
+    """What the structural checks of one call structure settle for every call of it."""
+
+    scale: float
+    k_scale: torch.Tensor | None  # the fp8 scale as a device tensor when given as a float
+    v_scale: torch.Tensor | None
 
 
 def attention_call(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, *,
                    scale=None, causal=False, sliding_window=None, sinks=None, k_scale=None,
                    v_scale=None, out=None, validate=True, max_query_len=None,
                    max_seq_len=None) -> AttentionCall:
+    """Check the arguments and build the call. The structural checks run once per call
+    structure (every argument's shape, strides, dtype, device; scalars' values): a hot
+    loop of same-shaped calls pays for building the call, the address-dependent overlap
+    test and, with ``validate``, the value checks."""
+    key = _STRUCTURES.structure(tuple(map(signature, (query, key_cache, value_cache, block_table, query_start_loc,
+                                                      seq_lens, out, sinks, scale, causal, sliding_window, k_scale,
+                                                      v_scale))))
+    known = _STRUCTURES.get(key)
+    if known is None:
+        derived = _check_structure(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out,
+                                   sinks, scale, causal, sliding_window, k_scale, v_scale)
+        _STRUCTURES.remember(key, derived)
+    else:
+        key, derived = known
+    if out is None:
+        out = torch.empty_like(query)
+    elif not storages_apart(out, query, key_cache, value_cache):
+        check_layout_once("attention out", (out, query, key_cache, value_cache),
+                          lambda: _check_out_memory(out, query, key_cache, value_cache))
+    if max_query_len is not None:
+        max_query_len = int_bound("max_query_len", max_query_len, low=0)
+    if max_seq_len is not None:
+        max_seq_len = int_bound("max_seq_len", max_seq_len, low=0)
+    is_fp8 = key_cache.dtype in FP8_DTYPES
+    device = query.device
+    k_scale_t, v_scale_t = derived.k_scale, derived.v_scale
+    if is_fp8 and k_scale_t is None:
+        k_scale_t = scale_tensor("k_scale", k_scale, 1, device)
+    if is_fp8 and v_scale_t is None:
+        v_scale_t = scale_tensor("v_scale", v_scale, 1, device)
+    query_start_loc, seq_lens, block_table = (
+        t if t.is_contiguous() else t.contiguous() for t in (query_start_loc, seq_lens, block_table))
+    if sinks is not None and not sinks.is_contiguous():
+        sinks = sinks.contiguous()
+    if validate:
+        checks = IndexChecks(device)
+        num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
+        _check_indices(checks, query_start_loc, seq_lens, block_table, query.shape[0], num_blocks, block_size)
+        if is_fp8:
+            check_scale_values("k_scale", k_scale_t, checks)
+            check_scale_values("v_scale", v_scale_t, checks)
+        if checks.on_host and seq_lens.shape[0]:  # free on the host: exact bounds size the launch
+            max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+            max_seq_len = int(seq_lens.max())
+    return AttentionCall(query=query, key_cache=key_cache, value_cache=value_cache,
+                         block_table=block_table, query_start_loc=query_start_loc, seq_lens=seq_lens,
+                         out=out, scale=derived.scale, causal=causal, sliding_window=sliding_window,
+                         sinks=sinks, k_scale=k_scale_t, v_scale=v_scale_t,
+                         max_query_len=max_query_len, max_seq_len=max_seq_len, layout=key)
+
+
+def _check_structure(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, sinks, scale,
+                     causal, sliding_window, k_scale, v_scale) -> _Derived:
+    """Every check that reads only metadata and scalar values; raises on the first problem."""
     query = tensor_arg("query", query)
     check_dtype("query", query, QUERY_DTYPES)
     if query.dim() != 3:
@@ -50,63 +118,43 @@ def attention_call(query, key_cache, value_cache, block_table, query_start_loc, 
     if seq_lens.dim() != 1:
         raise ValueError(f"seq_lens: expected shape [num_seqs]; got {list(seq_lens.shape)}")
     B = seq_lens.shape[0]
-    seq_lens = index_tensor("seq_lens", seq_lens, (B,), "[num_seqs]", device)
-    query_start_loc = index_tensor("query_start_loc", query_start_loc, (B + 1,),
-                                   f"[num_seqs + 1] with num_seqs={B} (from seq_lens)", device)
-    block_table = index_tensor("block_table", block_table, (B, None), f"[num_seqs={B}, max_blocks_per_seq]", device)
-
-    if out is None:
-        out = torch.empty_like(query)
-    else:
+    index_tensor("seq_lens", seq_lens, (B,), "[num_seqs]", device)
+    index_tensor("query_start_loc", query_start_loc, (B + 1,), f"[num_seqs + 1] with num_seqs={B} (from seq_lens)",
+                 device)
+    index_tensor("block_table", block_table, (B, None), f"[num_seqs={B}, max_blocks_per_seq]", device)
+    if out is not None:
         out = tensor_arg("out", out)
         if out.dtype != query.dtype:
             raise TypeError(f"out: expected dtype {query.dtype} (as query); got {out.dtype}")
         check_shape("out", out, (T, Hq, D), "[num_tokens, num_q_heads, head_dim] as query")
         check_device("out", out, device)
-        check_layout_once("attention out", (out, query, key_cache, value_cache),
-                          lambda: _check_out_memory(out, query, key_cache, value_cache))
+        check_writable("out", out)
     if sinks is not None:
         sinks = tensor_arg("sinks", sinks)
         if not sinks.dtype.is_floating_point:
             raise TypeError(f"sinks: expected a float tensor; got {sinks.dtype}")
         check_shape("sinks", sinks, (Hq,), f"[num_q_heads={Hq}]")
         check_device("sinks", sinks, device)
-        sinks = sinks.contiguous()
     if sliding_window is not None:
-        sliding_window = int_bound("sliding_window", sliding_window, low=1)
+        int_bound("sliding_window", sliding_window, low=1)
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected bool, got {type(causal).__name__}")
     if scale is None:
         scale = D ** -0.5
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
         raise ValueError(f"scale: expected a finite float, got {scale!r}")
-    is_fp8 = key_cache.dtype in FP8_DTYPES
-    k_scale_t = scale_tensor("k_scale", 1.0 if k_scale is None else k_scale, 1, device) if is_fp8 else None
-    v_scale_t = scale_tensor("v_scale", 1.0 if v_scale is None else v_scale, 1, device) if is_fp8 else None
-    if max_query_len is not None:
-        max_query_len = int_bound("max_query_len", max_query_len, low=0)
-    if max_seq_len is not None:
-        max_seq_len = int_bound("max_seq_len", max_seq_len, low=0)
-
-    if validate:
-        checks = IndexChecks(device)
-        _check_indices(checks, query_start_loc, seq_lens, block_table, T, num_blocks, block_size)
-        if is_fp8:
-            check_scale_values("k_scale", k_scale_t, checks)
-            check_scale_values("v_scale", v_scale_t, checks)
-        if checks.on_host and B:  # free on the host: exact bounds let the kernels size their launch
-            max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-            max_seq_len = int(seq_lens.max())
-    return AttentionCall(query=query, key_cache=key_cache, value_cache=value_cache,
-                         block_table=block_table, query_start_loc=query_start_loc, seq_lens=seq_lens,
-                         out=out, scale=float(scale), causal=causal, sliding_window=sliding_window,
-                         sinks=sinks, k_scale=k_scale_t, v_scale=v_scale_t,
-                         max_query_len=max_query_len, max_seq_len=max_seq_len)
+    scales = [None, None]
+    if key_cache.dtype in FP8_DTYPES:
+        for i, (name, given) in enumerate((("k_scale", k_scale), ("v_scale", v_scale))):
+            t = scale_tensor(name, 1.0 if given is None else given, 1, device)  # checks a tensor's form too
+            if not isinstance(given, torch.Tensor):
+                scales[i] = t  # a float: constant for every call of this structure
+    return _Derived(float(scale), *scales)
 
 
 def _check_out_memory(out, query, key_cache, value_cache) -> None:
-    """``out`` has its own memory: it aliases neither itself nor anything the call reads."""
-    check_writable("out", out)
+    """``out`` shares no memory with anything the call reads (it does not alias itself:
+    a structural check)."""
     for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
         check_disjoint("out", out, name, t)
 

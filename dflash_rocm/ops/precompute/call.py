@@ -27,6 +27,7 @@ class PrecomputeCall:
     k_scales: torch.Tensor | None  # float32 [L] on the device; set iff the caches are fp8
     v_scales: torch.Tensor | None
     return_kv: bool
+    layout: object = None  # the call's structure, as the structural checks read it (see AttentionCall)
 
     @property
     def num_tokens(self) -> int:
@@ -72,8 +73,7 @@ class PrecomputeCall:
 
     def support_key(self) -> tuple:
         """See :meth:`AttentionCall.support_key`."""
-        return (self.device, platform_for(self.device), self.dtype, self.cache_dtype, self.weights.head_dim,
-                self.packing)
+        return self.layout, platform_for(self.device)
 
     def signature(self) -> str:
         w = self.weights

@@ -7,18 +7,107 @@ for CPU tensors, as device-side asserts for GPU tensors, skipped by ``validate=F
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ...contract import FP8_DTYPES, QUERY_DTYPES
-from ...validation import (IndexChecks, cache_arg, check_device, check_layout_once, check_disjoint, check_dtype, check_scale_values, check_shape,
-                           check_writable, index_tensor, per_layer, scale_tensor, tensor_arg)
-from ...paged import cache_packing
+from ...validation import (IndexChecks, LayoutMemo, cache_arg, check_device, check_disjoint, check_dtype,
+                           check_layout_once, check_scale_values, check_shape, check_writable, index_tensor, per_layer,
+                           scale_tensor, signature, storages_apart, tensor_arg)
+from ...paged import PackedCache, cache_packing, memory_of
 from ...weights import ContextKVWeights
 from .call import PrecomputeCall
 
 
+_STRUCTURES = LayoutMemo()
+
+
+@dataclass(frozen=True)
+class _Derived:
+    """What the structural checks of one call structure settle for every call of it."""
+
+    k_scales: torch.Tensor | None  # fp8 scales as a device tensor when given as floats (or defaulted)
+    v_scales: torch.Tensor | None
+
+
 def precompute_call(context_states, positions, weights, key_caches, value_caches, slot_mapping, *,
                     k_scales=None, v_scales=None, return_kv=False, validate=True) -> PrecomputeCall:
+    """Check the arguments and build the call; the structural checks run once per call
+    structure (see :func:`dflash_rocm.ops.attention.validation.attention_call`)."""
+    key = _STRUCTURES.structure((signature(context_states), signature(positions), _weights_signature(weights),
+                                 _sequence(slot_mapping), _caches(key_caches), _caches(value_caches),
+                                 _sequence(k_scales), _sequence(v_scales), signature(return_kv)))
+    known = _STRUCTURES.get(key)
+    if known is None:
+        derived = _check_structure(context_states, positions, weights, key_caches, value_caches, slot_mapping,
+                                   k_scales, v_scales, return_kv)
+        _STRUCTURES.remember(key, derived)
+    else:
+        key, derived = known
+    L = weights.num_layers
+    if slot_mapping is None:
+        slots: tuple = (None,) * L
+    elif isinstance(slot_mapping, torch.Tensor):
+        slots = (_contiguous(slot_mapping),) * L
+    else:
+        slots = tuple(None if s is None else _contiguous(s) for s in slot_mapping)
+    kcs = tuple(key_caches) if key_caches is not None else (None,) * L
+    vcs = tuple(value_caches) if value_caches is not None else (None,) * L
+    written = [kcs[i] for i, s in enumerate(slots) if s is not None] + [
+        vcs[i] for i, s in enumerate(slots) if s is not None]
+    if written and not storages_apart(context_states, *written):
+        check_layout_once("precompute states", [context_states, *written],
+                          lambda: _check_states_apart(context_states, written))
+    device = context_states.device
+    ks, vs = derived.k_scales, derived.v_scales
+    if ks is None and isinstance(k_scales, torch.Tensor):
+        ks = scale_tensor("k_scales", k_scales, L, device)
+    if vs is None and isinstance(v_scales, torch.Tensor):
+        vs = scale_tensor("v_scales", v_scales, L, device)
+    positions = _contiguous(positions)
+    if validate:
+        checks = IndexChecks(device)
+        _check_indices(checks, positions, weights.max_position, slots, kcs)
+        if ks is not None:
+            check_scale_values("k_scales", ks, checks)
+            check_scale_values("v_scales", vs, checks)
+    return PrecomputeCall(states=context_states, positions=positions, weights=weights, key_caches=kcs,
+                          value_caches=vcs, slot_mappings=slots, k_scales=ks, v_scales=vs,
+                          return_kv=return_kv, layout=key)
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _weights_signature(weights) -> tuple:
+    if not isinstance(weights, ContextKVWeights):
+        return (type(weights),)
+    w = weights.kv_weight
+    return (ContextKVWeights, weights.num_layers, weights.num_kv_heads, weights.head_dim, w.shape, w.dtype, w.device,
+            weights.cos_sin_cache.shape)
+
+
+def _sequence(value) -> tuple:
+    """The signature of an argument that may be a sequence (per-layer slots or scales)."""
+    if isinstance(value, (list, tuple)):
+        return type(value), tuple(map(signature, value))
+    return signature(value)
+
+
+def _caches(value) -> tuple:
+    """The caches' signatures and addresses: whether written caches alias one another is
+    judged with the structure (a server's caches never move)."""
+    if isinstance(value, (list, tuple)):
+        return type(value), tuple((signature(c), memory_of(c).data_ptr() if isinstance(c, (torch.Tensor, PackedCache))
+                                   else None) for c in value)
+    return signature(value)
+
+
+def _check_structure(context_states, positions, weights, key_caches, value_caches, slot_mapping, k_scales, v_scales,
+                     return_kv) -> _Derived:
+    """Every check that reads only metadata and scalar values; raises on the first problem."""
     if not isinstance(weights, ContextKVWeights):
         raise TypeError(f"weights: expected ContextKVWeights, got {type(weights).__name__}")
     L, Hk, D = weights.num_layers, weights.num_kv_heads, weights.head_dim
@@ -31,7 +120,7 @@ def precompute_call(context_states, positions, weights, key_caches, value_caches
     if weights.device != device:
         raise ValueError(f"weights: on {weights.device}, context_states on {device}")
     N = states.shape[0]
-    positions = index_tensor("positions", positions, (N,), f"[num_tokens={N}]", device)
+    index_tensor("positions", positions, (N,), f"[num_tokens={N}]", device)
     if not isinstance(return_kv, bool):
         raise TypeError(f"return_kv: expected bool, got {type(return_kv).__name__}")
 
@@ -42,17 +131,9 @@ def precompute_call(context_states, positions, weights, key_caches, value_caches
     else:
         slots = per_layer("slot_mapping", slot_mapping, L)
     shared = isinstance(slot_mapping, torch.Tensor)
-    contiguous: dict[int, torch.Tensor] = {}  # one copy per distinct tensor
-    checked = []
     for i, s in enumerate(slots):
         if s is not None:
-            if id(s) not in contiguous:
-                contiguous[id(s)] = index_tensor("slot_mapping" if shared else f"slot_mapping[{i}]", s, (N,),
-                                                 f"[num_tokens={N}]", device)
-            checked.append(contiguous[id(s)])
-        else:
-            checked.append(None)
-    slots = tuple(checked)
+            index_tensor("slot_mapping" if shared else f"slot_mapping[{i}]", s, (N,), f"[num_tokens={N}]", device)
 
     written = [i for i, s in enumerate(slots) if s is not None]
     if written:
@@ -88,21 +169,16 @@ def precompute_call(context_states, positions, weights, key_caches, value_caches
     if len(packings) > 1:
         raise ValueError(f"key_caches/value_caches: every written layer must use one page layout; got "
                          f"(row pack, dim pack) of (K, V) per layer {[cache_packing(kcs[i], vcs[i]) for i in written]}")
-    _check_written_memory(states, [kcs[i] for i in written] + [vcs[i] for i in written],
-                          [f"key_caches[{i}]" for i in written] + [f"value_caches[{i}]" for i in written])
-    is_fp8 = cache_dtype in FP8_DTYPES
-    ks = scale_tensor("k_scales", [1.0] * L if k_scales is None else k_scales, L, device) if is_fp8 else None
-    vs = scale_tensor("v_scales", [1.0] * L if v_scales is None else v_scales, L, device) if is_fp8 else None
-
-    if validate:
-        checks = IndexChecks(device)
-        _check_indices(checks, positions, weights.max_position, slots, kcs)
-        if is_fp8:
-            check_scale_values("k_scales", ks, checks)
-            check_scale_values("v_scales", vs, checks)
-    return PrecomputeCall(states=states, positions=positions, weights=weights, key_caches=kcs,
-                          value_caches=vcs, slot_mappings=slots, k_scales=ks, v_scales=vs,
-                          return_kv=return_kv)
+    caches = [kcs[i] for i in written] + [vcs[i] for i in written]
+    names = [f"key_caches[{i}]" for i in written] + [f"value_caches[{i}]" for i in written]
+    _check_caches_apart(caches, names)
+    if cache_dtype not in FP8_DTYPES:
+        return _Derived(None, None)
+    scales = []
+    for name, given in (("k_scales", k_scales), ("v_scales", v_scales)):
+        t = scale_tensor(name, [1.0] * L if given is None else given, L, device)  # checks the form of a tensor too
+        scales.append(None if isinstance(given, torch.Tensor) else t)
+    return _Derived(*scales)
 
 
 def _check_indices(checks: IndexChecks, positions, max_position, slots, caches) -> None:
@@ -125,15 +201,15 @@ def _check_indices(checks: IndexChecks, positions, max_position, slots, caches) 
                            f"(-1 skips a token); got {int(s[i])} at [{i[0]}]"))
 
 
-def _check_written_memory(states: torch.Tensor, caches: list[torch.Tensor], names: list[str]) -> None:
-    """Every written cache has its own memory: no cache aliases itself, another cache or the
-    states."""
-    def check() -> None:
-        for name, c in zip(names, caches):
-            check_writable(name, c)
-            check_disjoint(name, c, "context_states", states)
-        for i in range(len(caches)):
-            for j in range(i + 1, len(caches)):
-                check_disjoint(names[i], caches[i], names[j], caches[j])
+def _check_caches_apart(caches: list, names: list[str]) -> None:
+    """No written cache aliases itself or another."""
+    for name, c in zip(names, caches):
+        check_writable(name, c)
+    for i in range(len(caches)):
+        for j in range(i + 1, len(caches)):
+            check_disjoint(names[i], caches[i], names[j], caches[j])
 
-    check_layout_once("precompute", [states, *caches], check)
+
+def _check_states_apart(states: torch.Tensor, caches: list) -> None:
+    for c in caches:
+        check_disjoint("a written cache", c, "context_states", states)
