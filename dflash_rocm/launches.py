@@ -1,21 +1,66 @@
-"""A count of the kernel launches backends make, so tools above them can report
-launches per call (``bench``) without importing any backend's internals.
+"""Kernel launches as the tools above the backends see them, without importing any
+backend's internals.
 
-A backend calls :func:`launching` around each launch it issues itself; while one is in
-flight, tools that count torch ops know those ops belong to the launch (the Triton
-interpreter issues torch ops of its own).
+A backend calls :func:`launching` around each launch it issues itself (``bench`` reads
+launches per call from :func:`counts`; while one is in flight, tools that count torch
+ops know those ops belong to the launch: the Triton interpreter issues torch ops of its
+own). Inside :func:`capture` a backend records each launch as a :class:`Launch` instead
+of running it: the host code runs unchanged (tensors may be on the ``meta`` device), so
+``dflash-rocm inspect`` sees exactly what a GPU run would launch, and ``bench --host``
+times the host work of a call without a GPU.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
+import inspect
 import threading
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 _lock = threading.Lock()
 _counts: collections.Counter = collections.Counter()
 _local = threading.local()
+_capture: contextvars.ContextVar[list | None] = contextvars.ContextVar("dflash_rocm_capture", default=None)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One launch as the host code made it: the kernel, its grid, the positional
+    arguments (tensors as given), the constexpr keywords and every compiler option the
+    configuration asks for."""
+
+    kernel: Any
+    grid: tuple[int, ...]
+    args: tuple
+    constexprs: dict
+    options: dict
+
+    @property
+    def name(self) -> str:
+        return self.kernel.__name__
+
+    def arg(self, name: str):
+        """A positional argument by its parameter name."""
+        return self.args[list(inspect.signature(self.kernel.fn).parameters).index(name)]
+
+
+@contextlib.contextmanager
+def capture() -> Iterator[list[Launch]]:
+    """Record every launch made inside the block instead of running it (not counted)."""
+    captured: list[Launch] = []
+    token = _capture.set(captured)
+    try:
+        yield captured
+    finally:
+        _capture.reset(token)
+
+
+def capturing() -> list[Launch] | None:
+    """Where a backend records its launches instead of running them (None: run them)."""
+    return _capture.get()
 
 
 @contextlib.contextmanager

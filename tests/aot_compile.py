@@ -3,7 +3,7 @@
 Triton's compiler runs without a device: ``triton.compile`` takes the kernel, a signature
 and a ``GPUTarget`` and goes down to cubin (NVIDIA) or hsaco (AMD). The launches are
 captured from the real host code (``run_draft_attention`` / ``run_precompute`` on CPU
-tensors, inside ``capture_launches()``) and specialised by Triton's own binder, so the
+tensors, inside ``capture()``) and specialised by Triton's own binder, so the
 compiled signatures, attributes, constexprs and options are exactly what a GPU launch
 would use. ``dflash-rocm inspect`` audits the served shapes; this covers every feature
 path (windows, sinks, causal, fp16, split-K, return_kv). Run as a script (Triton must not
@@ -28,9 +28,9 @@ TARGETS = ("sm_90", "gfx942", "gfx950", "gfx1100", "gfx1201")
 
 def capture(run):
     """Every launch ``run()`` makes, recorded instead of launched."""
-    from dflash_rocm.backends.triton.launch import capture_launches
+    from dflash_rocm.launches import capture
 
-    with capture_launches() as launches:
+    with capture() as launches:
         run()
     return launches
 

@@ -18,7 +18,7 @@ import pytest
 
 from dflash_rocm.audit import isa, model, sweep, traffic
 from dflash_rocm.audit.targets import TARGETS
-from dflash_rocm.backends.triton.launch import capture_launches
+from dflash_rocm.launches import capture
 from dflash_rocm.launches import counts as launch_counts
 from dflash_rocm.workloads import SHAPES
 from support import HAS_TRITON
@@ -38,7 +38,7 @@ def test_capture_records_the_launches_of_a_real_sized_call_without_running_them(
     assert call.key_cache.device.type == "meta" and call.key_cache.untyped_storage().size() > 2 ** 31
     name, config = sweep.table_config(case, target, call)
     before = launch_counts()
-    with capture_launches() as launches:
+    with capture() as launches:
         run_draft_attention(call, config)
     assert launch_counts() == before
     kernels = [launch.name for launch in launches]

@@ -276,7 +276,7 @@ def test_only_bf16_upcasts_under_the_interpreter_so_fp16_and_fp32_run_the_gpu_pa
     """numpy computes fp16 and fp32 natively: those launches keep FP32_MATH off and run the
     casts a GPU runs (P rounded to V's type, fp16 dots); only bf16 computes in float32."""
     from dflash_rocm.backends.triton.attention import run_draft_attention
-    from dflash_rocm.backends.triton.launch import capture_launches
+    from dflash_rocm.launches import capture
     from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig, PrecomputeLaunchConfig
     from dflash_rocm.backends.triton.precompute import run_precompute
     from dflash_rocm.ops.attention import attention_call
@@ -290,7 +290,7 @@ def test_only_bf16_upcasts_under_the_interpreter_so_fp16_and_fp32_run_the_gpu_pa
     pre_args = (torch.randn(20, 64, generator=g).to(dtype), torch.arange(20), w, caches[:2], caches[2:],
                 torch.randperm(48, generator=g)[:20])
     pre = PrecomputeLaunchConfig(block_t=32, block_k=16, split_k=2)
-    with capture_launches() as launches:
+    with capture() as launches:
         run_draft_attention(attention_call(*args), attn)
         run_precompute(precompute_call(*pre_args, return_kv=True), pre)
     assert {launch.constexprs["FP32_MATH"] for launch in launches} == {dtype == torch.bfloat16}

@@ -2,10 +2,10 @@
 
 It turns a launch configuration into compiler options (the AMD-only ones only where the
 AMD backend understands them), reports each launch to :mod:`dflash_rocm.launches`
-(``bench`` reads launches per call there), and inside :func:`capture_launches` records
-each launch instead of running it: that is how ``dflash-rocm inspect`` and
-``tests/aot_compile.py`` see exactly what the host code would launch, at real shapes,
-without a GPU.
+(``bench`` reads launches per call there), and inside :func:`dflash_rocm.launches.capture`
+records each launch instead of running it: that is how ``dflash-rocm inspect``,
+``bench --host`` and ``tests/aot_compile.py`` see exactly what the host code would launch,
+at real shapes, without a GPU.
 
 Hot launches skip Triton's JIT prelude. ``kernel[grid](...)`` binds every argument,
 specialises it through the compiler backend (about 1 us per argument on ROCm), builds a
@@ -19,12 +19,8 @@ entry point for compiled kernels.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import inspect
 import threading
-from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -34,29 +30,6 @@ from .common import INTERPRETING
 
 # Compiler options only Triton's AMD backend accepts (the NVIDIA backend rejects them).
 AMD_ONLY_OPTIONS = ("waves_per_eu", "matrix_instr_nonkdim")
-
-_capture: contextvars.ContextVar[list | None] = contextvars.ContextVar("dflash_rocm_capture", default=None)
-
-
-@dataclass(frozen=True)
-class CapturedLaunch:
-    """One launch as the host code made it: the kernel, its grid, the positional
-    arguments (tensors as given), the constexpr keywords and every compiler option the
-    configuration asks for (AMD-only ones included; :func:`options_for` filters)."""
-
-    kernel: Any
-    grid: tuple[int, ...]
-    args: tuple
-    constexprs: dict
-    options: dict
-
-    @property
-    def name(self) -> str:
-        return self.kernel.__name__
-
-    def arg(self, name: str):
-        """A positional argument by its parameter name."""
-        return self.args[list(inspect.signature(self.kernel.fn).parameters).index(name)]
 
 
 def compiler_options(config: Any) -> dict[str, int]:
@@ -75,22 +48,6 @@ def compiler_options(config: Any) -> dict[str, int]:
 def options_for(options: dict, amd: bool) -> dict:
     """``options`` without the AMD-only ones unless the target is AMD."""
     return dict(options) if amd else {k: v for k, v in options.items() if k not in AMD_ONLY_OPTIONS}
-
-
-@contextlib.contextmanager
-def capture_launches() -> Iterator[list[CapturedLaunch]]:
-    """Record every :func:`launch` made inside the block instead of running it.
-
-    The host code runs unchanged (tensors may be on the ``meta`` device: nothing is
-    read or written), so the captured grids, arguments and constexprs are exactly the
-    ones a GPU run would use. Captured launches are not counted.
-    """
-    captured: list[CapturedLaunch] = []
-    token = _capture.set(captured)
-    try:
-        yield captured
-    finally:
-        _capture.reset(token)
 
 
 _TWO_GIB = 2 ** 31 - 1
@@ -164,9 +121,9 @@ def launcher(kernel, constexprs: dict, options: dict) -> Launcher:
 
 def launch(kernel, grid: tuple[int, ...], config: Any, *args, **constexprs) -> None:
     options = compiler_options(config)
-    captured = _capture.get()
+    captured = launches.capturing()
     if captured is not None:
-        captured.append(CapturedLaunch(kernel, tuple(grid), args, dict(constexprs), options))
+        captured.append(launches.Launch(kernel, tuple(grid), args, dict(constexprs), options))
         return
     options = options_for(options, amd=bool(getattr(torch.version, "hip", None)))
     with launches.launching(kernel.__name__):

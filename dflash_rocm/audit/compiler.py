@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-from dflash_rocm.backends.triton.launch import CapturedLaunch, options_for
+from dflash_rocm.backends.triton.launch import options_for
+from dflash_rocm.launches import Launch
 
 from .targets import TARGETS, Target
 
@@ -56,7 +57,7 @@ def _jit_function(kernel):
     return kernel
 
 
-def specialise(launch: CapturedLaunch, target: Target) -> Specialisation:
+def specialise(launch: Launch, target: Target) -> Specialisation:
     """The signature, constexprs, attributes and options Triton's launcher derives from
     ``launch``'s arguments for ``target``."""
     import triton

@@ -3,7 +3,7 @@
 Calls are built on the ``meta`` device at their real sizes (a vLLM per-layer cache of
 several GiB allocates nothing), then the real host code (``run_draft_attention`` /
 ``run_precompute`` with the ROCm table's configuration on AMD targets and the portable
-table's on NVIDIA) runs inside :func:`capture_launches`, which records each launch.
+table's on NVIDIA) runs inside :func:`dflash_rocm.launches.capture`, which records each launch.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from dflash_rocm.backends.triton.launch import CapturedLaunch, capture_launches
+from dflash_rocm.launches import Launch, capture
 from dflash_rocm.ops.attention import AttentionCall
 from dflash_rocm.ops.precompute import PrecomputeCall
 from dflash_rocm.floors import Cost, attention_cost, precompute_cost
@@ -87,7 +87,7 @@ class CaseLaunches:
     target: Target
     config_name: str = ""
     config: dict = field(default_factory=dict)
-    launches: list[CapturedLaunch] = field(default_factory=list)
+    launches: list[Launch] = field(default_factory=list)
     skipped: str | None = None  # why the case does not apply to the target
 
 
@@ -193,7 +193,7 @@ def capture_case(case: Case, target: Target) -> CaseLaunches:
         run = run_precompute
     result.config_name, config = table_config(case, target, call)
     result.config = config.as_dict()
-    with capture_launches() as launches:
+    with capture() as launches:
         run(call, config)
     result.launches = launches
     return result

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Hashable
 
-from dflash_rocm.backends.triton.launch import CapturedLaunch
+from dflash_rocm.launches import Launch
 
 from .sweep import BLOCK_SIZE, Case
 
@@ -34,12 +34,12 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _grid(launch: CapturedLaunch) -> tuple[int, int, int]:
+def _grid(launch: Launch) -> tuple[int, int, int]:
     g = tuple(launch.grid) + (1, 1)
     return g[0], g[1], g[2]
 
 
-def _order(launch: CapturedLaunch):
+def _order(launch: Launch):
     """(x, y, z) program ids in dispatch order."""
     gx, gy, gz = _grid(launch)
     for z in range(gz):
@@ -77,7 +77,7 @@ def _index_chain(case: Case, c: dict) -> int:
     return 2 + (0 if c["ONE_TILE"] else math.ceil(math.log2(case.batch + 1)))
 
 
-def attention_programs(case: Case, launch: CapturedLaunch) -> list[Program]:
+def attention_programs(case: Case, launch: Launch) -> list[Program]:
     c = launch.constexprs
     block_q, block_n, G, D = c["BLOCK_Q"], c["BLOCK_N"], c["G"], c["D"]
     segments, min_keys = launch.grid[2], launch.arg("min_segment_keys")
@@ -109,7 +109,7 @@ def attention_programs(case: Case, launch: CapturedLaunch) -> list[Program]:
     return programs
 
 
-def merge_programs(case: Case, launch: CapturedLaunch) -> list[Program]:
+def merge_programs(case: Case, launch: Launch) -> list[Program]:
     c = launch.constexprs
     segments, min_keys = launch.arg("num_segments"), launch.arg("min_segment_keys")
     chain = _index_chain(case, c)
@@ -152,7 +152,7 @@ def xcd_order(pid: int, num_programs: int, xcds: int) -> int:
     return xcd * (per + 1) + local if xcd < extra else extra * (per + 1) + (xcd - extra) * per + local
 
 
-def precompute_programs(case: Case, launch: CapturedLaunch) -> list[Program]:
+def precompute_programs(case: Case, launch: Launch) -> list[Program]:
     c = launch.constexprs
     H, D, split, block_t, block_k = case.shape.hidden, c["D"], c["SPLIT_K"], c["BLOCK_T"], c["BLOCK_K"]
     k_per = _cdiv(_cdiv(H, split), block_k) * block_k
@@ -179,7 +179,7 @@ def precompute_programs(case: Case, launch: CapturedLaunch) -> list[Program]:
     return programs
 
 
-def split_epilogue_programs(case: Case, launch: CapturedLaunch) -> list[Program]:
+def split_epilogue_programs(case: Case, launch: Launch) -> list[Program]:
     c = launch.constexprs
     D, split = c["D"], c["SPLIT_K"]
     programs = []
@@ -191,7 +191,7 @@ def split_epilogue_programs(case: Case, launch: CapturedLaunch) -> list[Program]
     return programs
 
 
-PROGRAMS: dict[str, Callable[[Case, CapturedLaunch], list[Program]]] = {
+PROGRAMS: dict[str, Callable[[Case, Launch], list[Program]]] = {
     "draft_attention_kernel": attention_programs,
     "merge_segments_kernel": merge_programs,
     "context_kv_kernel": precompute_programs,
@@ -199,7 +199,7 @@ PROGRAMS: dict[str, Callable[[Case, CapturedLaunch], list[Program]]] = {
 }
 
 
-def programs_of(case: Case, launch: CapturedLaunch) -> list[Program]:
+def programs_of(case: Case, launch: Launch) -> list[Program]:
     try:
         model = PROGRAMS[launch.name]
     except KeyError:
