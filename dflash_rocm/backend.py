@@ -130,3 +130,11 @@ class Backend:
     def status(cls) -> dict[str, str]:
         """Backend-specific facts for ``dflash-rocm info`` (label -> text)."""
         return {}
+
+    @classmethod
+    def launch_overhead(cls, launch, arch: str) -> tuple[float, float] | None:
+        """Seconds the host spends on one captured launch (:mod:`dflash_rocm.launches`)
+        before the driver call, for a GPU of ``arch``: through the compiler's generic entry
+        and through this backend's hot path. None: this backend cannot say (``bench --host``
+        then counts the launch as free)."""
+        return None

@@ -148,6 +148,8 @@ def cmd_bench(args) -> int:
     from . import bench
 
     device = _device(args.device)
+    if args.host:
+        return _bench_host(args, device)
     dtype = DTYPES[args.dtype]
     plan = bench.default_plan(device, shapes=args.shape, tokens=args.tokens, batches=args.batch,
                               contexts=args.context, ops=args.op and [_OPS[o] for o in args.op],
@@ -172,6 +174,19 @@ def cmd_bench(args) -> int:
 
 
 _OPS = {op.short: op.name for op in OPS.values()}
+
+
+def _bench_host(args, device) -> int:
+    from . import host_bench
+
+    arch = args.arch or host_bench.platform_arch(device)
+    rows = host_bench.host_rows(device, arch=arch, backends=args.backend, repeats=args.repeats or 1000)
+    if args.op:
+        rows = [r for r in rows if r.op in {_OPS[o] for o in args.op}]
+    width, _ = _layout(args)
+    print(host_bench.format_host_rows(rows, arch, width))
+    _write_outputs(((args.json, lambda: json.dumps([r.as_dict() for r in rows], indent=2)),))
+    return 0
 
 
 def _progress_bar(i: int, total: int, what) -> None:
@@ -269,6 +284,7 @@ def cmd_inspect(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .arch import KNOWN_ARCHS
     from .registry import NAMES
     from .workloads import DEFAULT_SHAPE, SHAPES
 
@@ -333,6 +349,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--csv", metavar="PATH", help="also write CSV ('-' for stdout)")
     bench.add_argument("--plot", metavar="FILE.png", help="bar chart of %% of floor per case (needs matplotlib)")
     bench.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    bench.add_argument("--host", action="store_true",
+                       help="host microseconds per call instead: launches captured, their own cost measured apart")
+    bench.add_argument("--arch", choices=sorted(KNOWN_ARCHS),
+                       help="with --host: the GPU whose launch costs count (default: this device's, else gfx942)")
     bench.add_argument("--wide", action="store_true", help=_WIDE_HELP)
     bench.set_defaults(func=cmd_bench)
 

@@ -80,3 +80,21 @@ def test_bench_plan_on_gpu_covers_the_issue_sweep():
     assert plan.tokens == [1, 16, 64, 256, 1024, 8192]
     assert plan.batches == [1, 4, 16, 64] and plan.contexts[0] == 1024 and plan.contexts[-1] == 131072
     assert {s.name for s in plan.shapes} == set(bench.SHAPES) and "reference" not in plan.backends
+
+
+@needs_interpreter
+def test_bench_host_measures_each_backends_host_work_and_launch_costs(capsys):
+    """``bench --host`` runs the real host code with launches captured (no kernel runs),
+    and prices each captured launch through Triton's JIT entry and the direct path."""
+    from dflash_rocm import host_bench
+
+    rows = host_bench.host_rows(torch.device("cpu"), arch="gfx942", backends=["triton", "rocm"], repeats=20)
+    assert {(r.op, r.backend, r.validate) for r in rows} == {
+        (op, b, v) for op in ("draft_attention", "precompute_and_store_context_kv") for b in ("triton", "rocm")
+        for v in (False, True)}
+    for r in rows:
+        assert r.host_us > 0 and r.launches >= 1
+        assert r.jit_launch_us > r.direct_launch_us > 0  # the direct path skips the JIT's binding
+    rc = cli.main(["bench", "--host", "--op", "attention", "--backend", "triton", "--repeats", "5"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "draft_attention" in out and "+ direct us" in out and "needs a GPU" in " ".join(out.split())

@@ -42,6 +42,7 @@ class FakeCompiled:
 def on_a_gpu(monkeypatch):
     monkeypatch.setattr(launching, "INTERPRETING", False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launching, "_launchers", {})
 
 
 def test_a_second_launch_with_the_same_specialisation_calls_the_compiled_kernel(on_a_gpu):

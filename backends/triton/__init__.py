@@ -11,6 +11,7 @@ from dflash_rocm.platform import Platform
 
 from .attention import run_draft_attention
 from .common import INTERPRETING
+from .launch import prelude_seconds
 from .precompute import run_precompute
 
 
@@ -53,3 +54,7 @@ class TritonBackend(Backend):
     @classmethod
     def precompute(cls, call: PrecomputeCall):
         return run_precompute(call)
+
+    @classmethod
+    def launch_overhead(cls, launch, arch: str) -> tuple[float, float] | None:
+        return prelude_seconds(launch, arch)

@@ -88,13 +88,14 @@ class Launcher:
         # Triton's compiled launcher takes every parameter in order, constexprs included.
         self.tail = tuple(constexprs[p.name] for p in params[self.num_runtime:])
         self.amd = bool(getattr(torch.version, "hip", None))
+        self.current_device = torch.cuda.current_device  # compiled kernels are loaded per device
         self.compiled: dict[tuple, Any] = {}
         self._lock = threading.Lock()
 
     def __call__(self, grid: tuple[int, ...], *args) -> None:
         spec = specialization(args, self.amd)
         if spec is not None:
-            spec = (torch.cuda.current_device(), spec)
+            spec = (self.current_device(), spec)
             compiled = self.compiled.get(spec)
             if compiled is not None:
                 compiled[grid](*args, *self.tail)
@@ -131,3 +132,64 @@ def launch(kernel, grid: tuple[int, ...], config: Any, *args, **constexprs) -> N
             kernel[grid](*args, **constexprs, **options)
         else:
             launcher(kernel, constexprs, options)(grid, *args)
+
+
+def prelude_seconds(launch, arch: str, repeats: int = 2000) -> tuple[float, float]:
+    """What one captured launch costs the host before the driver call on a GPU of ``arch``,
+    measured here without one: ``(Triton's JIT entry, the direct path)``.
+
+    The JIT entry is timed as ``JITFunction.run`` does its work: the generated binder
+    (binding and specialising every argument through the compiler backend of ``arch``)
+    and the cache-key lookup. The direct path is a :class:`Launcher` whose compiled kernel
+    is a no-op. Neither includes the driver call itself (argument packing in C, the
+    launch), which needs the GPU."""
+    import statistics
+    import time
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
+
+    from dflash_rocm.arch import arch_info
+
+    jit = JITFunction(launch.kernel.fn)
+    target = arch_info(arch).compile_target
+    backend = make_backend(GPUTarget(*target))
+    binder = create_function_from_signature(jit.signature, jit.params, backend)
+    options = options_for(launch.options, amd=target[0] == "hip")
+    key_cache: dict = {}
+
+    def through_jit():
+        _, spec, opts = binder(*launch.args, **launch.constexprs, **options)
+        compute_cache_key(key_cache, spec, opts)
+
+    direct = Launcher(jit, launch.constexprs, options)
+    direct.amd = target[0] == "hip"
+    direct.current_device = lambda: 0
+    direct.compiled[(0, specialization(launch.args, direct.amd))] = _NoopCompiled()
+
+    def through_launcher():
+        direct(launch.grid, *launch.args)
+
+    def median(fn) -> float:
+        for _ in range(repeats // 10):
+            fn()
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+
+    return median(through_jit), median(through_launcher)
+
+
+class _NoopCompiled:
+    """A compiled kernel whose launch does nothing (host-cost measurement)."""
+
+    def __getitem__(self, grid):
+        return _noop
+
+
+def _noop(*args) -> None:
+    return None
