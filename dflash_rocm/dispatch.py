@@ -31,8 +31,11 @@ BACKEND_PATHS: dict[str, str] = {
     "triton": "dflash_rocm.backends.triton:TritonBackend",
     "rocm": "dflash_rocm.backends.rocm:RocmBackend",
     "cuda": "dflash_rocm.backends.cuda:CudaBackend",
+    "cpu": "dflash_rocm.backends.cpu:CpuBackend",
 }
-AUTO_ORDER: tuple[str, ...] = ("rocm", "cuda", "triton", "reference")
+# rocm and cuda never serve CPU tensors under auto and cpu refuses every other device, so
+# this one order puts cpu first for CPU tensors and never chooses it for GPU tensors.
+AUTO_ORDER: tuple[str, ...] = ("rocm", "cuda", "cpu", "triton", "reference")
 VALID_NAMES: tuple[str, ...] = ("auto", *BACKEND_PATHS)
 VENDOR_BACKENDS = frozenset({"rocm", "cuda"})
 

@@ -27,7 +27,7 @@ class EnvVar:
 
 BACKEND = EnvVar(
     "DFLASH_ROCM_BACKEND", "auto",
-    "backend for both operations: auto, reference, triton, rocm or cuda "
+    "backend for both operations: auto, reference, triton, rocm, cuda or cpu "
     "(the backend= argument of a call wins)")
 LOG_LEVEL = EnvVar(
     "DFLASH_ROCM_LOG_LEVEL", "WARNING",

@@ -32,7 +32,7 @@ def test_info_lists_every_backend_with_reasons(capsys):
 
 def test_info_table(capsys):
     rc, out, _ = run_cli(capsys, "info")
-    assert rc == 0 and "backend" in out and "auto order: rocm > cuda > triton > reference" in out
+    assert rc == 0 and "backend" in out and "auto order: rocm > cuda > cpu > triton > reference" in out
 
 
 @needs_interpreter
@@ -43,8 +43,9 @@ def test_check_passes_and_reports_every_backend(capsys):
     rows = {(r["op"], r["backend"]): r for r in report["rows"]}
     for op in dispatch.OPS:
         assert rows[(op, "reference")]["status"] == "ORACLE"
-        assert rows[(op, "triton")]["status"] == "PASS"
-        assert rows[(op, "triton")]["rel_err"] <= rows[(op, "triton")]["tolerance"]
+        for name in ("triton", "cpu"):
+            assert rows[(op, name)]["status"] == "PASS"
+            assert rows[(op, name)]["rel_err"] <= rows[(op, name)]["tolerance"]
         for name in ("rocm", "cuda"):
             assert rows[(op, name)]["status"] == "SKIP" and rows[(op, name)]["note"]
 

@@ -70,6 +70,7 @@ def test_named_backend_that_cannot_serve_raises_with_reason(fresh_registry):
 def test_auto_walks_the_priority_order(fresh_registry):
     fresh_registry.setitem(dispatch._classes, "triton", ServesEverything)
     fresh_registry.setitem(dispatch._classes, "cuda", Refuses)
+    fresh_registry.setitem(dispatch._classes, "cpu", Refuses)
     dflash_rocm.reset_dispatch_counts()
     dflash_rocm.draft_attention(**attention_args(), backend="auto")
     assert dflash_rocm.dispatch_counts() == {(dispatch.ATTENTION, "triton"): 1}

@@ -14,6 +14,7 @@ import logging
 
 import torch
 
+from .. import dispatch
 from ..api import draft_attention
 from .cache_views import kv_cache_views
 
@@ -70,6 +71,19 @@ def draft_impl_class(base: type) -> type:
     return type(f"DFlashRocm{base.__name__}", (base,), {"forward": _forward, "_dflash_base": base})
 
 
+_VLLM_CPU_IMPL = "CPUAttentionBackendImpl"
+
+
+def handed_back_to_vllm(impl) -> bool:
+    """Whether ``auto`` leaves this layer's attention to vLLM: vLLM's CPU kernel (C++)
+    serves every draft layer vLLM builds on CPU correctly (non-causal, causal, windows,
+    sinks; its proposals equal dflash_rocm's) and was measured faster than the cpu
+    backend at draft sizes (``dflash-rocm bench``: ~35 us against ~100 us per call for
+    the tiny draft). Naming a backend (``DFLASH_ROCM_BACKEND=cpu``) routes it anyway."""
+    return (any(c.__name__ == _VLLM_CPU_IMPL for c in type(impl).__mro__)
+            and dispatch.resolve_name(None) == "auto")
+
+
 def install(draft_model) -> list[str]:
     """Route every draft layer's attention through dflash_rocm; returns the layer names."""
     names = []
@@ -79,6 +93,13 @@ def install(draft_model) -> list[str]:
         if getattr(type(impl), "forward_includes_kv_cache_update", False):
             _warn_once(type(impl).__name__, "draft attention stays on vLLM's %s: its forward writes the cache",
                        type(impl).__name__)
+            continue
+        if handed_back_to_vllm(impl):
+            if _VLLM_CPU_IMPL not in _warned:
+                _warned.add(_VLLM_CPU_IMPL)
+                logger.info("draft attention stays on vLLM's %s: its CPU kernel serves draft layers correctly and "
+                            "faster at draft sizes (DFLASH_ROCM_BACKEND=cpu routes it through dflash_rocm); the "
+                            "context-KV precompute still runs through dflash_rocm", type(impl).__name__)
             continue
         impl.__class__ = draft_impl_class(type(impl))
         # SPEC.md's window W counts the query's own position (HF meaning), as the draft config does.

@@ -24,6 +24,16 @@ def _fp8_dtype(impl) -> torch.dtype:
     return current_platform.fp8_dtype()
 
 
+def cpu_page_views(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's CPU_ATTN cache ``[blocks, Hk, bs, 2D]`` (ISA vec/vec16): per (block, head) page,
+    K stored transposed ``[D, bs]``, then V ``[bs, D]``."""
+    nb, _, bs, _ = kv_cache.shape
+    pages = kv_cache.view(nb, num_kv_heads, 2, bs * head_dim)
+    key = pages[:, :, 0].view(nb, num_kv_heads, head_dim, bs).permute(0, 3, 1, 2)
+    value = pages[:, :, 1].view(nb, num_kv_heads, bs, head_dim).permute(0, 2, 1, 3)
+    return key, value
+
+
 def kv_cache_views(impl, layer, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | str:
     """``(key_view, value_view)`` or why this layer's cache cannot be viewed."""
     names = [cls.__name__ for cls in type(impl).__mro__]
@@ -32,11 +42,7 @@ def kv_cache_views(impl, layer, kv_cache: torch.Tensor) -> tuple[torch.Tensor, t
         isa = getattr(layer, "isa", None)
         if isa not in _CPU_PLAIN_ISAS:
             return f"vLLM's CPU attention packs its pages for ISA {isa!r} (plain layouts: {', '.join(_CPU_PLAIN_ISAS)})"
-        # [blocks, Hk, bs, 2D]; per (block, head) page: K stored transposed [D, bs], then V [bs, D].
-        nb, _, bs, _ = kv_cache.shape
-        pages = kv_cache.view(nb, Hk, 2, bs * D)
-        key = pages[:, :, 0].view(nb, Hk, D, bs).permute(0, 3, 1, 2)
-        value = pages[:, :, 1].view(nb, Hk, bs, D).permute(0, 2, 1, 3)
+        key, value = cpu_page_views(kv_cache, Hk, D)
     elif _SEGMENTED in names:
         # [blocks, 2, bs, Hk*D] (vLLM's ROCm segmented backend)
         key = kv_cache[:, 0].unflatten(-1, (Hk, D))
