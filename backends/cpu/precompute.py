@@ -121,8 +121,8 @@ def _quantized(x: torch.Tensor, dtype: torch.dtype, scales: torch.Tensor) -> tor
 
 
 class _Slots:
-    """One slot mapping resolved to rows to keep and their slots, shared by the layers that
-    use the same mapping tensor."""
+    """One slot mapping resolved once into the rows to keep and, per page size, their
+    targets; shared by the layers that use the same mapping tensor."""
 
     def __init__(self, slots: torch.Tensor):
         self.slots = slots.long()
@@ -130,6 +130,7 @@ class _Slots:
         if self.slots.numel() and int(self.slots.min()) < 0:
             self.rows = (self.slots >= 0).nonzero().squeeze(1)
             self.slots = self.slots.index_select(0, self.rows)
+        self._pages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def write(self, cache: torch.Tensor, values: torch.Tensor) -> None:
         """``values [N, Hk, D]`` (cache dtype) into ``cache [blocks, bs, Hk, D]`` at the kept slots."""
@@ -140,8 +141,10 @@ class _Slots:
         bs = cache.shape[1]
         if cache.stride(0) == bs * cache.stride(1):  # blocks and rows merge: one flat row index
             cache.view(-1, *cache.shape[2:]).index_copy_(0, self.slots, values)
-        else:
-            cache.index_put_((self.slots // bs, self.slots % bs), values)
+            return
+        if bs not in self._pages:
+            self._pages[bs] = (self.slots // bs, self.slots % bs)
+        cache.index_put_(self._pages[bs], values)
 
 
 def run_precompute(call: PrecomputeCall):
