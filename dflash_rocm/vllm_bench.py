@@ -76,6 +76,15 @@ class Run:
     outputs: list[list[int]]
     served_by: dict = field(default_factory=dict)  # dflash_rocm.dispatch_counts(), as "op/backend" keys
 
+    @property
+    def steps(self) -> int:
+        """Decoding steps with a draft (one precompute each): acceptance sets how many."""
+        return self.precompute_calls
+
+    @property
+    def step_s(self) -> float:
+        return self.generate_s / max(1, self.steps)
+
 
 class _OpTimer:
     """Accumulates the time spent in wrapped calls; re-entrant calls (the plugin handing
@@ -210,9 +219,10 @@ class Report:
     def summary(self) -> dict:
         medians = {f"{side}_{attr}": statistics.median(getattr(r, attr) for r in self.side(plugin))
                    for side, plugin in (("vllm", False), ("plugin", True))
-                   for attr in ("generate_s", "generate_cpu_s", "precompute_s", "attention_s")}
+                   for attr in ("generate_s", "generate_cpu_s", "precompute_s", "attention_s", "steps")}
         return {"pairs": len(self.runs) // 2, "generate_ratio": self.median_ratio("generate_s"),
                 "generate_cpu_ratio": self.median_ratio("generate_cpu_s"),
+                "step_time_ratio": self.median_ratio("step_s"),
                 "draft_op_ratio": self.median_ratio("draft_op_s"), "outputs_match": self.outputs_match,
                 **medians}
 
@@ -269,9 +279,9 @@ def format_report(report: Report) -> str:
     rows = []
     for i, (v, p) in enumerate(zip(report.side(False), report.side(True))):
         rows.append((i + 1, f"{v.generate_s:.3f}", f"{p.generate_s:.3f}", f"{p.generate_s / v.generate_s:.3f}",
-                     f"{p.generate_cpu_s / v.generate_cpu_s:.3f}", f"{v.draft_op_s * 1e3:.1f}",
+                     f"{p.generate_cpu_s / v.generate_cpu_s:.3f}", f"{v.steps}/{p.steps}", f"{v.draft_op_s * 1e3:.1f}",
                      f"{p.draft_op_s * 1e3:.1f}", f"{p.draft_op_s / v.draft_op_s:.3f}" if v.draft_op_s else ""))
-    table = format_table(["pair", "vLLM s", "plugin s", "ratio", "CPU-time ratio", "vLLM draft-op ms",
+    table = format_table(["pair", "vLLM s", "plugin s", "ratio", "CPU-time ratio", "steps", "vLLM draft-op ms",
                           "plugin draft-op ms", "ratio"], rows)
     s = report.summary()
     served = report.side(True)[-1].served_by
@@ -279,7 +289,9 @@ def format_report(report: Report) -> str:
              f"workload: {report.workload.describe()}; {s['pairs']} pairs, one process per run, alternating order; "
              f"plugin backend: {report.backend or 'auto'}",
              table,
-             f"generate time plugin/vLLM: median {s['generate_ratio']:.3f} (CPU time {s['generate_cpu_ratio']:.3f})",
+             f"generate time plugin/vLLM: median {s['generate_ratio']:.3f} (CPU time {s['generate_cpu_ratio']:.3f}; "
+             f"per decoding step {s['step_time_ratio']:.3f}, steps {s['vllm_steps']:g} vs {s['plugin_steps']:g}: "
+             "numerics can change which proposals are accepted)",
              f"draft-op time plugin/vLLM: median {s['draft_op_ratio']:.3f} (medians: precompute "
              f"{s['plugin_precompute_s'] * 1e3:.1f} vs {s['vllm_precompute_s'] * 1e3:.1f} ms, attention "
              f"{s['plugin_attention_s'] * 1e3:.1f} vs {s['vllm_attention_s'] * 1e3:.1f} ms)",

@@ -11,13 +11,13 @@ tensor seen here unchanged and is not noticed: rebuild the weights object after 
 
 from __future__ import annotations
 
-import threading
 import weakref
 from typing import Any, Callable, Sequence
 
 import torch
 
-_lock = threading.Lock()
+# Single dict operations, atomic under the GIL; no lock: a weak reference's callback runs
+# whenever the garbage collector frees a source, possibly inside this module's own code.
 _entries: dict[tuple, tuple[tuple, tuple, Any]] = {}
 
 
@@ -37,10 +37,7 @@ def derived(name: str, sources: Sequence[torch.Tensor | None], build: Callable[[
     value = build()
 
     def forget(_ref, key=key):
-        with _lock:
-            _entries.pop(key, None)
+        _entries.pop(key, None)
 
-    refs = tuple(weakref.ref(t, forget) for t in present)
-    with _lock:
-        _entries[key] = (refs, stamp, value)
+    _entries[key] = (tuple(weakref.ref(t, forget) for t in present), stamp, value)
     return value

@@ -4,14 +4,18 @@ Measured on an AVX2 CPU (2 cores, torch 2.13, no AVX512-BF16/AMX): a bf16 or fp1
 there runs through torch's slow non-oneDNN path, 4-7x slower than float32 at these sizes,
 so the GEMM runs in float32 from a float32 copy of the weight unless oneDNN has native
 kernels for the dtype (``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` and the fp16
-twin: AVX512-BF16/AMX CPUs), where it runs in the states' dtype. Either way the copy has
-the hidden RMSNorm weight folded into its columns and the value scale into its V rows,
-so the GEMM's input is only scaled by each row's RMS factor.
+twin: AVX512-BF16/AMX CPUs), where it runs in the states' dtype.
 
-The epilogue works on all layers at once in float32 (SPEC.md's norms are float32):
-K-norm, RoPE written straight into the output dtype, values converted once, then one
-indexed copy per layer and cache. ``torch.compile`` was measured as an alternative (see
-README, Backends): its compile time per shape outweighs what it saves at draft sizes.
+Values are rounded to the states' dtype where vLLM's own sequence rounds them (the
+normed states, the GEMM's output, the normed keys, RoPE's cos/sin table and output; norm
+statistics and every product in float32), so they track vLLM's to a unit in the last
+place. (Not bit for bit: vLLM's AVX2 CPU kernels truncate float32 to bf16 where torch
+rounds to nearest, so a random draft's near-tied proposals can still differ.)
+
+The epilogue works on all layers at once: K-norm, RoPE written straight into the output
+dtype, then one indexed copy per layer and cache. ``torch.compile`` was measured as an
+alternative: 20 s to compile, then 30% faster at draft sizes (tens of microseconds a
+call), which vLLM's steps do not repay.
 """
 
 from __future__ import annotations
@@ -37,8 +41,9 @@ def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @dataclass(frozen=True)
 class PreparedWeights:
-    weight_t: torch.Tensor  # [H, L*2*Hk*D] in gemm dtype: hidden norm folded into rows, v_scale into V columns
-    bias: torch.Tensor | None  # [L*2*Hk*D] in gemm dtype, v_scale folded in
+    weight_t: torch.Tensor  # [H, L*2*Hk*D] in gemm dtype
+    bias: torch.Tensor | None  # [L*2*Hk*D] in gemm dtype
+    hidden_norm: torch.Tensor  # [H] float32
     k_norm: torch.Tensor  # [1, L, 1, D] float32
     rope: torch.Tensor  # [max_position, 2R] float32: per position, the factor of k and of rotate(k)
     eps: torch.Tensor  # float32 scalar
@@ -65,20 +70,17 @@ def _rotate_pairs(y: torch.Tensor, is_neox: bool) -> torch.Tensor:
 def prepared_weights(w: ContextKVWeights) -> PreparedWeights:
     """The GEMM operand and float32 tables, built once per weights (and after an in-place update)."""
     def build() -> PreparedWeights:
-        L, Hk, D = w.num_layers, w.num_kv_heads, w.head_dim
+        L, D = w.num_layers, w.head_dim
         dtype = gemm_dtype(w.dtype)
-        rows = w.kv_weight.float() * w.hidden_norm_weight.float()[None, :]
-        bias = None if w.kv_bias is None else w.kv_bias.float().clone()
-        if w.v_scale is not None:
-            rows.view(L, 2, Hk * D, -1)[:, 1] *= w.v_scale
-            if bias is not None:
-                bias.view(L, 2, Hk * D)[:, 1] *= w.v_scale
         return PreparedWeights(
-            weight_t=rows.to(dtype).t().contiguous(), bias=None if bias is None else bias.to(dtype),
+            weight_t=w.kv_weight.to(dtype).t().contiguous(),
+            bias=None if w.kv_bias is None else w.kv_bias.to(dtype).contiguous(),
+            hidden_norm=w.hidden_norm_weight.float().contiguous(),
             k_norm=w.k_norm_weight.float().view(1, L, 1, D).contiguous(),
-            rope=_rope_table(w.cos_sin_cache, w.is_neox), eps=torch.tensor(float(w.eps)))
+            # vLLM's rotary kernel reads the table in the activations' dtype.
+            rope=_rope_table(w.cos_sin_cache.to(w.dtype), w.is_neox), eps=torch.tensor(float(w.eps)))
     sources = (w.kv_weight, w.hidden_norm_weight, w.kv_bias, w.k_norm_weight, w.cos_sin_cache)
-    return derived(f"cpu.precompute:v_scale={w.v_scale}:neox={w.is_neox}:eps={w.eps}", sources, build)
+    return derived(f"cpu.precompute:neox={w.is_neox}:eps={w.eps}", sources, build)
 
 
 def _rms_factor(x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
@@ -88,29 +90,33 @@ def _rms_factor(x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
 
 
 def _projected(call: PrecomputeCall, prep: PreparedWeights) -> torch.Tensor:
-    """``rms_norm(x) @ kv_weight.T + kv_bias`` (value scale included): float32 ``[N, L, 2, Hk, D]``."""
+    """``rms_norm(x) @ kv_weight.T + kv_bias`` in the states' dtype, ``[N, L, 2, Hk, D]``."""
     w, x = call.weights, call.states
-    normed = torch.mul(x, _rms_factor(x, prep.eps))  # float32 (type promotion), the caller's states untouched
+    # x * r * w in float32 (type promotion: the caller's states stay untouched), rounded once.
+    normed = torch.mul(x, _rms_factor(x, prep.eps)).mul_(prep.hidden_norm).to(call.dtype)
     normed = normed.to(prep.weight_t.dtype)
     if prep.bias is None:
         kv = torch.mm(normed, prep.weight_t)
     else:
         kv = torch.addmm(prep.bias, normed, prep.weight_t)
-    return kv.float().view(call.num_tokens, w.num_layers, 2, w.num_kv_heads, w.head_dim)
+    kv = kv.to(call.dtype).view(call.num_tokens, w.num_layers, 2, w.num_kv_heads, w.head_dim)
+    if w.v_scale is not None:
+        kv[:, :, 1] *= w.v_scale
+    return kv
 
 
-def _normed_rotated_keys(call: PrecomputeCall, k: torch.Tensor, prep: PreparedWeights,
-                         dtype: torch.dtype) -> torch.Tensor:
-    """Per-layer K RMSNorm then RoPE of ``k`` (float32 ``[N, L, Hk, D]``), written in ``dtype``."""
+def _normed_rotated_keys(call: PrecomputeCall, k: torch.Tensor, prep: PreparedWeights) -> torch.Tensor:
+    """Per-layer K RMSNorm then RoPE of ``k`` (``[N, L, Hk, D]``), in the states' dtype."""
     w = call.weights
     N, R = k.shape[0], w.rotary_dim
-    k = torch.mul(k, _rms_factor(k, prep.eps)).mul_(prep.k_norm)
+    normed = torch.empty(k.shape, dtype=call.dtype)
+    torch.mul(torch.mul(k, _rms_factor(k, prep.eps)), prep.k_norm, out=normed)
     rope = prep.rope.index_select(0, call.positions).view(N, 1, 1, 2 * R)
-    y = k[..., :R]
-    out = torch.empty(k.shape, dtype=dtype)
+    y = normed[..., :R]
+    out = torch.empty(k.shape, dtype=call.dtype)
     torch.addcmul(y * rope[..., :R], _rotate_pairs(y, w.is_neox), rope[..., R:], out=out[..., :R])
     if R < w.head_dim:
-        out[..., R:] = k[..., R:]
+        out[..., R:] = normed[..., R:]
     return out
 
 
@@ -148,17 +154,13 @@ class _Slots:
 
 
 def run_precompute(call: PrecomputeCall):
-    w = call.weights
-    prep = prepared_weights(w)
+    prep = prepared_weights(call.weights)
     kv = _projected(call, prep)
-    k_raw, v = kv[:, :, 0], kv[:, :, 1]
-    fp8 = call.cache_dtype in FP8_DTYPES
-    k = _normed_rotated_keys(call, k_raw, prep, torch.float32 if fp8 else call.dtype)
-    if fp8:
+    k, v = _normed_rotated_keys(call, kv[:, :, 0], prep), kv[:, :, 1]
+    k_store, v_store = k, v
+    if call.is_fp8:
         k_store = _quantized(k, call.cache_dtype, call.k_scales)
         v_store = _quantized(v, call.cache_dtype, call.v_scales)
-    else:
-        k_store, v_store = k, v.to(call.dtype)
     resolved: dict[int, _Slots] = {}
     for layer in call.written_layers:
         mapping = call.slot_mappings[layer]
@@ -167,6 +169,4 @@ def run_precompute(call: PrecomputeCall):
             slots = resolved[id(mapping)] = _Slots(mapping)
         slots.write(call.key_caches[layer], k_store[:, layer])
         slots.write(call.value_caches[layer], v_store[:, layer])
-    if not call.return_kv:
-        return None
-    return k.to(call.dtype).transpose(0, 1), v.to(call.dtype).transpose(0, 1)
+    return (k.transpose(0, 1), v.transpose(0, 1)) if call.return_kv else None
