@@ -1,8 +1,9 @@
 """``dflash-rocm bench``: both operations per backend, against vLLM's unfused sequence
 and the hardware floor.
 
-Each case is timed with device events after a warm-up, as the median of many repeats;
-an L2 flush runs before every timed call and the inputs rotate between two sets, so
+Each case is timed with device events after a warm-up, as the median of many repeats,
+the contenders in turns (one call of each per round, so load that comes and goes on a
+shared machine hits them alike); an L2 flush runs before every timed call and the inputs rotate between two sets, so
 small shapes are not flattered by warm caches. The floor is the time the bytes that
 must move (or the FLOPs that must run) take at the device's peak.
 """
@@ -22,7 +23,7 @@ from .api import draft_attention, precompute_and_store_context_kv
 from .calls import dtype_name
 from .floors import DevicePeak, attention_cost, measure_copy_bandwidth, peak_for, precompute_cost
 from .platform import platform_for
-from .timing import median_seconds
+from .timing import interleaved_median_seconds
 from .unfused import TorchOps, VllmOps, unfused_precompute
 from .validation import attention_call, precompute_call
 from .workloads import SHAPES, DraftShape, attention_inputs, precompute_inputs
@@ -156,9 +157,6 @@ def _flush(device: torch.device):
     return buffer.zero_
 
 
-def _measure(plan: BenchPlan, fns, setup) -> float:
-    return median_seconds(lambda i: fns[i % len(fns)](), plan.device, warmup=plan.warmup,
-                          repeats=plan.repeats, setup=setup)
 
 
 def _row(op, shape, case, name, seconds, cost, floor: _Floor, launches, note="") -> BenchRow:
@@ -242,21 +240,24 @@ def _vllm_cpu_attention(plan: BenchPlan, sets) -> dict:
 
 def _time_contenders(plan, op, shape, case, contenders, cost, floor) -> list[BenchRow]:
     """``contenders`` maps a name to its two rotating calls, or to why it cannot run."""
-    rows = []
-    setup = _flush(plan.device)
+    rows: dict[str, BenchRow] = {}
+    runnable, launches = {}, {}
     for name, fns in contenders.items():
         if isinstance(fns, str):
-            rows.append(BenchRow(op=op, shape=shape.name, case=case, backend=name, note=fns))
+            rows[name] = BenchRow(op=op, shape=shape.name, case=case, backend=name, note=fns)
             continue
         try:
             fns[0]()  # one-time work (derived weights, cache tables, compilation) is not counted
-            launches = count_launches(fns[0]) or None  # 0: ops torch cannot see (vLLM's C++ kernels)
-            seconds = _measure(plan, fns, setup)
+            launches[name] = count_launches(fns[0]) or None  # 0: ops torch cannot see (vLLM's C++ kernels)
+            runnable[name] = lambda i, fns=fns: fns[i % len(fns)]()
         except Exception as exc:  # reported in the table; one failing contender spoils no other row
-            rows.append(BenchRow(op=op, shape=shape.name, case=case, backend=name,
-                                 note=f"ERROR {type(exc).__name__}: {exc}"[:200]))
-            continue
-        rows.append(_row(op, shape, case, name, seconds, cost, floor, launches))
+            rows[name] = BenchRow(op=op, shape=shape.name, case=case, backend=name,
+                                  note=f"ERROR {type(exc).__name__}: {exc}"[:200])
+    seconds = interleaved_median_seconds(runnable, plan.device, warmup=plan.warmup, repeats=plan.repeats,
+                                         setup=_flush(plan.device)) if runnable else {}
+    for name, s in seconds.items():
+        rows[name] = _row(op, shape, case, name, s, cost, floor, launches[name])
+    rows = [rows[name] for name in contenders]
     base = next((r.us for name in ("unfused-vllm", "vllm", "unfused-torch") for r in rows
                  if r.backend == name and r.us), None)
     for r in rows:
