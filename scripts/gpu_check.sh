@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: environment facts, the GPU tests under a time budget,
+# `dflash-rocm bench --vllm` (vLLM with and without the plugin, when vLLM is importable),
 # then `dflash-rocm bench --quick` at real shapes. Logs, JSON, CSV and a plot go to $OUT
 # (default ./gpu-check-out); a short table is printed last, with `dflash-rocm inspect`'s
 # modelled time ("model us") beside every measured one of the modelled backend (rocm on
@@ -19,6 +20,7 @@ DRY=0
 [ "${1:-}" = "--dry" ] && DRY=1
 TEST_BUDGET="${TEST_BUDGET:-300}"   # seconds for pytest
 BENCH_BUDGET="${BENCH_BUDGET:-150}" # seconds for the benchmark
+VLLM_BUDGET="${VLLM_BUDGET:-300}"   # seconds for the end-to-end vLLM comparison (when vLLM is importable)
 
 if [ "$DRY" = 1 ]; then
     export TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES="" HIP_VISIBLE_DEVICES=""
@@ -48,8 +50,22 @@ timeout "$BENCH_BUDGET" "$PY" -m dflash_rocm bench "${BENCH_ARGS[@]}" --quiet --
     --csv "$OUT/bench.csv" --plot "$OUT/bench.png" > "$OUT/bench.txt" 2> "$OUT/bench.err"
 BENCH_RC=$?
 
+echo "== vLLM end to end (budget ${VLLM_BUDGET}s)"
+VLLM_RC=skipped
+if [ "$DRY" = 1 ]; then
+    echo "skipped in --dry (tests/test_bench.py runs bench --vllm --quick on CPU)"
+elif "$PY" -c "import vllm" > /dev/null 2>&1; then
+    timeout "$VLLM_BUDGET" "$PY" -m dflash_rocm bench --vllm --quiet --json "$OUT/bench_vllm.json" \
+        > "$OUT/bench_vllm.txt" 2> "$OUT/bench_vllm.err"
+    VLLM_RC=$?
+else
+    echo "vLLM is not importable: skipped"
+fi
+
 echo "== summary"
 echo "pytest -m $MARK: exit $TEST_RC ($(grep -Eo '[0-9]+ (passed|failed|skipped|error)' "$OUT/pytest.log" | tr '\n' ' '))"
+echo "bench --vllm: $VLLM_RC"
+[ -s "$OUT/bench_vllm.txt" ] && cat "$OUT/bench_vllm.txt"
 echo "bench: exit $BENCH_RC"
 cat "$OUT/bench.txt"
 # A dry run passes when the GPU tests were collected (and skipped: no GPU) and the bench ran.

@@ -98,3 +98,35 @@ def test_bench_host_measures_each_backends_host_work_and_launch_costs(capsys):
     rc = cli.main(["bench", "--host", "--op", "attention", "--backend", "triton", "--repeats", "5"])
     out = capsys.readouterr().out
     assert rc == 0 and "draft_attention" in out and "+ direct us" in out and "needs a GPU" in " ".join(out.split())
+
+
+@pytest.mark.vllm
+def test_bench_times_the_cpu_backend_against_vllms_own_cpu_ops(tmp_path):
+    path = tmp_path / "bench.json"
+    rc = cli.main(["bench", "--backend", "cpu", "--tokens", "4", "--batch", "1", "--context", "24", "--repeats", "1",
+                   "--quiet", "--json", str(path)])
+    assert rc == 0
+    rows = {(r["op"].replace("_and_store_context_kv", ""), r["backend"]): r
+            for r in json.loads(path.read_text())["rows"]}
+    for key in (("precompute", "cpu"), ("precompute", "unfused-vllm"), ("draft_attention", "cpu"),
+                ("draft_attention", "vllm"), ("draft_attention", "cpu (vLLM pages)")):
+        assert rows[key]["us"] > 0, key
+    assert rows[("draft_attention", "vllm")]["speedup_vs_unfused"] == 1.0  # vLLM's kernel is the baseline
+    assert rows[("draft_attention", "cpu")]["speedup_vs_unfused"] > 0
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_bench_vllm_smoke_reports_the_ratios_and_identical_output(tmp_path, capsys):
+    """One short pair end to end (the ratio is reported, not asserted: this is a smoke test)."""
+    path = tmp_path / "e2e.json"
+    rc = cli.main(["bench", "--vllm", "--quick", "--quiet", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert rc == 0 and "generate time plugin/vLLM: median" in out
+    report = json.loads(path.read_text())
+    summary = report["summary"]
+    assert summary["pairs"] == 1 and summary["generate_ratio"] > 0 and summary["outputs_match"]
+    vllm_run, plugin_run = sorted(report["runs"], key=lambda r: r["plugin"])
+    assert vllm_run["served_by"] == {}
+    assert plugin_run["served_by"] == {"precompute_and_store_context_kv/cpu": plugin_run["precompute_calls"]}
+    assert plugin_run["precompute_calls"] > 0 and plugin_run["attention_calls"] > 0

@@ -44,8 +44,9 @@ def test_check_passes_and_reports_every_backend(capsys):
     rows = {(r["op"], r["backend"]): r for r in report["rows"]}
     for op in OPS:
         assert rows[(op, "reference")]["status"] == "ORACLE"
-        assert rows[(op, "triton")]["status"] == "PASS"
-        assert rows[(op, "triton")]["rel_err"] <= rows[(op, "triton")]["tolerance"]
+        for name in ("triton", "cpu"):
+            assert rows[(op, name)]["status"] == "PASS"
+            assert rows[(op, name)]["rel_err"] <= rows[(op, name)]["tolerance"]
         for name in ("rocm", "aiter", "cuda"):
             assert rows[(op, name)]["status"] == "SKIP" and rows[(op, name)]["note"]
 

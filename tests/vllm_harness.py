@@ -6,9 +6,10 @@ import gc
 import os
 from dataclasses import dataclass, field
 
-# Read by vLLM when the engine starts: an in-process engine, 1 GiB of KV cache, no pinning.
-for key, value in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                   "VLLM_CPU_OMP_THREADS_BIND": "nobind", "TOKENIZERS_PARALLELISM": "false"}.items():
+from dflash_rocm.vllm_bench import ENGINE_ENV
+
+# Read by vLLM when the engine starts: an in-process engine, a small KV cache, no pinning.
+for key, value in ENGINE_ENV.items():
     os.environ.setdefault(key, value)
 
 PROMPTS = [[10, 20, 30], [500, 7, 999, 123, 321, 42, 17], [64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75]]
@@ -22,11 +23,12 @@ class Run:
     draft_checks: dict = field(default_factory=dict)
 
 
-def generate(target: str, draft: str | None = None, *, plugin: bool = True, num_speculative_tokens: int = 4,
-             prompts=PROMPTS, max_tokens: int = 20, inspect=None) -> Run:
+def generate(target: str, draft: str | None = None, *, plugin: bool = True, backend: str | None = None,
+             num_speculative_tokens: int = 4, prompts=PROMPTS, max_tokens: int = 20, inspect=None) -> Run:
     """Greedy generation; with ``draft``, DFlash speculative decoding through vLLM's own
-    draft class (``plugin=False``) or dflash_rocm's. ``inspect(drafter_model)`` runs on
-    the live draft model after generation."""
+    draft class (``plugin=False``) or dflash_rocm's, whose ``DFLASH_ROCM_BACKEND`` is
+    ``backend`` (None: auto). ``inspect(drafter_model)`` runs on the live draft model
+    after generation."""
     import dflash_rocm
     from dflash_rocm import vllm_plugin
     from vllm import LLM, SamplingParams
@@ -52,6 +54,9 @@ def generate(target: str, draft: str | None = None, *, plugin: bool = True, num_
         kwargs["speculative_config"] = {"method": "dflash", "model": draft,
                                         "num_speculative_tokens": num_speculative_tokens}
     llm = None
+    previous = os.environ.pop("DFLASH_ROCM_BACKEND", None)
+    if backend is not None:
+        os.environ["DFLASH_ROCM_BACKEND"] = backend
     try:
         llm = LLM(**kwargs)
         dflash_rocm.reset_dispatch_counts()
@@ -65,6 +70,9 @@ def generate(target: str, draft: str | None = None, *, plugin: bool = True, num_
             run.draft_checks = inspect(runner.drafter.model)
         return run
     finally:
+        os.environ.pop("DFLASH_ROCM_BACKEND", None)
+        if previous is not None:
+            os.environ["DFLASH_ROCM_BACKEND"] = previous
         DFlashProposer.propose = original
         del llm
         gc.collect()

@@ -31,7 +31,8 @@ class VllmBackend:
 BACKENDS: tuple[VllmBackend, ...] = (
     VllmBackend("CPU_ATTN", "CPUAttentionBackendImpl",
                 "[B, Hk, bs, 2D]; per (block, head) page K^T [D, bs] then V [bs, D] (ISA vec/vec16); amx packed",
-                "served (strided views); amx pages stay on vLLM"),
+                "precompute served (strided views); attention left to vLLM's faster CPU kernel under auto, "
+                "served when a backend is named; amx pages stay on vLLM"),
     VllmBackend("ROCM_SEGMENTED_ATTN", "RocmSegmentedAttentionImpl", "[B, 2, bs, Hk*D], token-major slots",
                 "served (strided views)"),
     VllmBackend("ROCM_AITER_UNIFIED_ATTN", "RocmAiterUnifiedAttentionImpl",
@@ -87,6 +88,16 @@ def _fp8_dtype(impl) -> torch.dtype:
     return current_platform.fp8_dtype()
 
 
+def cpu_page_views(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's CPU_ATTN cache ``[blocks, Hk, bs, 2D]`` (ISA vec/vec16): per (block, head) page,
+    K stored transposed ``[D, bs]``, then V ``[bs, D]``."""
+    nb, _, bs, _ = kv_cache.shape
+    pages = kv_cache.view(nb, num_kv_heads, 2, bs * head_dim)
+    key = pages[:, :, 0].view(nb, num_kv_heads, head_dim, bs).permute(0, 3, 1, 2)
+    value = pages[:, :, 1].view(nb, num_kv_heads, bs, head_dim).permute(0, 2, 1, 3)
+    return key, value
+
+
 def kv_cache_views(impl, layer, kv_cache: torch.Tensor):
     """``(key, value)`` dflash_rocm caches over this layer's bound tensor, or why not."""
     backend = backend_of(impl)
@@ -104,10 +115,7 @@ def kv_cache_views(impl, layer, kv_cache: torch.Tensor):
         isa = getattr(layer, "isa", None)
         if isa not in _CPU_PLAIN_ISAS:
             return f"vLLM's CPU attention packs its pages for ISA {isa!r} (plain layouts: {', '.join(_CPU_PLAIN_ISAS)})"
-        nb, _, bs, _ = kv_cache.shape
-        pages = kv_cache.view(nb, Hk, 2, bs * D)
-        key = pages[:, :, 0].view(nb, Hk, D, bs).permute(0, 3, 1, 2)
-        value = pages[:, :, 1].view(nb, Hk, bs, D).permute(0, 2, 1, 3)
+        key, value = cpu_page_views(kv_cache, Hk, D)
     elif backend.name == "ROCM_SEGMENTED_ATTN":
         key = kv_cache[:, 0].unflatten(-1, (Hk, D))
         value = kv_cache[:, 1].unflatten(-1, (Hk, D))

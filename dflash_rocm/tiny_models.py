@@ -1,5 +1,8 @@
 """Tiny random models for vLLM's DFlash path on CPU: a Qwen3 target and a DFlash draft.
 
+Written on the fly (a few hundred KB) by the vLLM end-to-end tests and by
+``dflash-rocm bench --vllm``, so neither needs a download.
+
 The target is almost a bigram model (lm_head reads dims 0-63); draft layer 0 makes every
 mask slot attend to the bonus token through a marker direction in low-frequency RoPE
 pairs, so the first proposal is usually next(bonus) and gets accepted, while its other

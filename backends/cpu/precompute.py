@@ -1,0 +1,176 @@
+"""The context-KV precompute on CPU: one GEMM for every layer, a short vectorised epilogue.
+
+Measured on an AVX2 CPU (2 cores, torch 2.13, no AVX512-BF16/AMX): a bf16 or fp16 GEMM
+there runs through torch's slow non-oneDNN path, 4-7x slower than float32 at these sizes,
+so the GEMM runs in float32 from a float32 copy of the weight unless oneDNN has native
+kernels for the dtype (``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` and the fp16
+twin: AVX512-BF16/AMX CPUs), where it runs in the states' dtype.
+
+Values are rounded to the states' dtype where vLLM's own sequence rounds them (the
+normed states, the GEMM's output, the normed keys, RoPE's cos/sin table and output; norm
+statistics and every product in float32), so they track vLLM's to a unit in the last
+place. (Not bit for bit: vLLM's AVX2 CPU kernels truncate float32 to bf16 where torch
+rounds to nearest, so a random draft's near-tied proposals can still differ.)
+
+The epilogue works on all layers at once: K-norm, RoPE written straight into the output
+dtype, then one indexed copy per layer and cache. ``torch.compile`` was measured as an
+alternative: 20 s to compile, then 30% faster at draft sizes (tens of microseconds a
+call), which vLLM's steps do not repay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dflash_rocm.contract import FP8_DTYPES
+from dflash_rocm.derived import DerivedCache
+from dflash_rocm.ops.precompute import PrecomputeCall
+from dflash_rocm.weights import ContextKVWeights
+
+
+
+def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the K/V GEMM runs in for states of ``dtype`` on this CPU."""
+    if dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return dtype
+    if dtype == torch.float16 and torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        return dtype
+    return torch.float32
+
+
+@dataclass(frozen=True)
+class PreparedWeights:
+    weight_t: torch.Tensor  # [H, L*2*Hk*D] in gemm dtype
+    bias: torch.Tensor | None  # [L*2*Hk*D] in gemm dtype
+    hidden_norm: torch.Tensor  # [H] float32
+    k_norm: torch.Tensor  # [1, L, 1, D] float32
+    rope: torch.Tensor  # [max_position, 2R] float32: per position, the factor of k and of rotate(k)
+    eps: torch.Tensor  # float32 scalar
+
+
+def _rope_table(cos_sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
+    """RoPE as ``k * c + rotate(k) * s`` with ``rotate`` swapping each pair: ``c`` repeats
+    cos over both members of a pair, ``s`` carries -sin for the first and +sin for the
+    second (neox pairs ``(i, i + R/2)``, GPT-J pairs ``(2i, 2i + 1)``)."""
+    cos, sin = cos_sin.float().chunk(2, dim=-1)
+    if is_neox:
+        return torch.cat((cos, cos, -sin, sin), dim=-1).contiguous()
+    pairs = lambda a, b: torch.stack((a, b), dim=-1).flatten(-2)  # noqa: E731
+    return torch.cat((pairs(cos, cos), pairs(-sin, sin)), dim=-1).contiguous()
+
+
+def _rotate_pairs(y: torch.Tensor, is_neox: bool) -> torch.Tensor:
+    if is_neox:
+        half = y.shape[-1] // 2
+        return torch.cat((y[..., half:], y[..., :half]), dim=-1)
+    return y.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+
+
+_PREPARED = DerivedCache()
+
+
+def prepared_weights(w: ContextKVWeights) -> PreparedWeights:
+    """The GEMM operand and float32 tables, built once per weights (and after an in-place update)."""
+    def build() -> PreparedWeights:
+        L, D = w.num_layers, w.head_dim
+        dtype = gemm_dtype(w.dtype)
+        return PreparedWeights(
+            weight_t=w.kv_weight.to(dtype).t().contiguous(),
+            bias=None if w.kv_bias is None else w.kv_bias.to(dtype).contiguous(),
+            hidden_norm=w.hidden_norm_weight.float().contiguous(),
+            k_norm=w.k_norm_weight.float().view(1, L, 1, D).contiguous(),
+            # vLLM's rotary kernel reads the table in the activations' dtype.
+            rope=_rope_table(w.cos_sin_cache.to(w.dtype), w.is_neox), eps=torch.tensor(float(w.eps)))
+    sources = (w.kv_weight, w.hidden_norm_weight, w.kv_bias, w.k_norm_weight, w.cos_sin_cache)
+    return _PREPARED.get(sources, (w.is_neox, w.eps, w.num_layers, w.head_dim), build)
+
+
+def _rms_factor(x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """``1 / sqrt(mean(x^2) + eps)`` over the last dim, float32, in three ops."""
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
+    return torch.addcmul(eps, norm, norm, value=1.0 / x.shape[-1]).rsqrt_()
+
+
+def _projected(call: PrecomputeCall, prep: PreparedWeights) -> torch.Tensor:
+    """``rms_norm(x) @ kv_weight.T + kv_bias`` in the states' dtype, ``[N, L, 2, Hk, D]``."""
+    w, x = call.weights, call.states
+    # x * r * w in float32 (type promotion: the caller's states stay untouched), rounded once.
+    normed = torch.mul(x, _rms_factor(x, prep.eps)).mul_(prep.hidden_norm).to(call.dtype)
+    normed = normed.to(prep.weight_t.dtype)
+    if prep.bias is None:
+        kv = torch.mm(normed, prep.weight_t)
+    else:
+        kv = torch.addmm(prep.bias, normed, prep.weight_t)
+    kv = kv.to(call.dtype).view(call.num_tokens, w.num_layers, 2, w.num_kv_heads, w.head_dim)
+    if w.v_scale is not None:
+        kv[:, :, 1] *= w.v_scale
+    return kv
+
+
+def _normed_rotated_keys(call: PrecomputeCall, k: torch.Tensor, prep: PreparedWeights) -> torch.Tensor:
+    """Per-layer K RMSNorm then RoPE of ``k`` (``[N, L, Hk, D]``), in the states' dtype."""
+    w = call.weights
+    N, R = k.shape[0], w.rotary_dim
+    normed = torch.empty(k.shape, dtype=call.dtype)
+    torch.mul(torch.mul(k, _rms_factor(k, prep.eps)), prep.k_norm, out=normed)
+    rope = prep.rope.index_select(0, call.positions).view(N, 1, 1, 2 * R)
+    y = normed[..., :R]
+    out = torch.empty(k.shape, dtype=call.dtype)
+    torch.addcmul(y * rope[..., :R], _rotate_pairs(y, w.is_neox), rope[..., R:], out=out[..., :R])
+    if R < w.head_dim:
+        out[..., R:] = normed[..., R:]
+    return out
+
+
+def _quantized(x: torch.Tensor, dtype: torch.dtype, scales: torch.Tensor) -> torch.Tensor:
+    """``x [N, L, Hk, D] / scale[l]`` saturated into fp8 ``dtype``, as vLLM's cache write stores it."""
+    limit = torch.finfo(dtype).max
+    return (x / scales.view(1, -1, 1, 1)).clamp_(-limit, limit).to(dtype)
+
+
+class _Slots:
+    """One slot mapping resolved once into the rows to keep and, per page size, their
+    targets; shared by the layers that use the same mapping tensor."""
+
+    def __init__(self, slots: torch.Tensor):
+        self.slots = slots.long()
+        self.rows = None
+        if self.slots.numel() and int(self.slots.min()) < 0:
+            self.rows = (self.slots >= 0).nonzero().squeeze(1)
+            self.slots = self.slots.index_select(0, self.rows)
+        self._pages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def write(self, cache: torch.Tensor, values: torch.Tensor) -> None:
+        """``values [N, Hk, D]`` (cache dtype) into ``cache [blocks, bs, Hk, D]`` at the kept slots."""
+        if self.rows is not None:
+            values = values.index_select(0, self.rows)
+        if cache.dtype in FP8_DTYPES:  # torch's indexed copies have no fp8 kernels: move the bytes
+            cache, values = cache.view(torch.uint8), values.view(torch.uint8)
+        bs = cache.shape[1]
+        if cache.stride(0) == bs * cache.stride(1):  # blocks and rows merge: one flat row index
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, self.slots, values)
+            return
+        if bs not in self._pages:
+            self._pages[bs] = (self.slots // bs, self.slots % bs)
+        cache.index_put_(self._pages[bs], values)
+
+
+def run_precompute(call: PrecomputeCall):
+    prep = prepared_weights(call.weights)
+    kv = _projected(call, prep)
+    k, v = _normed_rotated_keys(call, kv[:, :, 0], prep), kv[:, :, 1]
+    k_store, v_store = k, v
+    if call.is_fp8:
+        k_store = _quantized(k, call.cache_dtype, call.k_scales)
+        v_store = _quantized(v, call.cache_dtype, call.v_scales)
+    resolved: dict[int, _Slots] = {}
+    for layer in call.written_layers:
+        mapping = call.slot_mappings[layer]
+        slots = resolved.get(id(mapping))
+        if slots is None:
+            slots = resolved[id(mapping)] = _Slots(mapping)
+        slots.write(call.key_caches[layer], k_store[:, layer])
+        slots.write(call.value_caches[layer], v_store[:, layer])
+    return (k.transpose(0, 1), v.transpose(0, 1)) if call.return_kv else None
