@@ -106,11 +106,3 @@ def simulate_platform(arch: str, compute_units: int | None = None) -> Iterator[P
     finally:
         with _lock:
             _simulated = previous
-
-
-def triton_interpreter_requested() -> bool:
-    """Whether ``TRITON_INTERPRET`` asks for the interpreter now, read as Triton reads it
-    (Triton reads it when kernels are decorated)."""
-    from . import envs
-
-    return envs.TRITON_INTERPRET.value()
