@@ -40,13 +40,12 @@ def merge_chunk(config: AttentionLaunchConfig, block_d: int) -> int:
 def cache_addressing(cache) -> tuple[torch.Tensor, tuple, dict]:
     """(tensor, six strides, pack constexprs) of a plain or packed cache for the kernel. The
     in-pack stride of an axis that is not packed is None (a constexpr, not a launch
-    argument). ``RUN_ALIGN``: a dim-packed cache with aligned 16-byte runs (vLLM's
-    x-packed K) has every key row start a multiple of 16 bytes from an aligned base,
-    which the compiler cannot see from a row stride of 8 elements."""
+    argument). ``RUNS_ALIGNED``: a dim-packed cache with aligned 16-byte runs (vLLM's
+    x-packed K) has every key row start 16-byte aligned, which the compiler cannot see
+    from a row stride of 8 elements; plain caches need no hint."""
     tensor, (s0, s1, s2, s3, s4, s5), rows, dims = packed_layout(cache)
-    run_align = 16 // tensor.element_size() if dims > 1 and aligned_runs(cache) else 1
     strides = (s0, s1, s2 if rows > 1 else None, s3, s4, s5 if dims > 1 else None)
-    return tensor, strides, dict(ROW_PACK=rows, DIM_PACK=dims, RUN_ALIGN=run_align)
+    return tensor, strides, dict(ROW_PACK=rows, DIM_PACK=dims, RUNS_ALIGNED=dims > 1 and aligned_runs(cache))
 
 
 def run_draft_attention(call: AttentionCall, config: AttentionLaunchConfig | None = None) -> None:

@@ -20,9 +20,9 @@ Packed pages (:mod:`dflash_rocm.paged`): K and V are each addressed as the 6-D v
 ``[blocks, bs // R, R, Hk, D // C, C]`` with constexpr pack factors (``K_ROW_PACK``,
 ``K_DIM_PACK``, ``V_ROW_PACK``, ``V_DIM_PACK``). A factor of 1 takes the one-stride path
 and its in-pack stride is passed as ``None`` (a constexpr, not a launch argument), so a
-plain cache compiles to the plain kernel. ``K_RUN_ALIGN``/``V_RUN_ALIGN``: the host checked
-that every key row of a dim-packed cache starts a multiple of that many elements (16 bytes)
-from an aligned base, which lets the compiler load each packed run as one vector.
+plain cache compiles to the plain kernel. ``K_RUNS_ALIGNED``/``V_RUNS_ALIGNED``: the host
+checked that every key row of a dim-packed cache starts 16-byte aligned, which lets the
+compiler load each packed run (16 bytes in vLLM's layout) as one vector.
 """
 
 import triton
@@ -135,13 +135,16 @@ def _merge_rows(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, token, head, row
 
 
 @triton.jit
-def _row_base(head, block, row, stride_b, stride_s, stride_s_in, ROW_PACK: tl.constexpr, RUN_ALIGN: tl.constexpr):
+def _row_base(head, block, row, stride_b, stride_s, stride_s_in, ROW_PACK: tl.constexpr,
+              RUNS_ALIGNED: tl.constexpr):
     """Pointer to the first element of each key row: one 64-bit base per row (block *
-    block stride), everything inside a block 32-bit."""
-    offset = block * stride_b + packed_offset(row, stride_s, stride_s_in, ROW_PACK)
-    if RUN_ALIGN > 1:
-        offset = tl.multiple_of(offset, RUN_ALIGN)
-    return head + offset
+    block stride), everything inside a block 32-bit. ``RUNS_ALIGNED``: the host checked
+    that every row starts 16-byte aligned (the compiler cannot see it from a row stride of
+    8 bf16 elements)."""
+    ptr = head + block * stride_b + packed_offset(row, stride_s, stride_s_in, ROW_PACK)
+    if RUNS_ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)  # bytes
+    return ptr
 
 
 @triton.jit
@@ -150,7 +153,8 @@ def _attend(acc, m_i, l_i, q, qk_scale, pos, k_head, v_head, table, start, seg_h
             stride_vb, stride_vs, stride_vs_in, stride_vd, stride_vd_in, BLOCK_N: tl.constexpr,
             BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
             IS_FP8: tl.constexpr, FP32_MATH: tl.constexpr, K_ROW_PACK: tl.constexpr, K_DIM_PACK: tl.constexpr,
-            V_ROW_PACK: tl.constexpr, V_DIM_PACK: tl.constexpr, K_RUN_ALIGN: tl.constexpr, V_RUN_ALIGN: tl.constexpr):
+            V_ROW_PACK: tl.constexpr, V_DIM_PACK: tl.constexpr, K_RUNS_ALIGNED: tl.constexpr,
+            V_RUNS_ALIGNED: tl.constexpr):
     """One key tile: load K/V through the block table, online-softmax update. ``MASKED``
     only for a tile that reaches past the segment's end (the last one)."""
     j = start + tl.arange(0, BLOCK_N)
@@ -160,10 +164,10 @@ def _attend(acc, m_i, l_i, q, qk_scale, pos, k_head, v_head, table, start, seg_h
     else:
         block = tl.load(table + j // BLOCK_SIZE).to(tl.int64)
     row = j % BLOCK_SIZE
-    k_ptrs = _row_base(k_head, block, row, stride_kb, stride_ks, stride_ks_in, K_ROW_PACK, K_RUN_ALIGN)[:, None] \
-        + packed_offset(d, stride_kd, stride_kd_in, K_DIM_PACK)[None, :]
-    v_ptrs = _row_base(v_head, block, row, stride_vb, stride_vs, stride_vs_in, V_ROW_PACK, V_RUN_ALIGN)[:, None] \
-        + packed_offset(d, stride_vd, stride_vd_in, V_DIM_PACK)[None, :]
+    k_ptrs = (_row_base(k_head, block, row, stride_kb, stride_ks, stride_ks_in, K_ROW_PACK, K_RUNS_ALIGNED)[:, None]
+              + packed_offset(d, stride_kd, stride_kd_in, K_DIM_PACK)[None, :])
+    v_ptrs = (_row_base(v_head, block, row, stride_vb, stride_vs, stride_vs_in, V_ROW_PACK, V_RUNS_ALIGNED)[:, None]
+              + packed_offset(d, stride_vd, stride_vd_in, V_DIM_PACK)[None, :])
     if MASKED:
         kv_mask = j_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
@@ -212,7 +216,7 @@ def draft_attention_kernel(
     ONE_TILE: tl.constexpr, SPLIT: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, MERGE_CHUNK: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, IS_FP8: tl.constexpr,
     FP32_MATH: tl.constexpr, K_ROW_PACK: tl.constexpr, K_DIM_PACK: tl.constexpr, V_ROW_PACK: tl.constexpr,
-    V_DIM_PACK: tl.constexpr, K_RUN_ALIGN: tl.constexpr, V_RUN_ALIGN: tl.constexpr,
+    V_DIM_PACK: tl.constexpr, K_RUNS_ALIGNED: tl.constexpr, V_RUNS_ALIGNED: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -257,14 +261,14 @@ def draft_attention_kernel(
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, qk_scale, pos, k_head, v_head, table, start, seg_hi, window, d,
                                 d_ok, stride_kb, stride_ks, stride_ks_in, stride_kd, stride_kd_in, stride_vb, stride_vs,
                                 stride_vs_in, stride_vd, stride_vd_in, BLOCK_N, BLOCK_SIZE, False, CAUSAL, HAS_WINDOW,
-                                IS_FP8, FP32_MATH, K_ROW_PACK, K_DIM_PACK, V_ROW_PACK, V_DIM_PACK, K_RUN_ALIGN,
-                                V_RUN_ALIGN)
+                                IS_FP8, FP32_MATH, K_ROW_PACK, K_DIM_PACK, V_ROW_PACK, V_DIM_PACK, K_RUNS_ALIGNED,
+                                V_RUNS_ALIGNED)
     if full_hi < seg_hi:
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, qk_scale, pos, k_head, v_head, table, full_hi, seg_hi, window, d,
                                 d_ok, stride_kb, stride_ks, stride_ks_in, stride_kd, stride_kd_in, stride_vb, stride_vs,
                                 stride_vs_in, stride_vd, stride_vd_in, BLOCK_N, BLOCK_SIZE, True, CAUSAL, HAS_WINDOW,
-                                IS_FP8, FP32_MATH, K_ROW_PACK, K_DIM_PACK, V_ROW_PACK, V_DIM_PACK, K_RUN_ALIGN,
-                                V_RUN_ALIGN)
+                                IS_FP8, FP32_MATH, K_ROW_PACK, K_DIM_PACK, V_ROW_PACK, V_DIM_PACK, K_RUNS_ALIGNED,
+                                V_RUNS_ALIGNED)
 
     mask = row_ok[:, None] & d_ok[None, :]
     if active == 1:
