@@ -66,6 +66,16 @@ def _round_to_fp8_grid(x, MIN_EXP: tl.constexpr):
 
 
 @triton.jit
+def _table_offset(i, strides, PACK: tl.constexpr):
+    """Offset of index ``i`` along a cache axis packed by ``PACK`` whose stride and in-pack
+    stride the table holds at ``strides`` (the latter read only when packed)."""
+    if PACK == 1:
+        return i * tl.load(strides)
+    else:
+        return packed_offset(i, tl.load(strides), tl.load(strides + 1), PACK)
+
+
+@triton.jit
 def _store_cols(value, t, t_ok, layer, kind, kv_head, dim, dim_ok, N, meta_ptr, slots_ptr, stride_slot_layer,
                 k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, HK: tl.constexpr, D: tl.constexpr,
                 IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, CACHE_DTYPE: tl.constexpr,
@@ -87,11 +97,8 @@ def _store_cols(value, t, t_ok, layer, kind, kv_head, dim, dim_ok, N, meta_ptr, 
             block_size = block_size.to(tl.int32)
         block = slots // block_size
         strides = meta + 4 + 6 * kind  # [block, row, row in pack, head, dim, dim in pack]
-        if ROW_PACK == 1:
-            row = (slots - block * block_size) * tl.load(strides + 1)
-        else:
-            row = packed_offset(slots - block * block_size, tl.load(strides + 1), tl.load(strides + 2), ROW_PACK)
-        row_base = block.to(tl.int64) * tl.load(strides) + row + kv_head * tl.load(strides + 3)
+        row_base = block.to(tl.int64) * tl.load(strides) + _table_offset(slots - block * block_size, strides + 1,
+                                                                         ROW_PACK) + kv_head * tl.load(strides + 3)
         base = tl.load(meta + kind).to(tl.pointer_type(CACHE_DTYPE))
         stored = value
         if IS_FP8:
@@ -107,11 +114,8 @@ def _store_cols(value, t, t_ok, layer, kind, kv_head, dim, dim_ok, N, meta_ptr, 
         elif ALIGNED:  # every pack of DIM_PACK dims is contiguous and starts 16-byte aligned
             dims = packed_offset(dim, tl.load(strides + 4), 1, DIM_PACK)
             ptrs = tl.multiple_of(base + row_base[:, None] + dims[None, :], [16, 16])
-        elif DIM_PACK == 1:
-            ptrs = base + row_base[:, None] + dim[None, :] * tl.load(strides + 4)
         else:
-            ptrs = base + row_base[:, None] + packed_offset(dim, tl.load(strides + 4), tl.load(strides + 5),
-                                                            DIM_PACK)[None, :]
+            ptrs = base + row_base[:, None] + _table_offset(dim, strides + 4, DIM_PACK)[None, :]
         tl.store(ptrs, stored.to(CACHE_DTYPE), mask=ok[:, None] & dim_ok[None, :])
     if RETURN_KV:
         out = ((layer * N + t.to(tl.int64))[:, None] * HK + kv_head) * D + dim[None, :]
