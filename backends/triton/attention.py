@@ -10,7 +10,7 @@ from dflash_rocm.ops.attention import AttentionCall
 from dflash_rocm.platform import Platform, platform_for
 
 from .attention_kernels import draft_attention_kernel, merge_segments_kernel
-from .common import aligned_runs, fp32_math, next_pow2, packed_layout
+from .common import fp32_math, next_pow2, packed_layout
 from .counters import arrival_counters
 from .launch import launch
 from .launch_config import AttentionLaunchConfig, default_attention_config
@@ -37,15 +37,28 @@ def merge_chunk(config: AttentionLaunchConfig, block_d: int) -> int:
     chunk = 64 * config.num_warps * 32 // (config.block_m * block_d)
     return max(1, min(4, 1 << max(0, chunk.bit_length() - 1)))
 
-def cache_addressing(cache) -> tuple[torch.Tensor, tuple, dict]:
-    """(tensor, six strides, pack constexprs) of a plain or packed cache for the kernel. The
-    in-pack stride of an axis that is not packed is None (a constexpr, not a launch
-    argument). ``RUNS_ALIGNED``: a dim-packed cache with aligned 16-byte runs (vLLM's
-    x-packed K) has every key row start 16-byte aligned, which the compiler cannot see
-    from a row stride of 8 elements; plain caches need no hint."""
+def stride_unit(cache) -> int:
+    """The unit, in elements, of the strides the kernel takes for ``cache`` (see
+    ``attention_kernels``): 16 bytes for a cache packed along one axis into contiguous
+    runs of whole 16-byte units at 16-byte aligned offsets (vLLM's ROCM_ATTN pages: x-packed
+    K, interleaved V), so that the compiler can prove each run aligned; else 1."""
     tensor, (s0, s1, s2, s3, s4, s5), rows, dims = packed_layout(cache)
-    strides = (s0, s1, s2 if rows > 1 else None, s3, s4, s5 if dims > 1 else None)
-    return tensor, strides, dict(ROW_PACK=rows, DIM_PACK=dims, RUNS_ALIGNED=dims > 1 and aligned_runs(cache))
+    if (rows > 1) == (dims > 1):  # plain, or packed both ways
+        return 1
+    unit = 16 // tensor.element_size()
+    pack, in_pack = (rows, s2) if rows > 1 else (dims, s5)
+    aligned = in_pack == 1 and pack % unit == 0 and tensor.data_ptr() % 16 == 0
+    return unit if aligned and all(s % unit == 0 for s in (s0, s1, s3, s4)) else 1
+
+
+def cache_addressing(cache) -> tuple[torch.Tensor, tuple, dict]:
+    """(tensor, six strides, constexprs) of a plain or packed cache for the kernel: the
+    in-pack stride of an axis that is not packed is None (a constexpr, not a launch
+    argument); the block, row and dim strides come in units of ``UNIT`` elements."""
+    tensor, (s0, s1, s2, s3, s4, s5), rows, dims = packed_layout(cache)
+    unit = stride_unit(cache)
+    strides = (s0 // unit, s1 // unit, s2 if rows > 1 else None, s3, s4 // unit, s5 if dims > 1 else None)
+    return tensor, strides, dict(ROW_PACK=rows, DIM_PACK=dims, UNIT=unit)
 
 
 def run_draft_attention(call: AttentionCall, config: AttentionLaunchConfig | None = None) -> None:

@@ -20,9 +20,12 @@ Packed pages (:mod:`dflash_rocm.paged`): K and V are each addressed as the 6-D v
 ``[blocks, bs // R, R, Hk, D // C, C]`` with constexpr pack factors (``K_ROW_PACK``,
 ``K_DIM_PACK``, ``V_ROW_PACK``, ``V_DIM_PACK``). A factor of 1 takes the one-stride path
 and its in-pack stride is passed as ``None`` (a constexpr, not a launch argument), so a
-plain cache compiles to the plain kernel. ``K_RUNS_ALIGNED``/``V_RUNS_ALIGNED``: the host
-checked that every key row of a dim-packed cache starts 16-byte aligned, which lets the
-compiler load each packed run (16 bytes in vLLM's layout) as one vector.
+plain cache compiles to the plain kernel. ``K_UNIT``/``V_UNIT``: a packed cache whose packs
+are contiguous 16-byte runs at 16-byte aligned offsets (vLLM's ROCM_ATTN pages) has its
+other strides passed in 16-byte units (``UNIT`` elements) and scaled back in the kernel:
+the compiler then proves every run aligned and loads it as one vector, which it cannot
+from a bf16 row stride of 8 elements (a ``multiple_of`` hint would not survive the AMD
+backend's rewrite of the offsets into buffer loads). 1 = strides in elements.
 """
 
 import triton
@@ -135,16 +138,31 @@ def _merge_rows(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, token, head, row
 
 
 @triton.jit
-def _row_base(head, block, row, stride_b, stride_s, stride_s_in, ROW_PACK: tl.constexpr,
-              RUNS_ALIGNED: tl.constexpr):
-    """Pointer to the first element of each key row: one 64-bit base per row (block *
-    block stride), everything inside a block 32-bit. ``RUNS_ALIGNED``: the host checked
-    that every row starts 16-byte aligned (the compiler cannot see it from a row stride of
-    8 bf16 elements)."""
-    ptr = head + block * stride_b + packed_offset(row, stride_s, stride_s_in, ROW_PACK)
-    if RUNS_ALIGNED:
-        ptr = tl.multiple_of(ptr, 16)  # bytes
-    return ptr
+def _row_base(head, block, j, row, stride_b, stride_s, stride_s_in, BLOCK_SIZE: tl.constexpr,
+              ROW_PACK: tl.constexpr, UNIT: tl.constexpr):
+    """Pointer to the first element of key ``j`` (row ``row`` of its block): one 64-bit base
+    per row (block * block stride), everything inside a block 32-bit. Packed rows are
+    split from ``j`` itself (the pack divides the block size), so the compiler sees runs
+    of ``ROW_PACK`` contiguous rows. ``UNIT``: the strides but the in-pack one come in
+    units of ``UNIT`` elements (16 bytes, see the module docstring)."""
+    if ROW_PACK == 1 and UNIT == 1:
+        return head + block * stride_b + row * stride_s
+    elif ROW_PACK == 1:
+        return head + (block * stride_b + row * stride_s) * UNIT
+    else:
+        outer = j // ROW_PACK % (BLOCK_SIZE // ROW_PACK)
+        return head + (block * stride_b + outer * stride_s) * UNIT + (j % ROW_PACK) * stride_s_in
+
+
+@triton.jit
+def _dim_offset(d, stride_d, stride_d_in, DIM_PACK: tl.constexpr, UNIT: tl.constexpr):
+    """Offset of head dim ``d`` (see :func:`_row_base` for ``UNIT``)."""
+    if UNIT == 1:
+        return packed_offset(d, stride_d, stride_d_in, DIM_PACK)
+    elif DIM_PACK == 1:
+        return d * stride_d * UNIT
+    else:
+        return (d // DIM_PACK) * stride_d * UNIT + (d % DIM_PACK) * stride_d_in
 
 
 @triton.jit
@@ -153,8 +171,8 @@ def _attend(acc, m_i, l_i, q, qk_scale, pos, k_head, v_head, table, start, seg_h
             stride_vb, stride_vs, stride_vs_in, stride_vd, stride_vd_in, BLOCK_N: tl.constexpr,
             BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
             IS_FP8: tl.constexpr, FP32_MATH: tl.constexpr, K_ROW_PACK: tl.constexpr, K_DIM_PACK: tl.constexpr,
-            V_ROW_PACK: tl.constexpr, V_DIM_PACK: tl.constexpr, K_RUNS_ALIGNED: tl.constexpr,
-            V_RUNS_ALIGNED: tl.constexpr):
+            V_ROW_PACK: tl.constexpr, V_DIM_PACK: tl.constexpr, K_UNIT: tl.constexpr,
+            V_UNIT: tl.constexpr):
     """One key tile: load K/V through the block table, online-softmax update. ``MASKED``
     only for a tile that reaches past the segment's end (the last one)."""
     j = start + tl.arange(0, BLOCK_N)
@@ -164,10 +182,10 @@ def _attend(acc, m_i, l_i, q, qk_scale, pos, k_head, v_head, table, start, seg_h
     else:
         block = tl.load(table + j // BLOCK_SIZE).to(tl.int64)
     row = j % BLOCK_SIZE
-    k_ptrs = (_row_base(k_head, block, row, stride_kb, stride_ks, stride_ks_in, K_ROW_PACK, K_RUNS_ALIGNED)[:, None]
-              + packed_offset(d, stride_kd, stride_kd_in, K_DIM_PACK)[None, :])
-    v_ptrs = (_row_base(v_head, block, row, stride_vb, stride_vs, stride_vs_in, V_ROW_PACK, V_RUNS_ALIGNED)[:, None]
-              + packed_offset(d, stride_vd, stride_vd_in, V_DIM_PACK)[None, :])
+    k_rows = _row_base(k_head, block, j, row, stride_kb, stride_ks, stride_ks_in, BLOCK_SIZE, K_ROW_PACK, K_UNIT)
+    k_ptrs = k_rows[:, None] + _dim_offset(d, stride_kd, stride_kd_in, K_DIM_PACK, K_UNIT)[None, :]
+    v_rows = _row_base(v_head, block, j, row, stride_vb, stride_vs, stride_vs_in, BLOCK_SIZE, V_ROW_PACK, V_UNIT)
+    v_ptrs = v_rows[:, None] + _dim_offset(d, stride_vd, stride_vd_in, V_DIM_PACK, V_UNIT)[None, :]
     if MASKED:
         kv_mask = j_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
@@ -216,7 +234,7 @@ def draft_attention_kernel(
     ONE_TILE: tl.constexpr, SPLIT: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, MERGE_CHUNK: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, IS_FP8: tl.constexpr,
     FP32_MATH: tl.constexpr, K_ROW_PACK: tl.constexpr, K_DIM_PACK: tl.constexpr, V_ROW_PACK: tl.constexpr,
-    V_DIM_PACK: tl.constexpr, K_RUNS_ALIGNED: tl.constexpr, V_RUNS_ALIGNED: tl.constexpr,
+    V_DIM_PACK: tl.constexpr, K_UNIT: tl.constexpr, V_UNIT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -261,14 +279,14 @@ def draft_attention_kernel(
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, qk_scale, pos, k_head, v_head, table, start, seg_hi, window, d,
                                 d_ok, stride_kb, stride_ks, stride_ks_in, stride_kd, stride_kd_in, stride_vb, stride_vs,
                                 stride_vs_in, stride_vd, stride_vd_in, BLOCK_N, BLOCK_SIZE, False, CAUSAL, HAS_WINDOW,
-                                IS_FP8, FP32_MATH, K_ROW_PACK, K_DIM_PACK, V_ROW_PACK, V_DIM_PACK, K_RUNS_ALIGNED,
-                                V_RUNS_ALIGNED)
+                                IS_FP8, FP32_MATH, K_ROW_PACK, K_DIM_PACK, V_ROW_PACK, V_DIM_PACK, K_UNIT,
+                                V_UNIT)
     if full_hi < seg_hi:
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, qk_scale, pos, k_head, v_head, table, full_hi, seg_hi, window, d,
                                 d_ok, stride_kb, stride_ks, stride_ks_in, stride_kd, stride_kd_in, stride_vb, stride_vs,
                                 stride_vs_in, stride_vd, stride_vd_in, BLOCK_N, BLOCK_SIZE, True, CAUSAL, HAS_WINDOW,
-                                IS_FP8, FP32_MATH, K_ROW_PACK, K_DIM_PACK, V_ROW_PACK, V_DIM_PACK, K_RUNS_ALIGNED,
-                                V_RUNS_ALIGNED)
+                                IS_FP8, FP32_MATH, K_ROW_PACK, K_DIM_PACK, V_ROW_PACK, V_DIM_PACK, K_UNIT,
+                                V_UNIT)
 
     mask = row_ok[:, None] & d_ok[None, :]
     if active == 1:

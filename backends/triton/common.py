@@ -51,19 +51,6 @@ def packed_layout(cache: torch.Tensor | PackedCache) -> tuple[torch.Tensor, tupl
     return cache, (s0, s1, 0, s2, s3, 0), 1, 1
 
 
-def aligned_runs(cache: torch.Tensor | PackedCache) -> bool:
-    """Whether the cache stores each row's head dim in contiguous runs (all of it, or each
-    pack of ``C`` dims: vLLM's x-packed K) of whole 16-byte units that start 16-byte
-    aligned (base address and every stride but the run's a multiple of 16 bytes): such a
-    run loads or stores as vectors."""
-    tensor, (s0, s1, s2, s3, s4, s5), rows, dims = packed_layout(cache)
-    size = tensor.element_size()
-    run_stride, outer = (s5, (s0, s1, s3, s4)) if dims > 1 else (s4, (s0, s1, s3))
-    outer += (s2,) if rows > 1 else ()
-    return (run_stride == 1 and tensor.data_ptr() % 16 == 0 and (dims == 1 or dims * size % 16 == 0)
-            and all(s * size % 16 == 0 for s in outer))
-
-
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 

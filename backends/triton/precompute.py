@@ -12,10 +12,11 @@ import torch
 
 from dflash_rocm.derived import DerivedCache
 from dflash_rocm.ops.precompute import PrecomputeCall
+from dflash_rocm.paged import PackedCache
 from dflash_rocm.platform import Platform, platform_for
 from dflash_rocm.weights import ContextKVWeights
 
-from .common import INTERPRETING, TL_DTYPES, aligned_runs, fp32_math, next_pow2, packed_layout
+from .common import INTERPRETING, TL_DTYPES, fp32_math, next_pow2, packed_layout
 from .counters import arrival_counters
 from .launch import launch
 from .launch_config import PrecomputeLaunchConfig, default_precompute_config
@@ -131,6 +132,19 @@ def precompute_config_for(call: PrecomputeCall, platform: Platform | None = None
     return default_precompute_config(platform or platform_for(call.device), num_tokens=call.num_tokens,
                                      hidden=w.hidden_size, num_heads_total=2 * w.num_layers * w.num_kv_heads,
                                      head_dim=w.head_dim)
+
+
+def aligned_runs(cache: torch.Tensor | PackedCache) -> bool:
+    """Whether the cache stores each row's head dim in contiguous runs (all of it, or each
+    pack of ``C`` dims: vLLM's x-packed K) of whole 16-byte units that start 16-byte
+    aligned (base address and every stride but the run's a multiple of 16 bytes): such a
+    run loads or stores as vectors."""
+    tensor, (s0, s1, s2, s3, s4, s5), rows, dims = packed_layout(cache)
+    size = tensor.element_size()
+    run_stride, outer = (s5, (s0, s1, s3, s4)) if dims > 1 else (s4, (s0, s1, s3))
+    outer += (s2,) if rows > 1 else ()
+    return (run_stride == 1 and tensor.data_ptr() % 16 == 0 and (dims == 1 or dims * size % 16 == 0)
+            and all(s * size % 16 == 0 for s in outer))
 
 
 def slots_fit_int32(call: PrecomputeCall) -> bool:
