@@ -197,7 +197,8 @@ def test_the_precompute_writes_the_bytes_vllms_writer_writes(backend, arch, case
         assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
         return
     assert (ours.view(torch.uint8) != theirs.view(torch.uint8)).sum() <= 2 * HK * D * int((slots >= 0).sum())
-    for mine, vllms in zip(vllm_logical(writer, ours, cache_dtype, fp8), vllm_logical(writer, theirs, cache_dtype, fp8)):
+    theirs_kv = vllm_logical(writer, theirs, cache_dtype, fp8)
+    for mine, vllms in zip(vllm_logical(writer, ours, cache_dtype, fp8), theirs_kv):
         mine, vllms = mine.float(), vllms.float()
         assert ((mine - vllms).abs() <= fp8_step(torch.maximum(mine.abs(), vllms.abs()), fp8)).all()
         assert (mine != 0).sum() >= 0.9 * HK * D * int((slots >= 0).sum())  # the slots were written

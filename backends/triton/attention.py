@@ -37,6 +37,7 @@ def merge_chunk(config: AttentionLaunchConfig, block_d: int) -> int:
     chunk = 64 * config.num_warps * 32 // (config.block_m * block_d)
     return max(1, min(4, 1 << max(0, chunk.bit_length() - 1)))
 
+
 def stride_unit(cache) -> int:
     """The unit, in elements, of the strides the kernel takes for ``cache`` (see
     ``attention_kernels``): 16 bytes for a cache packed along one axis into contiguous

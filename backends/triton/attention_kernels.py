@@ -148,10 +148,10 @@ def _row_base(head, block, j, row, stride_b, stride_s, stride_s_in, BLOCK_SIZE: 
     if ROW_PACK == 1 and UNIT == 1:
         return head + block * stride_b + row * stride_s
     elif ROW_PACK == 1:
-        return head + (block * stride_b + row * stride_s) * UNIT
+        return head + block * stride_b * UNIT + row * stride_s * UNIT
     else:
         outer = j // ROW_PACK % (BLOCK_SIZE // ROW_PACK)
-        return head + (block * stride_b + outer * stride_s) * UNIT + (j % ROW_PACK) * stride_s_in
+        return head + block * stride_b * UNIT + (outer * stride_s * UNIT + (j % ROW_PACK) * stride_s_in)
 
 
 @triton.jit

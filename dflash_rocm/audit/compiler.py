@@ -81,7 +81,8 @@ def specialise(launch: CapturedLaunch, target: Target) -> Specialisation:
         if signature[param.name] == "constexpr":  # an int equal to 1, or None (an unused packed-page stride)
             flags[param.name] = "none" if launch.arg(param.name) is None else "=1"
         else:
-            flags[param.name] = ("D" if "tt.divisibility" in found else "") + ("S" if "tt.pointer_range" in found else "")
+            flags[param.name] = ("D" if "tt.divisibility" in found else "") + \
+                ("S" if "tt.pointer_range" in found else "")
     ident = json.dumps([kernel.cache_key, target.arch, signature, sorted(map(repr, constexprs.items())),
                         sorted(map(repr, attrs.items())), sorted(map(repr, options.items())),
                         triton.__version__, FACTS_VERSION], default=repr)

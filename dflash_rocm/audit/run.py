@@ -69,8 +69,9 @@ class CaseResult:
     def as_dict(self) -> dict:
         c = self.case
         return {"target": self.target.arch, "part": self.target.peak.name, "op": c.op, "shape": c.shape.name,
-                "kv": "fp8" if c.fp8 else "bf16", "packing": c.packing, "batch": c.batch, "context": c.context, "table_span": c.table_span,
-                "tokens": c.tokens, "cache": self.cache_variant, "label": c.label, "config_name": self.config_name,
+                "kv": "fp8" if c.fp8 else "bf16", "packing": c.packing, "batch": c.batch, "context": c.context,
+                "table_span": c.table_span, "tokens": c.tokens, "cache": self.cache_variant, "label": c.label,
+                "config_name": self.config_name,
                 "config": self.config, "skipped": self.skipped, "floor_bytes": c.cost().bytes,
                 "floor_us": self.floor_s * 1e6,
                 "modelled_us": None if self.modelled_s is None else self.modelled_s * 1e6,
