@@ -307,7 +307,8 @@ def cmd_inspect(args) -> int:
                          batches=tuple(args.batch or run.sweep.ATTENTION_BATCHES),
                          contexts=tuple(args.context or run.sweep.ATTENTION_CONTEXTS),
                          tokens=tuple(args.tokens or run.sweep.PRECOMPUTE_TOKENS),
-                         extras=not (args.batch or args.context))
+                         extras=not (args.batch or args.context),
+                         packed=not (args.batch or args.context or args.tokens))
     cache = FactsCache(None if args.no_cache else (args.cache_dir or default_cache_dir()))
     audit = run.run_audit(plan, cache, jobs=args.jobs, progress=None if args.quiet else _progress_bar)
     if args.json != "-" and args.csv != "-":

@@ -62,7 +62,7 @@ def variants():
     from dflash_rocm.backends.triton.precompute import run_precompute
     from dflash_rocm.platform import simulate_platform
     from dflash_rocm.ops.attention import attention_call
-from dflash_rocm.ops.precompute import precompute_call
+    from dflash_rocm.ops.precompute import precompute_call
     from strategies import make_generator, make_weights
     from test_triton_backend import paged
 
@@ -114,6 +114,50 @@ from dflash_rocm.ops.precompute import precompute_call
             if split > 1 and not fp8:  # the parts summed by a second launch (no free arrival counters)
                 out.append((f"precompute {dtype} fp8={fp8} neox={neox} split_k={split} second launch", arch,
                             lambda c=call, cfg=config: _without_counters(run_precompute, c, cfg)))
+        if arch.startswith("gfx"):
+            out += packed_variants(arch, fp8_of.get(arch))
+    return out
+
+
+def packed_variants(arch, fp8_dtype):
+    """vLLM ROCM_ATTN's packed pages (x-packed K, plain or interleaved V; bf16 and fp8 where
+    the target converts it): every kernel once, merges and the split epilogue included."""
+    from dflash_rocm.backends import rocm
+    from dflash_rocm.backends.rocm import tables
+    from dflash_rocm.backends.triton.attention import run_draft_attention
+    from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig, PrecomputeLaunchConfig
+    from dflash_rocm.backends.triton.precompute import run_precompute
+    from dflash_rocm.ops.attention import attention_call
+    from dflash_rocm.ops.precompute import precompute_call
+    from dflash_rocm.platform import simulate_platform
+    from strategies import make_generator, make_weights, pack_caches
+    from test_triton_backend import paged
+
+    out = []
+    for packing in ("rocm_attn", "rocm_attn_interleaved_v"):
+        for cache_dtype in (torch.bfloat16, fp8_dtype):
+            if cache_dtype is None:
+                continue
+            fp8 = cache_dtype != torch.bfloat16
+            args = list(paged([600], [16], Hk=2, G=4, D=128, block_size=16, dtype=torch.bfloat16))
+            args[1], args[2] = pack_caches(args[1].to(cache_dtype), args[2].to(cache_dtype), packing)
+            call = attention_call(*args)
+            with simulate_platform(arch):
+                _, config = rocm.attention_config(call)
+            config = AttentionLaunchConfig(**{**config.as_dict(), "num_segments": max(2, config.num_segments),
+                                              "merge_in_kernel": False})
+            out.append((f"attention {packing} fp8={fp8}", arch, lambda c=call, cfg=config: run_draft_attention(c, cfg)))
+            w = make_weights(make_generator(0, "cpu"), "cpu", L=2, Hk=2, D=128, H=256, R=128, is_neox=True, bias=False,
+                             v_scale=None, dtype=torch.bfloat16)
+            caches = [pack_caches(torch.zeros(4, 16, 2, 128, dtype=cache_dtype),
+                                  torch.zeros(4, 16, 2, 128, dtype=cache_dtype), packing) for _ in range(2)]
+            call = precompute_call(torch.randn(20, 256).to(torch.bfloat16), torch.arange(20), w,
+                                   [k for k, _ in caches], [v for _, v in caches], torch.arange(20),
+                                   k_scales=[1.0, 1.0] if fp8 else None, v_scales=[1.0, 1.0] if fp8 else None)
+            config = tables.precompute_config(arch, num_tokens=20, hidden=256, num_heads_total=8, head_dim=128)
+            config = PrecomputeLaunchConfig(**{**config.as_dict(), "split_k": 2})
+            out.append((f"precompute {packing} fp8={fp8} split_k=2 second launch", arch,
+                        lambda c=call, cfg=config: _without_counters(run_precompute, c, cfg)))
     return out
 
 

@@ -36,6 +36,12 @@ def test_kernels_compile_for_every_gpu_target():
                 "context_kv_split_epilogue_kernel"}
     assert set(kernels) == {"sm_90", "gfx942", "gfx950", "gfx1100", "gfx1201"}
     assert all(k == expected for k in kernels.values()), dict(kernels)
+    packed = defaultdict(set)  # vLLM ROCM_ATTN's packed pages, on every AMD target
+    for r in records:
+        if "rocm_attn" in r["variant"]:
+            packed[r["arch"]].add(r["kernel"])
+    assert set(packed) == {"gfx942", "gfx950", "gfx1100", "gfx1201"}
+    assert all(k == expected for k in packed.values()), dict(packed)
     # CDNA attention asks for 16x16 MFMA tiles; no table pads registers with waves_per_eu any more.
     assert all(r["options"].get("matrix_instr_nonkdim") == 16 for r in records
                if r["arch"] in ("gfx942", "gfx950") and r["kernel"] == "draft_attention_kernel")

@@ -263,15 +263,32 @@ def test_precompute_runs_at_least_four_waves_per_simd_on_gfx942(audit):
 @pytest.mark.slow
 def test_compiled_variants_per_kernel_and_architecture_are_bounded(audit):
     """Segment and split counts are runtime arguments (powers of two), so over the whole
-    sweep a kernel compiles once per KV dtype, merge mode and the argument attributes
-    (cache under/over 2 GiB, a batch of 1, 16-divisible strides): a few, not one per
-    segment count (the portable table once picked any of 1..33, each a JIT compile)."""
+    sweep a kernel compiles once per KV dtype, page layout, merge mode and the argument
+    attributes (cache under/over 2 GiB, a batch of 1, 16-divisible strides): a few, not one
+    per segment count (the portable table once picked any of 1..33, each a JIT compile)."""
     constexprs, variants = defaultdict(set), defaultdict(set)
     for case, launch in _launches(audit, archs=tuple(TARGETS)):
-        constexprs[(case["target"], launch["kernel"], case["kv"])].add(json.dumps(launch["constexprs"], sort_keys=True))
+        key = (case["target"], launch["kernel"], case["kv"], case["packing"])
+        constexprs[key].add(json.dumps(launch["constexprs"], sort_keys=True))
         variants[(case["target"], launch["kernel"])].add(launch["specialisation"])
     assert constexprs and max(len(v) for v in constexprs.values()) <= 4, {k: len(v) for k, v in constexprs.items()}
     assert max(len(v) for v in variants.values()) <= 24, {k: len(v) for k, v in variants.items()}
+
+
+@pytest.mark.slow
+def test_packed_pages_compile_on_every_amd_target_and_load_whole_runs(audit):
+    """vLLM ROCM_ATTN's packed pages (x-packed K, plain or interleaved V) are compiled on the
+    AMD targets only, and the attention's hot loop loads them as vectors, never element by
+    element: the strides in 16-byte units let the compiler prove each packed run aligned."""
+    packed = [(c, launch) for c, launch in _launches(audit, archs=tuple(TARGETS)) if c["packing"] != "plain"]
+    assert {c["target"] for c, _ in packed} == {"gfx942", "gfx950", "gfx1100", "gfx1201"}
+    assert {launch["kernel"] for _, launch in packed} >= {"draft_attention_kernel", "context_kv_kernel"}
+    for c, launch in packed:
+        if launch["kernel"] == "draft_attention_kernel":
+            assert launch["constexprs"]["K_UNIT"] > 1 and launch["constexprs"]["K_DIM_PACK"] > 1, c["label"]
+            assert launch["flags"]["stride_ks_in"] == "none"  # x-packed K packs dims only: no row stride passed
+            widths = launch["facts"]["hot_loop"]["load_widths"]  # bytes -> instructions; 4: the block table
+            assert min(map(int, widths)) >= 4, (c["target"], c["label"], widths)
 
 
 @pytest.mark.slow

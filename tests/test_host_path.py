@@ -79,6 +79,36 @@ def test_default_calls_make_no_host_reads(device_mode_checks, backend):
         assert recorded(lambda: dflash_rocm.precompute_and_store_context_kv(**p, backend=backend)) == []
 
 
+@needs_interpreter
+@pytest.mark.parametrize("backend", ["triton", "rocm"])
+@pytest.mark.parametrize("mapping", ["shared", "per_layer"])
+@pytest.mark.parametrize("packing", ["plain", "rocm_attn_interleaved_v"])
+def test_the_precompute_copies_no_host_data_once_it_knows_the_caches(device_mode_checks, backend, mapping, packing):
+    """vLLM hands the precompute new slot-mapping and state tensors every step, over the
+    same caches: after the first call for a cache set no call builds a tensor from host
+    data (a pageable host-to-device copy, not allowed under graph capture)."""
+    from dflash_rocm.platform import simulate_platform
+    from strategies import pack_caches
+
+    p = precompute_args()
+    packed = [pack_caches(k, v, packing) for k, v in zip(p["key_caches"], p["value_caches"])]
+    p["key_caches"], p["value_caches"] = [k for k, _ in packed], [v for _, v in packed]
+    if mapping == "per_layer":
+        p["slot_mapping"] = [p["slot_mapping"], p["slot_mapping"].flip(0)]
+
+    def fresh_step():  # new tensors, as a serving step makes them
+        slots = p["slot_mapping"]
+        return dict(p, context_states=p["context_states"].clone(),
+                    slot_mapping=slots.clone() if mapping == "shared" else [s.clone() for s in slots])
+
+    with simulate_platform("gfx942"):
+        dflash_rocm.precompute_and_store_context_kv(**fresh_step(), backend=backend)
+        step = fresh_step()
+        with Recorder() as rec:
+            dflash_rocm.precompute_and_store_context_kv(**step, backend=backend)
+    assert rec.flagged == []
+
+
 def test_the_recorder_sees_host_reads(device_mode_checks):
     """The recorder is not blind: the reference backend reads ``seq_lens`` on the host
     (it loops over requests), and a bad index still fails in device mode."""

@@ -13,7 +13,7 @@ from dflash_rocm.backends import rocm
 from dflash_rocm.backends.rocm import tables
 from dflash_rocm.platform import simulate_platform
 from dflash_rocm.ops.attention import attention_call
-from strategies import CPU_SIZES, attention_cases, precompute_cases
+from strategies import CPU_SIZES, PACKINGS, attention_cases, precompute_cases
 from support import needs_interpreter
 from test_triton_backend import paged
 
@@ -98,13 +98,13 @@ def test_precompute_table_of_every_arch_matches_the_reference(arch, num_tokens, 
     assert config.block_t in (16, 32, 64) and (num_tokens > 16 or config.split_k > 1)
 
 
-@given(st.sampled_from(tables.SUPPORTED_ARCHS), attention_cases(CPU_SIZES))
+@given(st.sampled_from(tables.SUPPORTED_ARCHS), attention_cases(CPU_SIZES, packings=PACKINGS))
 def test_rocm_attention_property(arch, case):
     with simulate_platform(arch):
         check_attention(case, "rocm")
 
 
-@given(st.sampled_from(tables.SUPPORTED_ARCHS), precompute_cases(CPU_SIZES))
+@given(st.sampled_from(tables.SUPPORTED_ARCHS), precompute_cases(CPU_SIZES, packings=PACKINGS))
 def test_rocm_precompute_property(arch, case):
     with simulate_platform(arch):
         check_precompute(case, "rocm")

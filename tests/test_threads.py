@@ -30,17 +30,19 @@ def test_the_precompute_cache_table_cache_is_thread_safe():
         return SimpleNamespace(data_ptr=lambda: ptr, shape=(4, YieldingInt(16), 1, 8),
                                stride=lambda: (128, 8, 8, 1))
 
-    call = SimpleNamespace(num_layers=1, key_caches=[fake_cache(4096)], value_caches=[fake_cache(8192)],
-                           device=torch.device("cpu"))
-    # More slot tensors than tables kept: lookups keep meeting evictions of their own key.
-    slots = [torch.zeros(4, dtype=torch.int64) for _ in range(precompute._TABLES_KEPT + 4)]
+    def call_for(ptr):
+        return SimpleNamespace(num_layers=1, key_caches=[fake_cache(ptr)], value_caches=[fake_cache(ptr + 4096)],
+                               written_layers=(0,), device=torch.device("cpu"))
+
+    # More cache sets than tables kept: lookups keep meeting evictions of their own key.
+    calls = [call_for(4096 * (2 * i + 1)) for i in range(precompute._TABLES_KEPT + 4)]
     errors = []
 
     def worker(offset):
         try:
             for i in range(300):
-                s = slots[(i * 7 + offset) % len(slots)]
-                assert precompute.cache_table(call, [s])[0, 2].item() == s.data_ptr()
+                call = calls[(i * 7 + offset) % len(calls)]
+                assert precompute.cache_table(call)[0, 0].item() == call.key_caches[0].data_ptr()
         except Exception as exc:  # collected: an exception in a thread would otherwise vanish
             errors.append(exc)
 

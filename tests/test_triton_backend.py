@@ -9,14 +9,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import dflash_rocm
 from checks import check_attention, check_precompute
-from strategies import (CPU_SIZES, attention_cases, attention_launch_configs, make_generator, make_weights,
-                        precompute_cases, precompute_launch_configs)
+from dflash_rocm.paged import PackedCache, read_rows
+from strategies import (CPU_SIZES, PACKINGS, attention_cases, attention_launch_configs, make_generator, make_weights,
+                        pack_caches, precompute_cases, precompute_launch_configs)
 from support import needs_interpreter
 
 pytestmark = needs_interpreter
 
 
-@given(attention_cases(CPU_SIZES))
+@given(attention_cases(CPU_SIZES, packings=PACKINGS))
 def test_attention_matches_reference(case):
     check_attention(case, "triton")
 
@@ -25,13 +26,13 @@ def test_attention_matches_reference(case):
 def test_attention_matches_reference_for_every_launch_config(data):
     from dflash_rocm.backends.triton.attention import run_draft_attention
 
-    case = data.draw(attention_cases(CPU_SIZES))
+    case = data.draw(attention_cases(CPU_SIZES, packings=PACKINGS))
     G = case.query.shape[1] // case.args[1].shape[2]
     config = data.draw(attention_launch_configs(G))
     check_attention(case, "triton", run=lambda call: run_draft_attention(call, config))
 
 
-@given(precompute_cases(CPU_SIZES))
+@given(precompute_cases(CPU_SIZES, packings=PACKINGS))
 def test_precompute_matches_reference(case):
     check_precompute(case, "triton")
 
@@ -40,7 +41,7 @@ def test_precompute_matches_reference(case):
 def test_precompute_matches_reference_for_every_launch_config(data):
     from dflash_rocm.backends.triton.precompute import run_precompute
 
-    case = data.draw(precompute_cases(CPU_SIZES))
+    case = data.draw(precompute_cases(CPU_SIZES, packings=PACKINGS))
     config = data.draw(precompute_launch_configs())
     check_precompute(case, "triton", run=lambda call: run_precompute(call, config))
 
@@ -107,6 +108,51 @@ def test_attention_reads_vllm_cache_layouts_through_views():
         assert torch.isnan(out_store[:, 32:]).all(), "wrote outside out"
 
 
+def off_by_one_element(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values and strides, one element further into a fresh buffer: nothing in it
+    starts 16-byte aligned any more."""
+    buf = torch.empty(t.untyped_storage().nbytes() // t.element_size() + 1, dtype=t.dtype)
+    moved = buf.as_strided(t.shape, t.stride(), t.storage_offset() + 1)
+    moved.copy_(t)
+    return moved
+
+
+def unaligned(cache):
+    return PackedCache(off_by_one_element(cache.view)) if isinstance(cache, PackedCache) else off_by_one_element(cache)
+
+
+@pytest.mark.parametrize("packing", ["rocm_attn", "rocm_attn_interleaved_v"])
+def test_packed_pages_off_16_byte_alignment_are_read_and_written_element_by_element(packing):
+    """Packed pages the kernels cannot prove aligned (strides in elements, scalar accesses)
+    give the same results as aligned ones (strides in 16-byte units, vector accesses)."""
+    from dflash_rocm.backends.triton.attention import stride_unit
+    from dflash_rocm.backends.triton.precompute import aligned_runs
+
+    q, kc, vc, table, qsl, lens = paged([37, 20], [16, 5], Hk=2, G=2, D=32, block_size=16, dtype=torch.float16)
+    ref = dflash_rocm.draft_attention(q, kc, vc, table, qsl, lens, backend="reference")
+    k, v = (unaligned(c) for c in pack_caches(kc, vc, packing))
+    assert stride_unit(k) == stride_unit(v) == 1 and stride_unit(pack_caches(kc, vc, packing)[0]) == 8
+    out = dflash_rocm.draft_attention(q, k, v, table, qsl, lens, backend="triton")
+    assert dflash_rocm.contract.relative_error(out, ref) < 2e-3
+
+    g = make_generator(5, "cpu")
+    w = make_weights(g, "cpu", L=2, Hk=2, D=32, H=40, R=32, is_neox=False, bias=False, v_scale=None,
+                     dtype=torch.float16)
+    states, positions = torch.randn(7, 40, generator=g).half(), torch.arange(7)
+    slots = torch.tensor([3, 9, -1, 40, 0, 17, 63])
+    empty = torch.zeros(4, 16, 2, 32, dtype=torch.float16)
+    caches = [tuple(unaligned(c) for c in pack_caches(empty, empty.clone(), packing)) for _ in range(2)]
+    assert not any(aligned_runs(c) for pair in caches for c in pair)
+    rk, rv = dflash_rocm.precompute_and_store_context_kv(states, positions, w, [k for k, _ in caches],
+                                                         [v for _, v in caches], slots, return_kv=True,
+                                                         backend="triton")
+    keep = slots >= 0
+    for layer, (k, v) in enumerate(caches):
+        blocks, rows = slots[keep] // 16, slots[keep] % 16
+        assert torch.equal(read_rows(k, blocks, rows), rk[layer][keep])
+        assert torch.equal(read_rows(v, blocks, rows), rv[layer][keep])
+
+
 def test_precompute_many_tokens_and_odd_hidden_size():
     g = make_generator(3, "cpu")
     w = make_weights(g, "cpu", L=2, Hk=1, D=32, H=72, R=16, is_neox=True, bias=True, v_scale=0.5,
@@ -138,12 +184,18 @@ class _CountTritonLaunches:
 
 
 class _AtenOps(TorchDispatchMode):
+    """The torch ops run, by name; a stack of integer tensors (per-layer slot mappings
+    gathered for the kernel) is index plumbing, recorded as ``stack_index``."""
+
     def __init__(self):
         super().__init__()
         self.ops = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.add(func.overloadpacket.__name__)
+        name = func.overloadpacket.__name__
+        if name == "stack" and not any(t.is_floating_point() for t in args[0]):
+            name = "stack_index"
+        self.ops.add(name)
         return func(*args, **(kwargs or {}))
 
 

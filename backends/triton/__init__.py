@@ -29,6 +29,7 @@ class TritonBackend(Backend):
     MAX_HEAD_DIM = 256
     HEAD_DIM_MULTIPLE = 16
     MAX_QUERIES_PER_KV = 16
+    SUPPORTS_PACKED_CACHES = True  # kernels address dflash_rocm.PackedCache pages in place
 
     @classmethod
     def device_not_supported_reasons(cls, device: torch.device, platform: Platform) -> list[str]:

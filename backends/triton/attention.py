@@ -10,7 +10,7 @@ from dflash_rocm.ops.attention import AttentionCall
 from dflash_rocm.platform import Platform, platform_for
 
 from .attention_kernels import draft_attention_kernel, merge_segments_kernel
-from .common import fp32_math, next_pow2
+from .common import fp32_math, next_pow2, packed_layout
 from .counters import arrival_counters
 from .launch import launch
 from .launch_config import AttentionLaunchConfig, default_attention_config
@@ -37,6 +37,31 @@ def merge_chunk(config: AttentionLaunchConfig, block_d: int) -> int:
     chunk = 64 * config.num_warps * 32 // (config.block_m * block_d)
     return max(1, min(4, 1 << max(0, chunk.bit_length() - 1)))
 
+
+def stride_unit(cache) -> int:
+    """The unit, in elements, of the strides the kernel takes for ``cache`` (see
+    ``attention_kernels``): 16 bytes for a cache packed along one axis into contiguous
+    runs of whole 16-byte units at 16-byte aligned offsets (vLLM's ROCM_ATTN pages: x-packed
+    K, interleaved V), so that the compiler can prove each run aligned; else 1."""
+    tensor, (s0, s1, s2, s3, s4, s5), rows, dims = packed_layout(cache)
+    if (rows > 1) == (dims > 1):  # plain, or packed both ways
+        return 1
+    unit = 16 // tensor.element_size()
+    pack, in_pack = (rows, s2) if rows > 1 else (dims, s5)
+    aligned = in_pack == 1 and pack % unit == 0 and tensor.data_ptr() % 16 == 0
+    return unit if aligned and all(s % unit == 0 for s in (s0, s1, s3, s4)) else 1
+
+
+def cache_addressing(cache) -> tuple[torch.Tensor, tuple, dict]:
+    """(tensor, six strides, constexprs) of a plain or packed cache for the kernel: the
+    in-pack stride of an axis that is not packed is None (a constexpr, not a launch
+    argument); the block, row and dim strides come in units of ``UNIT`` elements."""
+    tensor, (s0, s1, s2, s3, s4, s5), rows, dims = packed_layout(cache)
+    unit = stride_unit(cache)
+    strides = (s0 // unit, s1 // unit, s2 if rows > 1 else None, s3, s4 // unit, s5 if dims > 1 else None)
+    return tensor, strides, dict(ROW_PACK=rows, DIM_PACK=dims, UNIT=unit)
+
+
 def run_draft_attention(call: AttentionCall, config: AttentionLaunchConfig | None = None) -> None:
     """Write ``call.out`` with the split-KV kernel (plus the merge kernel when the tile is
     split and the configuration does not merge in the same launch)."""
@@ -51,7 +76,9 @@ def run_draft_attention(call: AttentionCall, config: AttentionLaunchConfig | Non
     num_tiles = call.num_seqs if one_tile else call.num_tokens // block_q + call.num_seqs
     segments = config.num_segments
     device = call.device
-    q, kc, vc, out = call.query, call.key_cache, call.value_cache, call.out
+    q, out = call.query, call.out
+    kc, k_strides, k_pack = cache_addressing(call.key_cache)
+    vc, v_strides, v_pack = cache_addressing(call.value_cache)
     part_out = part_lse = counters = out  # unused by the kernel unless split
     if segments > 1:
         part_out = torch.empty(segments * call.num_tokens * call.num_q_heads * call.head_dim, dtype=out.dtype,
@@ -76,11 +103,11 @@ def run_draft_attention(call: AttentionCall, config: AttentionLaunchConfig | Non
            call.num_seqs, call.num_tokens, call.scale * math.log2(math.e), window, segments,
            config.min_segment_keys,
            q.stride(0), q.stride(1), q.stride(2),
-           kc.stride(0), kc.stride(1), kc.stride(2), kc.stride(3),
-           vc.stride(0), vc.stride(1), vc.stride(2), vc.stride(3),
+           *k_strides, *v_strides,
            call.block_table.stride(0), out.stride(0), out.stride(1), out.stride(2),
            HQ=call.num_q_heads, BLOCK_SIZE=call.block_size, SPLIT=segments > 1, MERGE_IN_KERNEL=merge_in_kernel,
-           MERGE_CHUNK=merge_chunk(config, block_d), IS_FP8=call.is_fp8, FP32_MATH=fp32_math(q.dtype), **tiles)
+           MERGE_CHUNK=merge_chunk(config, block_d), IS_FP8=call.is_fp8, FP32_MATH=fp32_math(q.dtype), **tiles,
+           **{f"K_{k}": v for k, v in k_pack.items()}, **{f"V_{k}": v for k, v in v_pack.items()})
     if segments > 1 and not merge_in_kernel:
         rows = min(config.block_m, next_pow2(G))
         launch(merge_segments_kernel, (num_tiles, call.num_kv_heads, config.block_m // rows), config,

@@ -15,10 +15,23 @@ sequence in a table sized for long ones is not split at all. A split tile writes
 segment, its normalised output in the output dtype and one float32 log2-sum-exp per row;
 the last segment to finish (an atomic counter per tile and head, reset by that program)
 merges them in the same launch, or a second launch merges them (``MERGE_IN_KERNEL`` off).
+
+Packed pages (:mod:`dflash_rocm.paged`): K and V are each addressed as the 6-D view
+``[blocks, bs // R, R, Hk, D // C, C]`` with constexpr pack factors (``K_ROW_PACK``,
+``K_DIM_PACK``, ``V_ROW_PACK``, ``V_DIM_PACK``). A factor of 1 takes the one-stride path
+and its in-pack stride is passed as ``None`` (a constexpr, not a launch argument), so a
+plain cache compiles to the plain kernel. ``K_UNIT``/``V_UNIT``: a packed cache whose packs
+are contiguous 16-byte runs at 16-byte aligned offsets (vLLM's ROCM_ATTN pages) has its
+other strides passed in 16-byte units (``UNIT`` elements) and scaled back in the kernel:
+the compiler then proves every run aligned and loads it as one vector, which it cannot
+from a bf16 row stride of 8 elements (a ``multiple_of`` hint would not survive the AMD
+backend's rewrite of the offsets into buffer loads). 1 = strides in elements.
 """
 
 import triton
 import triton.language as tl
+
+from .common import packed_offset
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
@@ -125,10 +138,41 @@ def _merge_rows(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, token, head, row
 
 
 @triton.jit
+def _row_base(head, block, j, row, stride_b, stride_s, stride_s_in, BLOCK_SIZE: tl.constexpr,
+              ROW_PACK: tl.constexpr, UNIT: tl.constexpr):
+    """Pointer to the first element of key ``j`` (row ``row`` of its block): one 64-bit base
+    per row (block * block stride), everything inside a block 32-bit. Packed rows are
+    split from ``j`` itself (the pack divides the block size), so the compiler sees runs
+    of ``ROW_PACK`` contiguous rows. ``UNIT``: the strides but the in-pack one come in
+    units of ``UNIT`` elements (16 bytes, see the module docstring)."""
+    if ROW_PACK == 1 and UNIT == 1:
+        return head + block * stride_b + row * stride_s
+    elif ROW_PACK == 1:
+        return head + block * stride_b * UNIT + row * stride_s * UNIT
+    else:
+        outer = j // ROW_PACK % (BLOCK_SIZE // ROW_PACK)
+        return head + block * stride_b * UNIT + (outer * stride_s * UNIT + (j % ROW_PACK) * stride_s_in)
+
+
+@triton.jit
+def _dim_offset(d, stride_d, stride_d_in, DIM_PACK: tl.constexpr, UNIT: tl.constexpr):
+    """Offset of head dim ``d`` (see :func:`_row_base` for ``UNIT``)."""
+    if UNIT == 1:
+        return packed_offset(d, stride_d, stride_d_in, DIM_PACK)
+    elif DIM_PACK == 1:
+        return d * stride_d * UNIT
+    else:
+        return (d // DIM_PACK) * stride_d * UNIT + (d % DIM_PACK) * stride_d_in
+
+
+@triton.jit
 def _attend(acc, m_i, l_i, q, qk_scale, pos, k_head, v_head, table, start, seg_hi, window, d, d_ok,
-            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, BLOCK_N: tl.constexpr,
+            stride_kb, stride_ks, stride_ks_in, stride_kd, stride_kd_in,
+            stride_vb, stride_vs, stride_vs_in, stride_vd, stride_vd_in, BLOCK_N: tl.constexpr,
             BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-            IS_FP8: tl.constexpr, FP32_MATH: tl.constexpr):
+            IS_FP8: tl.constexpr, FP32_MATH: tl.constexpr, K_ROW_PACK: tl.constexpr, K_DIM_PACK: tl.constexpr,
+            V_ROW_PACK: tl.constexpr, V_DIM_PACK: tl.constexpr, K_UNIT: tl.constexpr,
+            V_UNIT: tl.constexpr):
     """One key tile: load K/V through the block table, online-softmax update. ``MASKED``
     only for a tile that reaches past the segment's end (the last one)."""
     j = start + tl.arange(0, BLOCK_N)
@@ -138,9 +182,10 @@ def _attend(acc, m_i, l_i, q, qk_scale, pos, k_head, v_head, table, start, seg_h
     else:
         block = tl.load(table + j // BLOCK_SIZE).to(tl.int64)
     row = j % BLOCK_SIZE
-    # One 64-bit base per key row (block * block stride); everything inside a block is 32-bit.
-    k_ptrs = (k_head + block * stride_kb + row * stride_ks)[:, None] + d[None, :] * stride_kd
-    v_ptrs = (v_head + block * stride_vb + row * stride_vs)[:, None] + d[None, :] * stride_vd
+    k_rows = _row_base(k_head, block, j, row, stride_kb, stride_ks, stride_ks_in, BLOCK_SIZE, K_ROW_PACK, K_UNIT)
+    k_ptrs = k_rows[:, None] + _dim_offset(d, stride_kd, stride_kd_in, K_DIM_PACK, K_UNIT)[None, :]
+    v_rows = _row_base(v_head, block, j, row, stride_vb, stride_vs, stride_vs_in, BLOCK_SIZE, V_ROW_PACK, V_UNIT)
+    v_ptrs = v_rows[:, None] + _dim_offset(d, stride_vd, stride_vd_in, V_DIM_PACK, V_UNIT)[None, :]
     if MASKED:
         kv_mask = j_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
@@ -181,14 +226,15 @@ def draft_attention_kernel(
     part_out_ptr, part_lse_ptr, counters_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
     num_seqs, num_tokens, scale_log2, window, num_segments, min_segment_keys,
     stride_qt, stride_qh, stride_qd,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_kb, stride_ks, stride_ks_in, stride_kh, stride_kd, stride_kd_in,
+    stride_vb, stride_vs, stride_vs_in, stride_vh, stride_vd, stride_vd_in,
     stride_bt, stride_ot, stride_oh, stride_od,
     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     ONE_TILE: tl.constexpr, SPLIT: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, MERGE_CHUNK: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, IS_FP8: tl.constexpr,
-    FP32_MATH: tl.constexpr,
+    FP32_MATH: tl.constexpr, K_ROW_PACK: tl.constexpr, K_DIM_PACK: tl.constexpr, V_ROW_PACK: tl.constexpr,
+    V_DIM_PACK: tl.constexpr, K_UNIT: tl.constexpr, V_UNIT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -231,12 +277,16 @@ def draft_attention_kernel(
     full_hi = seg_lo + (seg_hi - seg_lo) // BLOCK_N * BLOCK_N
     for start in range(seg_lo, full_hi, BLOCK_N):
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, qk_scale, pos, k_head, v_head, table, start, seg_hi, window, d,
-                                d_ok, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, BLOCK_N,
-                                BLOCK_SIZE, False, CAUSAL, HAS_WINDOW, IS_FP8, FP32_MATH)
+                                d_ok, stride_kb, stride_ks, stride_ks_in, stride_kd, stride_kd_in, stride_vb, stride_vs,
+                                stride_vs_in, stride_vd, stride_vd_in, BLOCK_N, BLOCK_SIZE, False, CAUSAL, HAS_WINDOW,
+                                IS_FP8, FP32_MATH, K_ROW_PACK, K_DIM_PACK, V_ROW_PACK, V_DIM_PACK, K_UNIT,
+                                V_UNIT)
     if full_hi < seg_hi:
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, qk_scale, pos, k_head, v_head, table, full_hi, seg_hi, window, d,
-                                d_ok, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, BLOCK_N,
-                                BLOCK_SIZE, True, CAUSAL, HAS_WINDOW, IS_FP8, FP32_MATH)
+                                d_ok, stride_kb, stride_ks, stride_ks_in, stride_kd, stride_kd_in, stride_vb, stride_vs,
+                                stride_vs_in, stride_vd, stride_vd_in, BLOCK_N, BLOCK_SIZE, True, CAUSAL, HAS_WINDOW,
+                                IS_FP8, FP32_MATH, K_ROW_PACK, K_DIM_PACK, V_ROW_PACK, V_DIM_PACK, K_UNIT,
+                                V_UNIT)
 
     mask = row_ok[:, None] & d_ok[None, :]
     if active == 1:

@@ -12,10 +12,11 @@ import torch
 
 from dflash_rocm.derived import DerivedCache
 from dflash_rocm.ops.precompute import PrecomputeCall
+from dflash_rocm.paged import PackedCache
 from dflash_rocm.platform import Platform, platform_for
 from dflash_rocm.weights import ContextKVWeights
 
-from .common import INTERPRETING, TL_DTYPES, fp32_math, next_pow2
+from .common import INTERPRETING, TL_DTYPES, fp32_math, next_pow2, packed_layout
 from .counters import arrival_counters
 from .launch import launch
 from .launch_config import PrecomputeLaunchConfig, default_precompute_config
@@ -79,18 +80,21 @@ _TABLES_KEPT = 32
 _TABLES_LOCK = threading.Lock()
 
 
-def cache_table(call: PrecomputeCall, slots: list[torch.Tensor | None]) -> torch.Tensor:
-    """int64 ``[L, META_COLS]`` per-layer addresses and strides on the device. Its content
-    is fully determined by the key, so a table built for the same caches is reused
-    (vLLM's caches never move)."""
+def cache_table(call: PrecomputeCall) -> torch.Tensor:
+    """int64 ``[L, META_COLS]`` per-layer cache addresses, slot-mapping rows and strides on
+    the device. It depends only on the caches and on which layers are written, so a table
+    built once is reused (vLLM's caches never move): only the first call for a cache set
+    copies host data to the device."""
     rows = []
+    written = call.written_layers
     for layer in range(call.num_layers):
-        s = slots[layer]
-        if s is None:
-            rows.append((0,) * META_COLS)
+        if layer not in written:
+            rows.append((0, 0, -1) + (0,) * (META_COLS - 3))
             continue
-        kc, vc = call.key_caches[layer], call.value_caches[layer]
-        rows.append((kc.data_ptr(), vc.data_ptr(), s.data_ptr(), kc.shape[1], *kc.stride(), *vc.stride()))
+        kc, k_strides, _, _ = packed_layout(call.key_caches[layer])
+        vc, v_strides, _, _ = packed_layout(call.value_caches[layer])
+        rows.append((kc.data_ptr(), vc.data_ptr(), written.index(layer), call.key_caches[layer].shape[1],
+                     *k_strides, *v_strides))
     key = (call.device, tuple(rows))
     with _TABLES_LOCK:
         table = _TABLES.get(key)
@@ -106,6 +110,22 @@ def cache_table(call: PrecomputeCall, slots: list[torch.Tensor | None]) -> torch
     return table
 
 
+def slot_rows(call: PrecomputeCall) -> tuple[torch.Tensor | None, int]:
+    """(slot mapping, layer stride): the written layers' mappings as the kernel reads them,
+    row ``r`` of the table's written layer ``r`` at ``r * stride``. One tensor shared by
+    every written layer is passed as is (stride 0); different ones are stacked on the
+    device (no host data), widened to int64 when their dtypes differ. None: no layer is
+    written."""
+    slots = [call.slot_mappings[i] for i in call.written_layers]
+    if not slots:
+        return None, 0
+    if all(s is slots[0] for s in slots):
+        return slots[0], 0
+    if len({s.dtype for s in slots}) > 1:
+        slots = [s.to(torch.int64) for s in slots]
+    return torch.stack(slots), call.num_tokens
+
+
 def precompute_config_for(call: PrecomputeCall, platform: Platform | None = None) -> PrecomputeLaunchConfig:
     """The portable table's choice for ``call`` on ``platform`` (default: the call's device's)."""
     w = call.weights
@@ -114,15 +134,17 @@ def precompute_config_for(call: PrecomputeCall, platform: Platform | None = None
                                      head_dim=w.head_dim)
 
 
-def caches_aligned(call: PrecomputeCall) -> bool:
-    """Whether every written cache has a contiguous last dim and a base address and other
-    strides that are multiples of 16 elements (vLLM's layouts do): stores can then be
-    vectorised along the head dim."""
-    for layer in call.written_layers:
-        for cache in (call.key_caches[layer], call.value_caches[layer]):
-            if cache.stride(3) != 1 or cache.data_ptr() % 16 or any(s % 16 for s in cache.stride()[:3]):
-                return False
-    return True
+def aligned_runs(cache: torch.Tensor | PackedCache) -> bool:
+    """Whether the cache stores each row's head dim in contiguous runs (all of it, or each
+    pack of ``C`` dims: vLLM's x-packed K) of whole 16-byte units that start 16-byte
+    aligned (base address and every stride but the run's a multiple of 16 bytes): such a
+    run loads or stores as vectors."""
+    tensor, (s0, s1, s2, s3, s4, s5), rows, dims = packed_layout(cache)
+    size = tensor.element_size()
+    run_stride, outer = (s5, (s0, s1, s3, s4)) if dims > 1 else (s4, (s0, s1, s3))
+    outer += (s2,) if rows > 1 else ()
+    return (run_stride == 1 and tensor.data_ptr() % 16 == 0 and (dims == 1 or dims * size % 16 == 0)
+            and all(s * size % 16 == 0 for s in outer))
 
 
 def slots_fit_int32(call: PrecomputeCall) -> bool:
@@ -143,12 +165,9 @@ def run_precompute(call: PrecomputeCall, config: PrecomputeLaunchConfig | None =
         return (out_k, out_v) if call.return_kv else None
     config = config or precompute_config_for(call)
     fused = fused_weights(w)
-    # One slot dtype per launch: a mixed per-layer list is widened to int64 (rare).
-    slots = list(call.slot_mappings)
-    if len({s.dtype for s in slots if s is not None}) > 1:
-        slots = [None if s is None else s.to(torch.int64) for s in slots]
-    slot_dtype = next((s.dtype for s in slots if s is not None), torch.int64)
-    table = cache_table(call, slots)
+    table = cache_table(call)
+    slots, slot_layer_stride = slot_rows(call)
+    (k_rows, k_dims), (v_rows, v_dims) = call.packing or ((1, 1), (1, 1))
     cache_dtype = call.cache_dtype or dtype
     dummy = call.states
     rows = 2 * L * Hk
@@ -160,10 +179,13 @@ def run_precompute(call: PrecomputeCall, config: PrecomputeLaunchConfig | None =
                     HAS_V_SCALE=w.v_scale is not None, IS_FP8=call.is_fp8,
                     FP8_MAX=float(torch.finfo(cache_dtype).max) if call.is_fp8 else 0.0,
                     FP8_MIN_EXP=_FP8_MIN_NORMAL_EXP.get(cache_dtype, 0),
-                    CACHE_DTYPE=TL_DTYPES[cache_dtype], SLOT_DTYPE=TL_DTYPES[slot_dtype],
-                    RETURN_KV=call.return_kv, ALIGNED=caches_aligned(call), SLOTS_I32=slots_fit_int32(call),
-                    EXACT_FP8_ROUND=INTERPRETING)
+                    CACHE_DTYPE=TL_DTYPES[cache_dtype], RETURN_KV=call.return_kv,
+                    K_ALIGNED=all(aligned_runs(call.key_caches[i]) for i in call.written_layers),
+                    V_ALIGNED=all(aligned_runs(call.value_caches[i]) for i in call.written_layers),
+                    K_ROW_PACK=k_rows, K_DIM_PACK=k_dims, V_ROW_PACK=v_rows, V_DIM_PACK=v_dims,
+                    SLOTS_I32=slots_fit_int32(call), EXACT_FP8_ROUND=INTERPRETING)
     tail = (fused.bias if fused.bias is not None else dummy, fused.k_norm, fused.cos_sin, table,
+            slots if slots is not None else call.positions, slot_layer_stride,  # positions: never read
             call.k_scales if call.k_scales is not None else dummy,
             call.v_scales if call.v_scales is not None else dummy,
             out_k if out_k is not None else dummy, out_v if out_v is not None else dummy)

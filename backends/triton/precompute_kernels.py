@@ -21,14 +21,21 @@ second half of the head, so each is stored as one contiguous run; V rows (and GP
 pairs) keep their order and are stored contiguously too.
 
 Caches of different layers are separate tensors: a small int64 table holds, per layer,
-the K and V cache base addresses, the slot-mapping address (0: layer not written), the
-block size and both caches' strides, so one launch addresses all of them.
+the K and V cache base addresses, the layer's row of the slot mapping (-1: layer not
+written), the block size and both caches' six strides in the packed-page addressing of
+:mod:`dflash_rocm.paged` (``[blocks, bs // R, R, Hk, D // C, C]``; every written layer
+shares one packing per K and V, so the factors are constexprs and a plain cache takes
+the one-stride path). The table depends only on the caches, so it is built once; the
+slot mapping is a kernel argument (one ``[N]`` tensor with layer stride 0, or written
+layers' mappings stacked on the device).
 """
 
 import triton
 import triton.language as tl
 
-META_COLS = 12  # per layer: k_ptr, v_ptr, slot_ptr, block_size, 4 K-cache strides, 4 V-cache strides
+from .common import packed_offset
+
+META_COLS = 16  # per layer: k_ptr, v_ptr, slot row, block_size, 6 K-cache strides, 6 V-cache strides
 _META_COLS: tl.constexpr = tl.constexpr(META_COLS)
 
 
@@ -59,28 +66,39 @@ def _round_to_fp8_grid(x, MIN_EXP: tl.constexpr):
 
 
 @triton.jit
-def _store_cols(value, t, t_ok, layer, kind, kv_head, dim, dim_ok, N, meta_ptr, k_scales_ptr, v_scales_ptr,
-                out_k_ptr, out_v_ptr, HK: tl.constexpr, D: tl.constexpr, IS_FP8: tl.constexpr,
-                FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, CACHE_DTYPE: tl.constexpr,
-                SLOT_DTYPE: tl.constexpr, RETURN_KV: tl.constexpr, ALIGNED: tl.constexpr,
+def _table_offset(i, strides, PACK: tl.constexpr):
+    """Offset of index ``i`` along a cache axis packed by ``PACK`` whose stride and in-pack
+    stride the table holds at ``strides`` (the latter read only when packed)."""
+    if PACK == 1:
+        return i * tl.load(strides)
+    else:
+        return packed_offset(i, tl.load(strides), tl.load(strides + 1), PACK)
+
+
+@triton.jit
+def _store_cols(value, t, t_ok, layer, kind, kv_head, dim, dim_ok, N, meta_ptr, slots_ptr, stride_slot_layer,
+                k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, HK: tl.constexpr, D: tl.constexpr,
+                IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, CACHE_DTYPE: tl.constexpr,
+                RETURN_KV: tl.constexpr, ALIGNED: tl.constexpr, ROW_PACK: tl.constexpr, DIM_PACK: tl.constexpr,
                 SLOTS_I32: tl.constexpr, EXACT_FP8_ROUND: tl.constexpr):
     """Store ``value`` (columns = original dims ``dim``) into the layer's cache slots (and
-    the returned K/V). ``ALIGNED``: the host checked that every cache's last dim is
-    contiguous and its base and other strides are multiples of 16 elements, so contiguous
-    dims become vector stores."""
+    the returned K/V); ``ROW_PACK``/``DIM_PACK`` are this cache kind's pack factors.
+    ``ALIGNED``: the host checked that every cache of this kind has contiguous dim runs
+    (the whole head dim, or the ``DIM_PACK`` dims of a pack) that start 16-byte aligned,
+    so contiguous dims become vector stores."""
     meta = meta_ptr + layer * _META_COLS
-    slot_addr = tl.load(meta + 2)
-    if slot_addr != 0:
-        slots = tl.load(slot_addr.to(tl.pointer_type(SLOT_DTYPE)) + t, mask=t_ok, other=-1)
+    slot_row = tl.load(meta + 2)
+    if slot_row >= 0:
+        slots = tl.load(slots_ptr + slot_row * stride_slot_layer + t, mask=t_ok, other=-1)
         ok = t_ok & (slots >= 0)
         block_size = tl.load(meta + 3)
         if SLOTS_I32:  # every cache has under 2**31 slots: 32-bit division
             slots = slots.to(tl.int32)
             block_size = block_size.to(tl.int32)
         block = slots // block_size
-        strides = meta + 4 + 4 * kind
-        row_base = block.to(tl.int64) * tl.load(strides) + (slots - block * block_size) * tl.load(strides + 1) \
-            + kv_head * tl.load(strides + 2)
+        strides = meta + 4 + 6 * kind  # [block, row, row in pack, head, dim, dim in pack]
+        row_base = block.to(tl.int64) * tl.load(strides) + _table_offset(slots - block * block_size, strides + 1,
+                                                                         ROW_PACK) + kv_head * tl.load(strides + 3)
         base = tl.load(meta + kind).to(tl.pointer_type(CACHE_DTYPE))
         stored = value
         if IS_FP8:
@@ -91,10 +109,13 @@ def _store_cols(value, t, t_ok, layer, kind, kv_head, dim, dim_ok, N, meta_ptr, 
             stored = tl.minimum(tl.maximum(stored / scale, -FP8_MAX), FP8_MAX)
             if EXACT_FP8_ROUND:
                 stored = _round_to_fp8_grid(stored, FP8_MIN_EXP)
-        if ALIGNED:  # every row starts 16-byte aligned and its dims are contiguous
+        if ALIGNED and DIM_PACK == 1:  # every row starts 16-byte aligned and its dims are contiguous
             ptrs = tl.multiple_of(base + row_base[:, None] + dim[None, :], [16, 16])
+        elif ALIGNED:  # every pack of DIM_PACK dims is contiguous and starts 16-byte aligned
+            dims = packed_offset(dim, tl.load(strides + 4), 1, DIM_PACK)
+            ptrs = tl.multiple_of(base + row_base[:, None] + dims[None, :], [16, 16])
         else:
-            ptrs = base + row_base[:, None] + dim[None, :] * tl.load(strides + 3)
+            ptrs = base + row_base[:, None] + _table_offset(dim, strides + 4, DIM_PACK)[None, :]
         tl.store(ptrs, stored.to(CACHE_DTYPE), mask=ok[:, None] & dim_ok[None, :])
     if RETURN_KV:
         out = ((layer * N + t.to(tl.int64))[:, None] * HK + kv_head) * D + dim[None, :]
@@ -107,11 +128,12 @@ def _store_cols(value, t, t_ok, layer, kind, kv_head, dim, dim_ok, N, meta_ptr, 
 
 @triton.jit
 def _epilogue(acc, inv_rms, pid_t, head_row, N, positions_ptr, bias_ptr, k_norm_ptr, cos_sin_ptr, stride_cs,
-              meta_ptr, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, v_scale, eps,
+              meta_ptr, slots_ptr, stride_slot_layer, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, v_scale, eps,
               HK: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
               HAS_BIAS: tl.constexpr, IS_NEOX: tl.constexpr, HAS_V_SCALE: tl.constexpr, IS_FP8: tl.constexpr,
-              FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, CACHE_DTYPE: tl.constexpr,
-              SLOT_DTYPE: tl.constexpr, RETURN_KV: tl.constexpr, ALIGNED: tl.constexpr, SLOTS_I32: tl.constexpr,
+              FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, CACHE_DTYPE: tl.constexpr, RETURN_KV: tl.constexpr,
+              K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr, K_ROW_PACK: tl.constexpr, K_DIM_PACK: tl.constexpr,
+              V_ROW_PACK: tl.constexpr, V_DIM_PACK: tl.constexpr, SLOTS_I32: tl.constexpr,
               EXACT_FP8_ROUND: tl.constexpr):
     layer = head_row // (2 * HK)
     kind = (head_row // HK) % 2  # 0: K, 1: V
@@ -142,23 +164,24 @@ def _epilogue(acc, inv_rms, pid_t, head_row, N, positions_ptr, bias_ptr, k_norm_
         o1 = x1 * cos - x2 * sin
         o2 = x2 * cos + x1 * sin
         if IS_NEOX and R == D and D == BLOCK_D:  # the halves are dims [0, D/2) and [D/2, D)
-            _store_cols(o1, t, t_ok, layer, kind, kv_head, i, i < D // 2, N, meta_ptr, k_scales_ptr, v_scales_ptr,
-                        out_k_ptr, out_v_ptr, HK, D, IS_FP8, FP8_MAX, FP8_MIN_EXP, CACHE_DTYPE, SLOT_DTYPE,
-                        RETURN_KV, ALIGNED, SLOTS_I32, EXACT_FP8_ROUND)
-            _store_cols(o2, t, t_ok, layer, kind, kv_head, i + D // 2, i < D // 2, N, meta_ptr, k_scales_ptr,
-                        v_scales_ptr, out_k_ptr, out_v_ptr, HK, D, IS_FP8, FP8_MAX, FP8_MIN_EXP, CACHE_DTYPE,
-                        SLOT_DTYPE, RETURN_KV, ALIGNED, SLOTS_I32, EXACT_FP8_ROUND)
+            _store_cols(o1, t, t_ok, layer, kind, kv_head, i, i < D // 2, N, meta_ptr, slots_ptr, stride_slot_layer,
+                        k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, HK, D, IS_FP8, FP8_MAX, FP8_MIN_EXP,
+                        CACHE_DTYPE, RETURN_KV, K_ALIGNED, K_ROW_PACK, K_DIM_PACK, SLOTS_I32, EXACT_FP8_ROUND)
+            _store_cols(o2, t, t_ok, layer, kind, kv_head, i + D // 2, i < D // 2, N, meta_ptr, slots_ptr,
+                        stride_slot_layer, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, HK, D, IS_FP8, FP8_MAX,
+                        FP8_MIN_EXP, CACHE_DTYPE, RETURN_KV, K_ALIGNED, K_ROW_PACK, K_DIM_PACK, SLOTS_I32,
+                        EXACT_FP8_ROUND)
         else:
             _store_cols(tl.reshape(tl.join(o1, o2), (BLOCK_T, BLOCK_D)), t, t_ok, layer, kind, kv_head, k_dim, c_ok,
-                        N, meta_ptr, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, HK, D, IS_FP8, FP8_MAX,
-                        FP8_MIN_EXP, CACHE_DTYPE, SLOT_DTYPE, RETURN_KV, ALIGNED and not IS_NEOX,
-                        SLOTS_I32, EXACT_FP8_ROUND)
+                        N, meta_ptr, slots_ptr, stride_slot_layer, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr,
+                        HK, D, IS_FP8, FP8_MAX, FP8_MIN_EXP, CACHE_DTYPE, RETURN_KV, K_ALIGNED and not IS_NEOX,
+                        K_ROW_PACK, K_DIM_PACK, SLOTS_I32, EXACT_FP8_ROUND)
     else:
         if HAS_V_SCALE:
             acc = acc * v_scale
-        _store_cols(acc, t, t_ok, layer, kind, kv_head, c, c_ok, N, meta_ptr, k_scales_ptr, v_scales_ptr, out_k_ptr,
-                    out_v_ptr, HK, D, IS_FP8, FP8_MAX, FP8_MIN_EXP, CACHE_DTYPE, SLOT_DTYPE, RETURN_KV, ALIGNED,
-                    SLOTS_I32, EXACT_FP8_ROUND)
+        _store_cols(acc, t, t_ok, layer, kind, kv_head, c, c_ok, N, meta_ptr, slots_ptr, stride_slot_layer,
+                    k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, HK, D, IS_FP8, FP8_MAX, FP8_MIN_EXP, CACHE_DTYPE,
+                    RETURN_KV, V_ALIGNED, V_ROW_PACK, V_DIM_PACK, SLOTS_I32, EXACT_FP8_ROUND)
 
 
 @triton.jit
@@ -182,14 +205,15 @@ def _sum_parts(part_acc_ptr, part_ss_ptr, pid_t, head_row, N, ROWS: tl.constexpr
 @triton.jit
 def context_kv_kernel(
     x_ptr, w_ptr, part_acc_ptr, part_ss_ptr, counters_ptr, positions_ptr, bias_ptr, k_norm_ptr, cos_sin_ptr,
-    meta_ptr, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr,
+    meta_ptr, slots_ptr, stride_slot_layer, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr,
     N, H, stride_xt, stride_xh, stride_cs, v_scale, eps, grid_t,
     HK: tl.constexpr, D: tl.constexpr, R: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_K: tl.constexpr,
-    MERGE_IN_KERNEL: tl.constexpr, NUM_XCDS: tl.constexpr, HAS_BIAS: tl.constexpr, IS_NEOX: tl.constexpr, HAS_V_SCALE: tl.constexpr,
-    IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, CACHE_DTYPE: tl.constexpr,
-    SLOT_DTYPE: tl.constexpr, RETURN_KV: tl.constexpr, ALIGNED: tl.constexpr, SLOTS_I32: tl.constexpr,
-    FP32_MATH: tl.constexpr, EXACT_FP8_ROUND: tl.constexpr,
+    MERGE_IN_KERNEL: tl.constexpr, NUM_XCDS: tl.constexpr, HAS_BIAS: tl.constexpr, IS_NEOX: tl.constexpr,
+    HAS_V_SCALE: tl.constexpr, IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr,
+    CACHE_DTYPE: tl.constexpr, RETURN_KV: tl.constexpr, K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr,
+    K_ROW_PACK: tl.constexpr, K_DIM_PACK: tl.constexpr, V_ROW_PACK: tl.constexpr, V_DIM_PACK: tl.constexpr,
+    SLOTS_I32: tl.constexpr, FP32_MATH: tl.constexpr, EXACT_FP8_ROUND: tl.constexpr,
 ):
     pid = _xcd_order(tl.program_id(0), tl.num_programs(0), NUM_XCDS)
     pid_k = pid % SPLIT_K
@@ -220,9 +244,10 @@ def context_kv_kernel(
         acc += tl.dot(x, tl.trans(w))
     if SPLIT_K == 1:
         _epilogue(acc, tl.rsqrt(sum_sq / H + eps), pid_t, head_row, N, positions_ptr, bias_ptr, k_norm_ptr,
-                  cos_sin_ptr, stride_cs, meta_ptr, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, v_scale,
-                  eps, HK, D, R, BLOCK_T, BLOCK_D, HAS_BIAS, IS_NEOX, HAS_V_SCALE, IS_FP8, FP8_MAX, FP8_MIN_EXP,
-                  CACHE_DTYPE, SLOT_DTYPE, RETURN_KV, ALIGNED, SLOTS_I32, EXACT_FP8_ROUND)
+                  cos_sin_ptr, stride_cs, meta_ptr, slots_ptr, stride_slot_layer, k_scales_ptr, v_scales_ptr,
+                  out_k_ptr, out_v_ptr, v_scale, eps, HK, D, R, BLOCK_T, BLOCK_D, HAS_BIAS, IS_NEOX, HAS_V_SCALE,
+                  IS_FP8, FP8_MAX, FP8_MIN_EXP, CACHE_DTYPE, RETURN_KV, K_ALIGNED, V_ALIGNED, K_ROW_PACK, K_DIM_PACK,
+                  V_ROW_PACK, V_DIM_PACK, SLOTS_I32, EXACT_FP8_ROUND)
     else:
         t64 = t.to(tl.int64)
         part = (pid_k * N + t64)[:, None] * (ROWS * D) + head_row * D + c[None, :]
@@ -235,22 +260,25 @@ def context_kv_kernel(
                 acc, sum_sq = _sum_parts(part_acc_ptr, part_ss_ptr, pid_t, head_row, N, ROWS, D, BLOCK_T, BLOCK_D,
                                          SPLIT_K)
                 _epilogue(acc, tl.rsqrt(sum_sq / H + eps), pid_t, head_row, N, positions_ptr, bias_ptr, k_norm_ptr,
-                          cos_sin_ptr, stride_cs, meta_ptr, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr,
-                          v_scale, eps, HK, D, R, BLOCK_T, BLOCK_D, HAS_BIAS, IS_NEOX, HAS_V_SCALE, IS_FP8, FP8_MAX,
-                          FP8_MIN_EXP, CACHE_DTYPE, SLOT_DTYPE, RETURN_KV, ALIGNED, SLOTS_I32, EXACT_FP8_ROUND)
+                          cos_sin_ptr, stride_cs, meta_ptr, slots_ptr, stride_slot_layer, k_scales_ptr, v_scales_ptr,
+                          out_k_ptr, out_v_ptr, v_scale, eps, HK, D, R, BLOCK_T, BLOCK_D, HAS_BIAS, IS_NEOX,
+                          HAS_V_SCALE, IS_FP8, FP8_MAX, FP8_MIN_EXP, CACHE_DTYPE, RETURN_KV, K_ALIGNED, V_ALIGNED,
+                          K_ROW_PACK, K_DIM_PACK, V_ROW_PACK, V_DIM_PACK, SLOTS_I32, EXACT_FP8_ROUND)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 @triton.jit
 def context_kv_split_epilogue_kernel(
     part_acc_ptr, part_ss_ptr, positions_ptr, bias_ptr, k_norm_ptr, cos_sin_ptr,
-    meta_ptr, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr,
+    meta_ptr, slots_ptr, stride_slot_layer, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr,
     N, H, stride_cs, v_scale, eps,
     HK: tl.constexpr, D: tl.constexpr, R: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, IS_NEOX: tl.constexpr, HAS_V_SCALE: tl.constexpr, IS_FP8: tl.constexpr,
-    FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, CACHE_DTYPE: tl.constexpr, SLOT_DTYPE: tl.constexpr,
-    RETURN_KV: tl.constexpr, ALIGNED: tl.constexpr, SLOTS_I32: tl.constexpr, EXACT_FP8_ROUND: tl.constexpr,
+    FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, CACHE_DTYPE: tl.constexpr, RETURN_KV: tl.constexpr,
+    K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr, K_ROW_PACK: tl.constexpr, K_DIM_PACK: tl.constexpr,
+    V_ROW_PACK: tl.constexpr, V_DIM_PACK: tl.constexpr, SLOTS_I32: tl.constexpr,
+    EXACT_FP8_ROUND: tl.constexpr,
 ):
     """Second launch when the hidden size was split and the parts could not be summed in
     the first (no arrival counters while a CUDA graph is captured): sum, then the epilogue."""
@@ -258,6 +286,7 @@ def context_kv_split_epilogue_kernel(
     head_row = tl.program_id(1)
     acc, sum_sq = _sum_parts(part_acc_ptr, part_ss_ptr, pid_t, head_row, N, ROWS, D, BLOCK_T, BLOCK_D, SPLIT_K)
     _epilogue(acc, tl.rsqrt(sum_sq / H + eps), pid_t, head_row, N, positions_ptr, bias_ptr, k_norm_ptr,
-              cos_sin_ptr, stride_cs, meta_ptr, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, v_scale, eps,
-              HK, D, R, BLOCK_T, BLOCK_D, HAS_BIAS, IS_NEOX, HAS_V_SCALE, IS_FP8, FP8_MAX, FP8_MIN_EXP,
-              CACHE_DTYPE, SLOT_DTYPE, RETURN_KV, ALIGNED, SLOTS_I32, EXACT_FP8_ROUND)
+              cos_sin_ptr, stride_cs, meta_ptr, slots_ptr, stride_slot_layer, k_scales_ptr, v_scales_ptr, out_k_ptr,
+              out_v_ptr, v_scale, eps, HK, D, R, BLOCK_T, BLOCK_D, HAS_BIAS, IS_NEOX, HAS_V_SCALE, IS_FP8, FP8_MAX,
+              FP8_MIN_EXP, CACHE_DTYPE, RETURN_KV, K_ALIGNED, V_ALIGNED, K_ROW_PACK, K_DIM_PACK, V_ROW_PACK,
+              V_DIM_PACK, SLOTS_I32, EXACT_FP8_ROUND)

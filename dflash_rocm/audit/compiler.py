@@ -45,7 +45,7 @@ class Specialisation:
     attrs: dict
     options: dict
     key: str
-    flags: dict  # runtime parameter -> "D" (16-divisible/aligned), "S" (under 2 GiB: 32-bit offsets), "=1"
+    flags: dict  # runtime parameter -> "D" (16-divisible/aligned), "S" (under 2 GiB: 32-bit offsets), "=1", "none"
 
 
 def _jit_function(kernel):
@@ -79,8 +79,11 @@ def specialise(launch: Launch, target: Target) -> Specialisation:
         if param.is_constexpr:
             continue
         found = {a for a, _ in attrs.get((param.num,), [])}
-        flags[param.name] = ("=1" if signature[param.name] == "constexpr" else
-                             ("D" if "tt.divisibility" in found else "") + ("S" if "tt.pointer_range" in found else ""))
+        if signature[param.name] == "constexpr":  # an int equal to 1, or None (an unused packed-page stride)
+            flags[param.name] = "none" if launch.arg(param.name) is None else "=1"
+        else:
+            flags[param.name] = ("D" if "tt.divisibility" in found else "") + \
+                ("S" if "tt.pointer_range" in found else "")
     ident = json.dumps([kernel.cache_key, target.arch, signature, sorted(map(repr, constexprs.items())),
                         sorted(map(repr, attrs.items())), sorted(map(repr, options.items())),
                         triton.__version__, FACTS_VERSION], default=repr)

@@ -9,6 +9,7 @@ import textwrap
 from itertools import groupby
 
 from .run import Audit, CaseResult, LaunchResult
+from .sweep import PACKINGS
 from .targets import TARGETS
 
 WIDTH = 100
@@ -18,7 +19,8 @@ COLUMNS = (("case", 9), ("2G", 3), ("kernel", 6), ("prog/slot", 10), ("regs", 7)
            ("lds", 3), ("occ", 3), ("mma/ex", 6), ("st", 2), ("MB req/dram", 11), ("us", 6), ("floor", 5),
            ("%fl", 3))
 LEGEND = (
-    "per launch, compiled with the launch's own specialisation: 2G = the attention's KV cache tensor is under "
+    "per launch, compiled with the launch's own specialisation: xK/xKV = the cases on vLLM ROCM_ATTN's packed "
+    "pages (x-packed K with plain/interleaved V); 2G = the attention's KV cache tensor is under "
     "or over 2 GiB (AMD buffer loads need under); prog/slot = programs that do work / programs resident at "
     "once; regs = VGPR/AGPR (AMD) or registers per thread (sm_90); spil = VGPR spills (AMD) or spill stores "
     "(sm_90); scr = scratch bytes per lane; lds = shared memory KiB per workgroup; occ = resident waves per "
@@ -35,11 +37,12 @@ def short_kernel(name: str) -> str:
 
 def _case_label(r: CaseResult) -> str:
     c = r.case
+    pages = f" {PACKINGS[c.packing]}" if c.packing != "plain" else ""
     if c.op == "precompute":
-        return f"N={c.tokens}"
+        return f"N={c.tokens}{pages}"
     ctx = f"{c.context // 1024}k" if c.context % 1024 == 0 else str(c.context)
     span = f"/{c.table_span // 1024}k" if c.table_span else ""
-    return f"b{c.batch} {ctx}{span}"
+    return f"b{c.batch} {ctx}{span}{pages}"
 
 
 def _store_width(facts: dict) -> str:

@@ -69,8 +69,9 @@ class CaseResult:
     def as_dict(self) -> dict:
         c = self.case
         return {"target": self.target.arch, "part": self.target.peak.name, "op": c.op, "shape": c.shape.name,
-                "kv": "fp8" if c.fp8 else "bf16", "batch": c.batch, "context": c.context, "table_span": c.table_span,
-                "tokens": c.tokens, "cache": self.cache_variant, "label": c.label, "config_name": self.config_name,
+                "kv": "fp8" if c.fp8 else "bf16", "packing": c.packing, "batch": c.batch, "context": c.context,
+                "table_span": c.table_span, "tokens": c.tokens, "cache": self.cache_variant, "label": c.label,
+                "config_name": self.config_name,
                 "config": self.config, "skipped": self.skipped, "floor_bytes": c.cost().bytes,
                 "floor_us": self.floor_s * 1e6,
                 "modelled_us": None if self.modelled_s is None else self.modelled_s * 1e6,
@@ -87,6 +88,7 @@ class AuditPlan:
     contexts: tuple[int, ...] = sweep.ATTENTION_CONTEXTS
     tokens: tuple[int, ...] = sweep.PRECOMPUTE_TOKENS
     extras: bool = True  # the extra attention cases (b64 4k, b1 1k in a 32k table)
+    packed: bool = True  # the ROCM_ATTN packed-page cases (AMD targets)
 
     def cases(self) -> list[tuple[Target, sweep.Case]]:
         out = []
@@ -94,7 +96,8 @@ class AuditPlan:
             target = TARGETS[arch]
             for shape in self.shapes:
                 for case in sweep.default_cases(shape, ops=self.ops, batches=self.batches, contexts=self.contexts,
-                                                tokens=self.tokens, kv=self.kv, extras=self.extras):
+                                                tokens=self.tokens, kv=self.kv, extras=self.extras,
+                                                packed=self.packed):
                     out += [(target, variant) for variant in sweep.cache_variants(case, target)]
         return out
 

@@ -34,6 +34,12 @@ PRECOMPUTE_TOKENS = (16, 64, 256, 1024, 4096)
 # real context (1k) is far below what its block table spans (32k), as under graph capture
 # or without a max_seq_len hint.
 EXTRA_ATTENTION = ((64, 4096, None), (1, 1024, 32768))
+# vLLM ROCM_ATTN's packed pages (its default backend on AMD; AMD targets only), short names
+# for the tables: x-packed K with plain V, and with interleaved V. One attention and one
+# precompute case each compile the packed kernels.
+PACKINGS = {"rocm_attn": "xK", "rocm_attn_interleaved_v": "xKV"}
+PACKED_ATTENTION = (1, 8192)  # batch, context
+PACKED_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -48,14 +54,16 @@ class Case:
     table_span: int | None = None  # attention: keys the block table can hold when no max_seq_len is known
     large_cache: bool = False  # attention on AMD: the cache tensor spans more than 2 GiB
     tokens: int = 0  # precompute
+    packing: str = "plain"  # or a key of PACKINGS: the caches are vLLM ROCM_ATTN's
 
     @property
     def label(self) -> str:
         kv = "fp8" if self.fp8 else "bf16"
+        pages = f" {PACKINGS[self.packing]}" if self.packing != "plain" else ""
         if self.op == "precompute":
-            return f"pre N={self.tokens} {kv}"
+            return f"pre N={self.tokens} {kv}{pages}"
         span = f" span {_k(self.table_span)}" if self.table_span else ""
-        return f"attn b{self.batch} {_k(self.context)}{span} {kv}"
+        return f"attn b{self.batch} {_k(self.context)}{span} {kv}{pages}"
 
     @property
     def query_len(self) -> int:
@@ -93,14 +101,19 @@ class CaseLaunches:
 
 def default_cases(shape: DraftShape, *, ops=("attention", "precompute"), batches=ATTENTION_BATCHES,
                   contexts=ATTENTION_CONTEXTS, tokens=PRECOMPUTE_TOKENS, kv=("bf16", "fp8"),
-                  extras: bool = True) -> list[Case]:
+                  extras: bool = True, packed: bool = True) -> list[Case]:
     cases = []
     for fp8 in (k == "fp8" for k in kv):
         if "attention" in ops:
             grid = [(b, c, None) for b in batches for c in contexts] + (list(EXTRA_ATTENTION) if extras else [])
             cases += [Case("attention", shape, fp8, batch=b, context=c, table_span=span) for b, c, span in grid]
+            if packed:
+                batch, context = PACKED_ATTENTION
+                cases += [Case("attention", shape, fp8, batch=batch, context=context, packing=p) for p in PACKINGS]
         if "precompute" in ops:
             cases += [Case("precompute", shape, fp8, tokens=n) for n in tokens]
+            if packed:
+                cases += [Case("precompute", shape, fp8, tokens=PACKED_TOKENS, packing=p) for p in PACKINGS]
     return cases
 
 
@@ -108,11 +121,17 @@ def _cache_dtype(case: Case, target: Target) -> torch.dtype:
     return target.fp8_dtype if case.fp8 else torch.bfloat16
 
 
-def cache_pair(shape: DraftShape, num_blocks: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V views of one ``[2, blocks, block_size, Hk, D]`` per-layer tensor (vLLM's
-    FlashAttention layout): the storage of both is the whole tensor."""
-    kv = torch.empty(2, num_blocks, BLOCK_SIZE, shape.kv_heads, shape.head_dim, dtype=dtype, device=META)
-    return kv[0], kv[1]
+def cache_pair(shape: DraftShape, num_blocks: int, dtype: torch.dtype, packing: str = "plain"):
+    """K and V of one per-layer tensor, the storage of both being the whole tensor: views of
+    ``[2, blocks, block_size, Hk, D]`` (vLLM's FlashAttention layout), or ROCM_ATTN's
+    ``[blocks, 2, block_size, Hk * D]`` split as the vLLM plugin splits it."""
+    if packing == "plain":
+        kv = torch.empty(2, num_blocks, BLOCK_SIZE, shape.kv_heads, shape.head_dim, dtype=dtype, device=META)
+        return kv[0], kv[1]
+    from dflash_rocm.vllm_plugin.cache_views import rocm_attn_caches
+
+    kv = torch.empty(num_blocks, 2, BLOCK_SIZE, shape.kv_heads * shape.head_dim, dtype=dtype, device=META)
+    return rocm_attn_caches(kv, shape.kv_heads, shape.head_dim, interleaved_v=packing == "rocm_attn_interleaved_v")
 
 
 def attention_call(case: Case, target: Target) -> AttentionCall:
@@ -123,7 +142,7 @@ def attention_call(case: Case, target: Target) -> AttentionCall:
     needed = case.batch * width + 1
     per_block = 2 * BLOCK_SIZE * s.kv_heads * s.head_dim * dtype.itemsize
     num_blocks = max(needed, LARGE_CACHE_BYTES // per_block) if case.large_cache else needed
-    key_cache, value_cache = cache_pair(s, num_blocks, dtype)
+    key_cache, value_cache = cache_pair(s, num_blocks, dtype, case.packing)
     tokens = case.batch * case.query_len
     query = torch.empty(tokens, s.q_heads, s.head_dim, dtype=torch.bfloat16, device=META)
     index = dict(dtype=torch.int32, device=META)
@@ -147,7 +166,7 @@ def precompute_call(case: Case, target: Target) -> PrecomputeCall:
         k_norm_weight=torch.empty(L, D, **empty),
         cos_sin_cache=torch.empty(1 << 15, s.rope_dim, dtype=torch.float32, device=META),
         is_neox=s.is_neox, eps=1e-6, num_layers=L, num_kv_heads=Hk, head_dim=D)
-    caches = [cache_pair(s, -(-N // BLOCK_SIZE) + 1, dtype) for _ in range(L)]
+    caches = [cache_pair(s, -(-N // BLOCK_SIZE) + 1, dtype, case.packing) for _ in range(L)]
     slots = torch.empty(N, dtype=torch.int64, device=META)
     scales = torch.empty(L, dtype=torch.float32, device=META) if case.fp8 else None
     return PrecomputeCall(
@@ -201,7 +220,10 @@ def capture_case(case: Case, target: Target) -> CaseLaunches:
 
 def cache_variants(case: Case, target: Target) -> list[Case]:
     """On AMD the attention is compiled for both cache sizes: buffer (32-bit offset) loads
-    only apply to tensors under 2 GiB. The workload's own cache comes first when it fits."""
+    only apply to tensors under 2 GiB. The workload's own cache comes first when it fits.
+    Packed (ROCM_ATTN) caches exist on AMD only, and are compiled at the workload's size."""
+    if case.packing != "plain":
+        return [case] if target.amd else []
     if case.op != "attention" or not target.amd:
         return [case]
     s = case.shape

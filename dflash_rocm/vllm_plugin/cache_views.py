@@ -121,7 +121,7 @@ def kv_cache_views(impl, layer, kv_cache: torch.Tensor):
         value = kv_cache[:, 1].unflatten(-1, (Hk, D))
     elif backend.name == "ROCM_ATTN" or (backend.name == "ROCM_AITER_FA" and _aiter_shuffled()):
         interleaved = backend.name == "ROCM_AITER_FA" or bool(getattr(impl, "_use_interleaved_v_cache", False))
-        key, value = _rocm_attn_caches(kv_cache, Hk, D, interleaved)
+        key, value = rocm_attn_caches(kv_cache, Hk, D, interleaved)
     elif backend.name == "ROCM_AITER_FA" or backend.impl in _FLASH_STYLE:
         if backend.name == "ROCM_AITER_UNIFIED_ATTN" and _aiter_shuffled() and _on_gfx1250():
             return "aiter's gfx1250 shuffled layout of the unified backend is not a layout dflash_rocm reads"
@@ -134,7 +134,7 @@ def kv_cache_views(impl, layer, kv_cache: torch.Tensor):
     return key, value
 
 
-def _rocm_attn_caches(kv_cache: torch.Tensor, Hk: int, D: int, interleaved_v: bool):
+def rocm_attn_caches(kv_cache: torch.Tensor, Hk: int, D: int, interleaved_v: bool):
     """ROCM_ATTN's split (vLLM 0.33 ``v1/attention/ops/paged_attn.py`` ``split_kv_cache``):
     each slot page of the bound ``[B, 2, bs, Hk*D]`` tensor reread as x-packed K
     ``[B, Hk, D/x, bs, x]`` and V ``[B, Hk, D, bs]`` (interleaved: ``[B, Hk, bs/x, D, x]``),
