@@ -57,6 +57,7 @@ def variants():
     """(name, arch, run) for every kernel path and table entry worth compiling."""
     sys.path.insert(0, os.path.dirname(__file__))
     from dflash_rocm.backends.rocm import tables
+    from dflash_rocm.arch import arch_info
     from dflash_rocm.backends.triton.attention import attention_config_for, run_draft_attention
     from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig, PrecomputeLaunchConfig
     from dflash_rocm.backends.triton.precompute import run_precompute
@@ -66,8 +67,7 @@ def variants():
     from strategies import make_generator, make_weights
     from test_triton_backend import paged
 
-    fp8_of = {"sm_90": torch.float8_e4m3fn, "gfx942": torch.float8_e4m3fnuz, "gfx950": torch.float8_e4m3fn,
-              "gfx1201": torch.float8_e4m3fn}
+    fp8_of = {arch: arch_info(arch).fp8_dtype for arch in TARGETS if arch_info(arch).fp8_dtype is not None}
     out = []
     for arch in TARGETS:
         features = dict(causal=True, sliding_window=256, sinks=torch.zeros(8))

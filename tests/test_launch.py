@@ -90,7 +90,7 @@ def test_the_specialisation_matches_tritons_own():
     from triton.compiler import make_backend
 
     t = torch.zeros(64)
-    values = [0, 1, 2, 15, 16, 48, -16, 2 ** 31 - 1, 2 ** 31, 0.5, True, t, t[1:], t[4:], t.half()]
+    values = [0, 1, 2, 15, 16, 48, -16, 2 ** 31 - 1, 2 ** 31, 0.5, True, None, t, t[1:], t[4:], t.half()]
     for target, amd in ((GPUTarget("cuda", 90, 32), False), (GPUTarget("hip", "gfx942", 64), True)):
         backend = type(make_backend(target))
         for a in values:

@@ -69,6 +69,8 @@ def specialization(args: tuple, amd: bool) -> tuple | None:
             key.append(1 if a == 1 else (a % 16 == 0, _I32[0] <= a < _I32[1]))
         elif type(a) is float or type(a) is bool:
             key.append(type(a))
+        elif a is None:  # a constexpr to Triton (an unused stride): the compiled launcher skips it
+            key.append(None)
         else:
             return None
     return tuple(key)
