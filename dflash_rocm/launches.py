@@ -37,6 +37,7 @@ class Launch:
     args: tuple
     constexprs: dict
     options: dict
+    per_call: int | None = None  # how many leading arguments change from call to call (None: all)
 
     @property
     def name(self) -> str:
@@ -63,16 +64,24 @@ def capturing() -> list[Launch] | None:
     return _capture.get()
 
 
-@contextlib.contextmanager
-def launching(kernel_name: str) -> Iterator[None]:
-    """Wrap one kernel launch: counted once it returns."""
-    _local.depth = getattr(_local, "depth", 0) + 1
-    try:
-        yield
-    finally:
+class launching:
+    """Wrap one kernel launch: counted once it returns. A plain class, not a generator
+    context manager: it sits on the hot path of every launch (a backend may keep one per
+    kernel and reuse it)."""
+
+    __slots__ = ("kernel_name",)
+
+    def __init__(self, kernel_name: str):
+        self.kernel_name = kernel_name
+
+    def __enter__(self) -> None:
+        _local.depth = getattr(_local, "depth", 0) + 1
+
+    def __exit__(self, exc_type, exc, tb) -> None:
         _local.depth -= 1
-    with _lock:
-        _counts[kernel_name] += 1
+        if exc_type is None:
+            with _lock:
+                _counts[self.kernel_name] += 1
 
 
 def in_flight() -> bool:

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# One call on a lent GPU machine: environment facts, the GPU tests under a time budget,
+# One call on a lent GPU machine: environment facts, the GPU tests under a time budget
+# (real shapes, graph capture and replay, no device sync on the default path),
+# `dflash-rocm bench --host` (host microseconds per call, this GPU's launch costs),
 # `dflash-rocm bench --vllm` (vLLM with and without the plugin, when vLLM is importable),
 # then `dflash-rocm bench --quick` at real shapes. Logs, JSON, CSV and a plot go to $OUT
 # (default ./gpu-check-out); a short table is printed last, with `dflash-rocm inspect`'s
@@ -40,10 +42,14 @@ if "$PY" -c "import torch; raise SystemExit(0 if torch.version.hip else 1)" 2>/d
 else
     MARK=cuda
 fi
-timeout "$TEST_BUDGET" "$PY" -m pytest tests/test_gpu.py -m "$MARK" -q -rs -p no:cacheprovider \
+timeout "$TEST_BUDGET" "$PY" -m pytest tests/test_gpu.py tests/test_host_path.py -m "$MARK" -q -rs -p no:cacheprovider \
     --junitxml="$OUT/pytest.xml" > "$OUT/pytest.log" 2>&1
 TEST_RC=$?
 tail -n 25 "$OUT/pytest.log"
+
+echo "== bench --host"
+timeout 120 "$PY" -m dflash_rocm bench --host --repeats 300 > "$OUT/bench_host.txt" 2> "$OUT/bench_host.err"
+HOST_RC=$?
 
 echo "== bench (budget ${BENCH_BUDGET}s)"
 timeout "$BENCH_BUDGET" "$PY" -m dflash_rocm bench "${BENCH_ARGS[@]}" --quiet --json "$OUT/bench.json" \
@@ -64,6 +70,8 @@ fi
 
 echo "== summary"
 echo "pytest -m $MARK: exit $TEST_RC ($(grep -Eo '[0-9]+ (passed|failed|skipped|error)' "$OUT/pytest.log" | tr '\n' ' '))"
+echo "bench --host: exit $HOST_RC"
+cat "$OUT/bench_host.txt"
 echo "bench --vllm: $VLLM_RC"
 [ -s "$OUT/bench_vllm.txt" ] && cat "$OUT/bench_vllm.txt"
 echo "bench: exit $BENCH_RC"
@@ -72,4 +80,4 @@ cat "$OUT/bench.txt"
 if [ "$DRY" = 1 ]; then
     grep -qE '[0-9]+ skipped' "$OUT/pytest.log" || TEST_RC=1
 fi
-[ "$TEST_RC" = 0 ] && [ "$BENCH_RC" = 0 ]
+[ "$TEST_RC" = 0 ] && [ "$BENCH_RC" = 0 ] && [ "$HOST_RC" = 0 ]

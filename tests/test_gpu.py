@@ -135,3 +135,69 @@ def test_startup_tuning_end_to_end_on_the_gpu(tmp_path, monkeypatch):
     finally:
         settings.configure(**previous.__dict__)
         tuner.forget_tables()
+
+
+def _captured(step):
+    """``step`` captured in a CUDA/HIP graph after one eager warm-up on a side stream (the
+    warm-up compiles, makes the launch plans, the cache table and the arrival counters:
+    first-call work that graph capture forbids)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", ["qwen3-8b-dflash-b16", "gemma-swa-sinks"])
+def test_attention_with_default_arguments_replays_from_a_graph(backend, shape):
+    """Captured once with default arguments (``validate=True``: the index checks are
+    device asserts), replayed over new queries, caches and block tables: each replay
+    agrees with the reference on that replay's inputs."""
+    device = torch.device("cuda")
+    inputs = attention_inputs(SHAPES[shape], 4, 2048, torch.bfloat16, torch.bfloat16, device)
+    if dispatch.reasons_for(backend, ATTENTION, attention_call(*inputs.args(), **inputs.kwargs)):
+        pytest.skip(f"{backend} does not serve this call here")
+    out = torch.empty_like(inputs.query)
+    graph = _captured(lambda: dflash_rocm.draft_attention(*inputs.args(), **inputs.kwargs, out=out,
+                                                          backend=backend))
+    for seed in (1, 2):
+        fresh = attention_inputs(SHAPES[shape], 4, 2048, torch.bfloat16, torch.bfloat16, device, seed=seed)
+        for static, new in zip(inputs.args(), fresh.args()):
+            static.copy_(new)
+        graph.replay()
+        ref = dflash_rocm.draft_attention(*inputs.args(), **inputs.kwargs, backend="reference")
+        assert dflash_rocm.contract.relative_error(out, ref) < 2e-2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("num_tokens", [16, 256])
+def test_precompute_with_default_arguments_replays_from_a_graph(backend, num_tokens):
+    """Captured once, replayed over new states, positions and slots: the caches hold what
+    the reference writes for that replay's inputs."""
+    device = torch.device("cuda")
+    inputs = precompute_inputs(QWEN3_8B, num_tokens, torch.bfloat16, torch.bfloat16, device)
+    if dispatch.reasons_for(backend, PRECOMPUTE, precompute_call(*inputs.args(), **inputs.kwargs())):
+        pytest.skip(f"{backend} does not serve this call here")
+    graph = _captured(lambda: dflash_rocm.precompute_and_store_context_kv(*inputs.args(), **inputs.kwargs(),
+                                                                          backend=backend))
+    caches = inputs.key_caches + inputs.value_caches
+    for seed in (1, 2):
+        fresh = precompute_inputs(QWEN3_8B, num_tokens, torch.bfloat16, torch.bfloat16, device, seed=seed,
+                                  weights=inputs.weights)
+        for static, new in ((inputs.states, fresh.states), (inputs.positions, fresh.positions),
+                            (inputs.slot_mapping, fresh.slot_mapping)):
+            static.copy_(new)
+        for c in caches:
+            c.zero_()
+        graph.replay()
+        expected = [torch.zeros_like(c) for c in caches]
+        L = len(inputs.key_caches)
+        dflash_rocm.precompute_and_store_context_kv(inputs.states, inputs.positions, inputs.weights, expected[:L],
+                                                    expected[L:], inputs.slot_mapping, backend="reference")
+        for got, want in zip(caches, expected):
+            assert dflash_rocm.contract.relative_error(got.float(), want.float()) < 2e-2

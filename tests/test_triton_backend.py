@@ -276,6 +276,24 @@ def test_no_write_outside_slots_even_with_duplicate_free_random_slots():
         assert not torch.equal(c.view(12, 2, 16)[written], b.view(12, 2, 16)[written])
 
 
+def test_a_plan_kept_for_one_cache_set_never_writes_another():
+    """Plans are kept per call structure; two cache sets of one layout are two plans (the
+    cache table holds addresses), so each call writes its own caches and only those."""
+    g = make_generator(8, "cpu")
+    w = make_weights(g, "cpu", L=2, Hk=1, D=16, H=24, R=16, is_neox=True, bias=False, v_scale=None,
+                     dtype=torch.float32)
+    states, positions, slots = torch.randn(3, 24, generator=g), torch.arange(3), torch.tensor([5, 0, 2])
+    sets = [[torch.zeros(2, 4, 1, 16) for _ in range(4)] for _ in range(2)]
+    for caches in sets:
+        before = [c.clone() for c in sets[0]]
+        dflash_rocm.precompute_and_store_context_kv(states, positions, w, caches[:2], caches[2:], slots,
+                                                    backend="triton")
+        assert all(c.abs().sum() > 0 for c in caches)
+        if caches is sets[1]:  # the first set is untouched by the second call
+            assert all(torch.equal(c, b) for c, b in zip(sets[0], before))
+    assert all(torch.equal(a, b) for a, b in zip(*sets))
+
+
 def test_compute_only_call_writes_nothing_and_returns_none():
     g = make_generator(6, "cpu")
     w = make_weights(g, "cpu", L=2, Hk=1, D=16, H=24, R=16, is_neox=True, bias=False, v_scale=None,

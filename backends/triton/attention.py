@@ -1,18 +1,22 @@
-"""Host side of the Triton draft attention: grid, partial buffers, launches."""
+"""Host side of the Triton draft attention: plans (grids, constexprs, scalar arguments,
+partial-buffer sizes per call structure, made once) and the launches of each call."""
 
 from __future__ import annotations
 
 import math
+import threading
+from dataclasses import dataclass
 
 import torch
 
 from dflash_rocm.ops.attention import AttentionCall
+from dflash_rocm.paged import PackedCache
 from dflash_rocm.platform import Platform, platform_for
 
 from .attention_kernels import draft_attention_kernel, merge_segments_kernel
 from .common import fp32_math, next_pow2, packed_layout
 from .counters import arrival_counters
-from .launch import launch
+from .launch import LaunchPlan, compiler_options
 from .launch_config import AttentionLaunchConfig, default_attention_config
 
 
@@ -62,12 +66,71 @@ def cache_addressing(cache) -> tuple[torch.Tensor, tuple, dict]:
     return tensor, strides, dict(ROW_PACK=rows, DIM_PACK=dims, UNIT=unit)
 
 
-def run_draft_attention(call: AttentionCall, config: AttentionLaunchConfig | None = None) -> None:
-    """Write ``call.out`` with the split-KV kernel (plus the merge kernel when the tile is
-    split and the configuration does not merge in the same launch)."""
-    if call.num_tokens == 0:
-        return
-    config = config or attention_config_for(call)
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Everything about launching one call structure with one configuration that does not
+    change from call to call: grids, constexprs, strides and the other scalar arguments,
+    the partial buffers' sizes. Calls then pass only their tensors."""
+
+    config: AttentionLaunchConfig
+    main: LaunchPlan
+    merge: LaunchPlan | None  # a split tile's merge, when not done by its last segment
+    merge_in_kernel: bool
+    counters: int  # arrival counters the in-kernel merge needs
+    part_out: int  # elements of the 16-bit partials (0: not split)
+    part_lse: int
+
+    def run(self, call: AttentionCall) -> None:
+        out, device = call.out, call.device
+        part_out = part_lse = counters = out  # unused by the kernel unless split
+        if self.part_out:
+            part_out = torch.empty(self.part_out, dtype=out.dtype, device=device)
+            part_lse = torch.empty(self.part_lse, dtype=torch.float32, device=device)
+        if self.merge_in_kernel:
+            counters = arrival_counters(device, self.counters)
+            if counters is None:  # none free while a graph is captured: the merge takes its own launch
+                plan_attention(call, self.config, merge_in_kernel=False).run(call)
+                return
+        sinks = call.sinks if call.sinks is not None else out
+        k_scale = call.k_scale if call.k_scale is not None else out
+        v_scale = call.v_scale if call.v_scale is not None else out
+        self.main(call.query, cache_tensor(call.key_cache), cache_tensor(call.value_cache), call.block_table,
+                  call.query_start_loc, call.seq_lens, out, part_out, part_lse, counters, sinks, k_scale, v_scale)
+        if self.merge is not None:
+            self.merge(part_out, part_lse, call.query_start_loc, call.seq_lens, sinks, out)
+
+
+def cache_tensor(cache) -> torch.Tensor:
+    return cache.view if isinstance(cache, PackedCache) else cache
+
+
+_PLANS: dict[tuple, AttentionPlan] = {}
+_PLANS_KEPT = 256
+_PLANS_LOCK = threading.Lock()
+
+
+def plan_attention(call: AttentionCall, config: AttentionLaunchConfig, merge_in_kernel: bool | None = None
+                   ) -> AttentionPlan:
+    """The plan of ``call``'s structure under ``config``: made once, kept (calls built
+    outside validation carry no structure and get a fresh plan)."""
+    merge_in_kernel = config.num_segments > 1 and config.merge_in_kernel if merge_in_kernel is None else merge_in_kernel
+    key = None
+    if call.layout is not None:
+        key = (call.layout, config, merge_in_kernel, call.query_len_bound, cache_tensor(call.key_cache).data_ptr() & 15,
+               cache_tensor(call.value_cache).data_ptr() & 15)
+        plan = _PLANS.get(key)
+        if plan is not None:
+            return plan
+    plan = _make_plan(call, config, merge_in_kernel)
+    if key is not None:
+        with _PLANS_LOCK:
+            if len(_PLANS) >= _PLANS_KEPT:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    return plan
+
+
+def _make_plan(call: AttentionCall, config: AttentionLaunchConfig, merge_in_kernel: bool) -> AttentionPlan:
     G = call.num_queries_per_kv
     if config.block_m < G:
         raise ValueError(f"block_m={config.block_m} cannot hold the {G} query heads of one KV head")
@@ -75,43 +138,39 @@ def run_draft_attention(call: AttentionCall, config: AttentionLaunchConfig | Non
     one_tile = call.query_len_bound <= block_q  # every request's query block is one tile
     num_tiles = call.num_seqs if one_tile else call.num_tokens // block_q + call.num_seqs
     segments = config.num_segments
-    device = call.device
     q, out = call.query, call.out
-    kc, k_strides, k_pack = cache_addressing(call.key_cache)
-    vc, v_strides, v_pack = cache_addressing(call.value_cache)
-    part_out = part_lse = counters = out  # unused by the kernel unless split
-    if segments > 1:
-        part_out = torch.empty(segments * call.num_tokens * call.num_q_heads * call.head_dim, dtype=out.dtype,
-                               device=device)
-        part_lse = torch.empty(segments * call.num_tokens * call.num_q_heads, dtype=torch.float32, device=device)
-    merge_in_kernel = segments > 1 and config.merge_in_kernel
-    if merge_in_kernel:
-        counters = arrival_counters(device, num_tiles * call.num_kv_heads)
-        merge_in_kernel = counters is not None
-        counters = out if counters is None else counters
-    sinks = call.sinks if call.sinks is not None else out
-    k_scale = call.k_scale if call.k_scale is not None else out
-    v_scale = call.v_scale if call.v_scale is not None else out
+    _, k_strides, k_pack = cache_addressing(call.key_cache)
+    _, v_strides, v_pack = cache_addressing(call.value_cache)
     block_d = max(16, next_pow2(call.head_dim))
     tiles = dict(G=G, D=call.head_dim, BLOCK_D=block_d, BLOCK_M=config.block_m, BLOCK_Q=block_q,
                  BLOCK_N=config.block_n, ONE_TILE=one_tile, CAUSAL=call.causal,
                  HAS_WINDOW=call.sliding_window is not None, HAS_SINKS=call.sinks is not None)
     window = call.sliding_window or 0
-    launch(draft_attention_kernel, (num_tiles, call.num_kv_heads, segments), config,
-           q, kc, vc, call.block_table, call.query_start_loc, call.seq_lens, out, part_out, part_lse, counters,
-           sinks, k_scale, v_scale,
-           call.num_seqs, call.num_tokens, call.scale * math.log2(math.e), window, segments,
-           config.min_segment_keys,
-           q.stride(0), q.stride(1), q.stride(2),
-           *k_strides, *v_strides,
-           call.block_table.stride(0), out.stride(0), out.stride(1), out.stride(2),
-           HQ=call.num_q_heads, BLOCK_SIZE=call.block_size, SPLIT=segments > 1, MERGE_IN_KERNEL=merge_in_kernel,
-           MERGE_CHUNK=merge_chunk(config, block_d), IS_FP8=call.is_fp8, FP32_MATH=fp32_math(q.dtype), **tiles,
-           **{f"K_{k}": v for k, v in k_pack.items()}, **{f"V_{k}": v for k, v in v_pack.items()})
+    main = LaunchPlan(
+        draft_attention_kernel, (num_tiles, call.num_kv_heads, segments), compiler_options(config),
+        (call.num_seqs, call.num_tokens, call.scale * math.log2(math.e), window, segments, config.min_segment_keys,
+         q.stride(0), q.stride(1), q.stride(2), *k_strides, *v_strides,
+         call.block_table.stride(0), out.stride(0), out.stride(1), out.stride(2)),
+        dict(HQ=call.num_q_heads, BLOCK_SIZE=call.block_size, SPLIT=segments > 1, MERGE_IN_KERNEL=merge_in_kernel,
+             MERGE_CHUNK=merge_chunk(config, block_d), IS_FP8=call.is_fp8, FP32_MATH=fp32_math(q.dtype), **tiles,
+             **{f"K_{k}": v for k, v in k_pack.items()}, **{f"V_{k}": v for k, v in v_pack.items()}))
+    merge = None
     if segments > 1 and not merge_in_kernel:
         rows = min(config.block_m, next_pow2(G))
-        launch(merge_segments_kernel, (num_tiles, call.num_kv_heads, config.block_m // rows), config,
-               part_out, part_lse, call.query_start_loc, call.seq_lens, sinks, out,
-               call.num_seqs, call.num_tokens, window, segments, config.min_segment_keys,
-               out.stride(0), out.stride(1), out.stride(2), HQ=call.num_q_heads, ROWS=rows,
-               MERGE_CHUNK=MERGE_KERNEL_CHUNK, **tiles)
+        merge = LaunchPlan(
+            merge_segments_kernel, (num_tiles, call.num_kv_heads, config.block_m // rows), compiler_options(config),
+            (call.num_seqs, call.num_tokens, window, segments, config.min_segment_keys,
+             out.stride(0), out.stride(1), out.stride(2)),
+            dict(HQ=call.num_q_heads, ROWS=rows, MERGE_CHUNK=MERGE_KERNEL_CHUNK, **tiles))
+    split = segments > 1
+    return AttentionPlan(config, main, merge, merge_in_kernel, num_tiles * call.num_kv_heads,
+                         segments * call.num_tokens * call.num_q_heads * call.head_dim if split else 0,
+                         segments * call.num_tokens * call.num_q_heads if split else 0)
+
+
+def run_draft_attention(call: AttentionCall, config: AttentionLaunchConfig | None = None) -> None:
+    """Write ``call.out`` with the split-KV kernel (plus the merge kernel when the tile is
+    split and the configuration does not merge in the same launch)."""
+    if call.num_tokens == 0:
+        return
+    plan_attention(call, config or attention_config_for(call)).run(call)

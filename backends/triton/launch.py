@@ -95,7 +95,11 @@ class Launcher:
         self._lock = threading.Lock()
 
     def __call__(self, grid: tuple[int, ...], *args) -> None:
-        spec = specialization(args, self.amd)
+        self.run(grid, args, specialization(args, self.amd))
+
+    def run(self, grid: tuple[int, ...], args: tuple, spec) -> None:
+        """Launch with ``spec``: :func:`specialization` of ``args``, or any key that changes
+        whenever it would (None: only the JIT may launch)."""
         if spec is not None:
             spec = (self.current_device(), spec)
             compiled = self.compiled.get(spec)
@@ -122,18 +126,46 @@ def launcher(kernel, constexprs: dict, options: dict) -> Launcher:
     return found
 
 
+class LaunchPlan:
+    """One launch of a call structure (FlashInfer's "plan once, run many"): the kernel, its
+    grid, constexprs, options and trailing scalar arguments are fixed when the plan is made;
+    each call passes only the leading tensors, whose specialisation alone is checked."""
+
+    def __init__(self, kernel, grid: tuple[int, ...], options: dict, static_args: tuple, constexprs: dict, *,
+                 amd: bool | None = None, direct: Launcher | None = None):
+        self.kernel, self.grid, self.name = kernel, tuple(grid), kernel.__name__
+        self.requested = dict(options)
+        self.amd = bool(getattr(torch.version, "hip", None)) if amd is None else amd
+        self.options = options_for(self.requested, amd=self.amd)
+        self.static_args, self.constexprs = tuple(static_args), dict(constexprs)
+        self.static_spec = specialization(self.static_args, self.amd)
+        if direct is None and not INTERPRETING:
+            direct = launcher(kernel, self.constexprs, self.options)
+        self.direct = direct  # None: the interpreter, which has no compiled kernels
+        self.launching = launches.launching(self.name)
+
+    def __call__(self, *tensors) -> None:
+        args = tensors + self.static_args
+        captured = launches.capturing()
+        if captured is not None:
+            captured.append(launches.Launch(self.kernel, self.grid, args, self.constexprs, self.requested,
+                                            per_call=len(tensors)))
+            return
+        with self.launching:
+            if self.direct is None:  # every launch runs the Python
+                self.kernel[self.grid](*args, **self.constexprs, **self.options)
+            else:
+                self.launch_direct(tensors, args)
+
+    def launch_direct(self, tensors: tuple, args: tuple) -> None:
+        dynamic = specialization(tensors, self.amd)
+        spec = None if dynamic is None or self.static_spec is None else (dynamic, self.static_spec)
+        self.direct.run(self.grid, args, spec)
+
+
 def launch(kernel, grid: tuple[int, ...], config: Any, *args, **constexprs) -> None:
-    options = compiler_options(config)
-    captured = launches.capturing()
-    if captured is not None:
-        captured.append(launches.Launch(kernel, tuple(grid), args, dict(constexprs), options))
-        return
-    options = options_for(options, amd=bool(getattr(torch.version, "hip", None)))
-    with launches.launching(kernel.__name__):
-        if INTERPRETING:  # the interpreter has no compiled kernels: every launch runs the Python
-            kernel[grid](*args, **constexprs, **options)
-        else:
-            launcher(kernel, constexprs, options)(grid, *args)
+    """A one-off launch (no plan kept): every argument's specialisation is checked."""
+    LaunchPlan(kernel, grid, compiler_options(config), args, constexprs)()
 
 
 def prelude_seconds(launch, arch: str, repeats: int = 2000) -> tuple[float, float]:
@@ -142,8 +174,9 @@ def prelude_seconds(launch, arch: str, repeats: int = 2000) -> tuple[float, floa
 
     The JIT entry is timed as ``JITFunction.run`` does its work: the generated binder
     (binding and specialising every argument through the compiler backend of ``arch``)
-    and the cache-key lookup. The direct path is a :class:`Launcher` whose compiled kernel
-    is a no-op. Neither includes the driver call itself (argument packing in C, the
+    and the cache-key lookup. The direct path is the launch's :class:`LaunchPlan` (its
+    per-call arguments specialised, the rest fixed) over a :class:`Launcher` whose compiled
+    kernel is a no-op. Neither includes the driver call itself (argument packing in C, the
     launch), which needs the GPU."""
     import statistics
     import time
@@ -165,13 +198,17 @@ def prelude_seconds(launch, arch: str, repeats: int = 2000) -> tuple[float, floa
         _, spec, opts = binder(*launch.args, **launch.constexprs, **options)
         compute_cache_key(key_cache, spec, opts)
 
+    amd = target[0] == "hip"
     direct = Launcher(jit, launch.constexprs, options)
-    direct.amd = target[0] == "hip"
     direct.current_device = lambda: 0
-    direct.compiled[(0, specialization(launch.args, direct.amd))] = _NoopCompiled()
+    per_call = len(launch.args) if launch.per_call is None else launch.per_call
+    tensors = launch.args[:per_call]
+    plan = LaunchPlan(jit, launch.grid, launch.options, launch.args[per_call:], launch.constexprs, amd=amd,
+                      direct=direct)
+    direct.compiled[(0, (specialization(tensors, amd), plan.static_spec))] = _NoopCompiled()
 
     def through_launcher():
-        direct(launch.grid, *launch.args)
+        plan(*tensors)
 
     def median(fn) -> float:
         for _ in range(repeats // 10):

@@ -18,7 +18,7 @@ from dflash_rocm.weights import ContextKVWeights
 
 from .common import INTERPRETING, TL_DTYPES, fp32_math, next_pow2, packed_layout
 from .counters import arrival_counters
-from .launch import launch
+from .launch import LaunchPlan, compiler_options
 from .launch_config import PrecomputeLaunchConfig, default_precompute_config
 from .precompute_kernels import META_COLS, context_kv_kernel, context_kv_split_epilogue_kernel
 
@@ -153,29 +153,89 @@ def slots_fit_int32(call: PrecomputeCall) -> bool:
                for c in (call.key_caches[layer], call.value_caches[layer]))
 
 
-def run_precompute(call: PrecomputeCall, config: PrecomputeLaunchConfig | None = None):
+@dataclass(frozen=True)
+class PrecomputePlan:
+    """Everything about launching one call structure (caches included: their addresses are
+    part of it) with one configuration that does not change from call to call: the cache
+    table, grids, constexprs and scalar arguments. Calls then pass only their tensors."""
+
+    config: PrecomputeLaunchConfig
+    main: LaunchPlan
+    epilogue: LaunchPlan | None  # sums a split hidden size, when the last part does not
+    merge_in_kernel: bool
+    table: torch.Tensor  # the caches' addresses: a plan serves one cache set
+    counters: int
+    part_acc: int  # elements of the split parts (0: not split)
+    part_ss: int
+
+    def run(self, call: PrecomputeCall, out_k, out_v) -> None:
+        fused = fused_weights(call.weights)
+        device, dummy = call.device, call.states
+        slots, _ = slot_rows(call)
+        part_acc = part_ss = counters = dummy
+        if self.part_acc:
+            part_acc = torch.empty(self.part_acc, dtype=torch.float32, device=device)
+            part_ss = torch.empty(self.part_ss, dtype=torch.float32, device=device)
+        if self.merge_in_kernel:
+            counters = arrival_counters(device, self.counters)
+            if counters is None:  # none free while a graph is captured: the sum takes its own launch
+                plan_precompute(call, self.config, merge_in_kernel=False).run(call, out_k, out_v)
+                return
+        tail = (fused.bias if fused.bias is not None else dummy, fused.k_norm, fused.cos_sin,
+                self.table,
+                slots if slots is not None else call.positions,  # positions: never read
+                call.k_scales if call.k_scales is not None else dummy,
+                call.v_scales if call.v_scales is not None else dummy,
+                out_k if out_k is not None else dummy, out_v if out_v is not None else dummy)
+        self.main(call.states, fused.weight, part_acc, part_ss, counters, call.positions, *tail)
+        if self.epilogue is not None:
+            self.epilogue(part_acc, part_ss, call.positions, *tail)
+
+
+_PLANS: dict[tuple, PrecomputePlan] = {}
+_PLANS_KEPT = 64
+_PLANS_LOCK = threading.Lock()
+
+
+def plan_precompute(call: PrecomputeCall, config: PrecomputeLaunchConfig, merge_in_kernel: bool | None = None
+                    ) -> PrecomputePlan:
+    """The plan of ``call``'s structure under ``config``: made once, kept (calls built
+    outside validation carry no structure and get a fresh plan)."""
+    w = call.weights
+    grid_t = -(-call.num_tokens // config.block_t)
+    split_k = config.split_k if grid_t == 1 else 1  # split only a single token tile
+    merge_in_kernel = split_k > 1 if merge_in_kernel is None else merge_in_kernel
+    key = None
+    if call.layout is not None:
+        written = [s for s in call.slot_mappings if s is not None]
+        # the layout holds the caches' addresses (validation judges aliasing with it), so a
+        # plan, whose cache table holds them too, serves exactly one cache set
+        key = (call.layout, config, merge_in_kernel,
+               w.kv_bias is None, w.v_scale, w.is_neox, w.eps, w.rotary_dim,
+               tuple(s is None for s in call.slot_mappings), all(s is written[0] for s in written))
+        plan = _PLANS.get(key)
+        if plan is not None:
+            return plan
+    plan = _make_plan(call, config, grid_t, split_k, merge_in_kernel)
+    if key is not None:
+        with _PLANS_LOCK:
+            if len(_PLANS) >= _PLANS_KEPT:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    return plan
+
+
+def _make_plan(call: PrecomputeCall, config: PrecomputeLaunchConfig, grid_t: int, split_k: int,
+               merge_in_kernel: bool) -> PrecomputePlan:
     w = call.weights
     N, L, Hk, D = call.num_tokens, w.num_layers, w.num_kv_heads, w.head_dim
-    device, dtype = call.device, call.dtype
-    out_k = out_v = None
-    if call.return_kv:
-        out_k = torch.empty(L, N, Hk, D, dtype=dtype, device=device)
-        out_v = torch.empty(L, N, Hk, D, dtype=dtype, device=device)
-    if N == 0 or not (call.writes or call.return_kv):
-        return (out_k, out_v) if call.return_kv else None
-    config = config or precompute_config_for(call)
-    fused = fused_weights(w)
-    table = cache_table(call)
-    slots, slot_layer_stride = slot_rows(call)
+    dtype = call.dtype
     (k_rows, k_dims), (v_rows, v_dims) = call.packing or ((1, 1), (1, 1))
     cache_dtype = call.cache_dtype or dtype
-    dummy = call.states
     rows = 2 * L * Hk
-    grid_t = -(-N // config.block_t)
-    split_k = config.split_k if grid_t == 1 else 1  # split only a single token tile
     block_d = max(16, next_pow2(D))
     epilogue = dict(HK=Hk, D=D, R=w.rotary_dim, ROWS=rows, BLOCK_T=config.block_t, BLOCK_D=block_d,
-                    SPLIT_K=split_k, HAS_BIAS=fused.bias is not None, IS_NEOX=w.is_neox,
+                    SPLIT_K=split_k, HAS_BIAS=w.kv_bias is not None, IS_NEOX=w.is_neox,
                     HAS_V_SCALE=w.v_scale is not None, IS_FP8=call.is_fp8,
                     FP8_MAX=float(torch.finfo(cache_dtype).max) if call.is_fp8 else 0.0,
                     FP8_MIN_EXP=_FP8_MIN_NORMAL_EXP.get(cache_dtype, 0),
@@ -184,27 +244,32 @@ def run_precompute(call: PrecomputeCall, config: PrecomputeLaunchConfig | None =
                     V_ALIGNED=all(aligned_runs(call.value_caches[i]) for i in call.written_layers),
                     K_ROW_PACK=k_rows, K_DIM_PACK=k_dims, V_ROW_PACK=v_rows, V_DIM_PACK=v_dims,
                     SLOTS_I32=slots_fit_int32(call), EXACT_FP8_ROUND=INTERPRETING)
-    tail = (fused.bias if fused.bias is not None else dummy, fused.k_norm, fused.cos_sin, table,
-            slots if slots is not None else call.positions, slot_layer_stride,  # positions: never read
-            call.k_scales if call.k_scales is not None else dummy,
-            call.v_scales if call.v_scales is not None else dummy,
-            out_k if out_k is not None else dummy, out_v if out_v is not None else dummy)
+    _, slot_layer_stride = slot_rows(call)
     v_scale = float(w.v_scale) if w.v_scale is not None else 1.0
+    cos_sin_stride = w.rotary_dim  # the fused float32 table is contiguous
     x = call.states
-    part_acc = part_ss = counters = dummy
-    if split_k > 1:
-        part_acc = torch.empty(split_k * N * rows * D, dtype=torch.float32, device=device)
-        part_ss = torch.empty(split_k * rows * N, dtype=torch.float32, device=device)
-        counters = arrival_counters(device, grid_t * rows)
-    merge_in_kernel = split_k > 1 and counters is not None
-    counters = dummy if counters is None else counters
-    launch(context_kv_kernel, (split_k * grid_t * rows,), config,
-           x, fused.weight, part_acc, part_ss, counters, call.positions, *tail,
-           N, w.hidden_size, x.stride(0), x.stride(1), fused.cos_sin.stride(0), v_scale, w.eps, grid_t,
-           BLOCK_K=config.block_k, MERGE_IN_KERNEL=merge_in_kernel, NUM_XCDS=config.num_xcds,
-           FP32_MATH=fp32_math(dtype), **epilogue)
+    main = LaunchPlan(
+        context_kv_kernel, (split_k * grid_t * rows,), compiler_options(config),
+        (slot_layer_stride, N, w.hidden_size, x.stride(0), x.stride(1), cos_sin_stride, v_scale, w.eps, grid_t),
+        dict(BLOCK_K=config.block_k, MERGE_IN_KERNEL=merge_in_kernel, NUM_XCDS=config.num_xcds,
+             FP32_MATH=fp32_math(dtype), **epilogue))
+    sum_parts = None
     if split_k > 1 and not merge_in_kernel:
-        launch(context_kv_split_epilogue_kernel, (grid_t, rows), config,
-               part_acc, part_ss, call.positions, *tail,
-               N, w.hidden_size, fused.cos_sin.stride(0), v_scale, w.eps, **epilogue)
+        sum_parts = LaunchPlan(context_kv_split_epilogue_kernel, (grid_t, rows), compiler_options(config),
+                               (slot_layer_stride, N, w.hidden_size, cos_sin_stride, v_scale, w.eps), epilogue)
+    split = split_k > 1
+    return PrecomputePlan(config, main, sum_parts, merge_in_kernel, cache_table(call),
+                          grid_t * rows, split_k * N * rows * D if split else 0, split_k * rows * N if split else 0)
+
+
+def run_precompute(call: PrecomputeCall, config: PrecomputeLaunchConfig | None = None):
+    w = call.weights
+    N, L, Hk, D = call.num_tokens, w.num_layers, w.num_kv_heads, w.head_dim
+    out_k = out_v = None
+    if call.return_kv:
+        out_k = torch.empty(L, N, Hk, D, dtype=call.dtype, device=call.device)
+        out_v = torch.empty(L, N, Hk, D, dtype=call.dtype, device=call.device)
+    if N == 0 or not (call.writes or call.return_kv):
+        return (out_k, out_v) if call.return_kv else None
+    plan_precompute(call, config or precompute_config_for(call)).run(call, out_k, out_v)
     return (out_k, out_v) if call.return_kv else None

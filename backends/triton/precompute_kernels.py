@@ -205,8 +205,8 @@ def _sum_parts(part_acc_ptr, part_ss_ptr, pid_t, head_row, N, ROWS: tl.constexpr
 @triton.jit
 def context_kv_kernel(
     x_ptr, w_ptr, part_acc_ptr, part_ss_ptr, counters_ptr, positions_ptr, bias_ptr, k_norm_ptr, cos_sin_ptr,
-    meta_ptr, slots_ptr, stride_slot_layer, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr,
-    N, H, stride_xt, stride_xh, stride_cs, v_scale, eps, grid_t,
+    meta_ptr, slots_ptr, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr,
+    stride_slot_layer, N, H, stride_xt, stride_xh, stride_cs, v_scale, eps, grid_t,
     HK: tl.constexpr, D: tl.constexpr, R: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_K: tl.constexpr,
     MERGE_IN_KERNEL: tl.constexpr, NUM_XCDS: tl.constexpr, HAS_BIAS: tl.constexpr, IS_NEOX: tl.constexpr,
@@ -270,8 +270,8 @@ def context_kv_kernel(
 @triton.jit
 def context_kv_split_epilogue_kernel(
     part_acc_ptr, part_ss_ptr, positions_ptr, bias_ptr, k_norm_ptr, cos_sin_ptr,
-    meta_ptr, slots_ptr, stride_slot_layer, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr,
-    N, H, stride_cs, v_scale, eps,
+    meta_ptr, slots_ptr, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr,
+    stride_slot_layer, N, H, stride_cs, v_scale, eps,
     HK: tl.constexpr, D: tl.constexpr, R: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, IS_NEOX: tl.constexpr, HAS_V_SCALE: tl.constexpr, IS_FP8: tl.constexpr,
