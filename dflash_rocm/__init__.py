@@ -3,6 +3,7 @@
 Public API::
 
     draft_attention(...)                    # paged, non-causal-by-default draft attention
+    plan_draft_attention(...).run(...)      # the same, the batch's host work done once for all layers
     precompute_and_store_context_kv(...)    # fused context K/V -> every layer's cache
     ContextKVWeights                        # the draft tensors the precompute needs
     load_context_kv_weights(path)           # ... from a DFlash draft checkpoint
@@ -71,12 +72,14 @@ from .api import available_backends, draft_attention, explain, precompute_and_st
 from .checkpoint import load_context_kv_weights  # noqa: E402
 from .dispatch import BackendUnavailable, dispatch_counts, reset_dispatch_counts  # noqa: E402
 from .paged import PackedCache  # noqa: E402
+from .plan import DraftAttentionPlan, PlanMismatch, plan_draft_attention  # noqa: E402
 from .version import __version__  # noqa: E402
 from .weights import ContextKVWeights  # noqa: E402
 
 __all__ = [
-    "ContextKVWeights", "BackendUnavailable", "PackedCache", "available_backends", "dispatch_counts",
-    "draft_attention", "explain", "load_context_kv_weights", "precompute_and_store_context_kv",
+    "ContextKVWeights", "BackendUnavailable", "DraftAttentionPlan", "PackedCache", "PlanMismatch", "available_backends", "dispatch_counts",
+    "draft_attention", "explain", "load_context_kv_weights", "plan_draft_attention",
+    "precompute_and_store_context_kv",
     "reset_dispatch_counts",
     "__version__",
 ]

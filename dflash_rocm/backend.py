@@ -14,6 +14,8 @@ tuner by hand, :meth:`status` reports backend-specific state for ``info``.
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any, Callable, ClassVar
 
 import torch
@@ -108,6 +110,14 @@ class Backend:
     @classmethod
     def run(cls, op: Op, call):
         return getattr(cls, op.run_method)(call)
+
+    @classmethod
+    def plan(cls, op: Op, call) -> Callable[[Any], Any]:
+        """Host work for every call of ``call``'s structure and batch, done once (launch
+        configuration, lookups): returns what runs one such call. :mod:`dflash_rocm.plan`
+        hands it calls that differ from ``call`` only in tensors of the same layout. The
+        default keeps nothing."""
+        return functools.partial(cls.run, op)
 
     # -- hooks for the tools above ---------------------------------------------------------
     @classmethod

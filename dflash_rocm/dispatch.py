@@ -117,9 +117,14 @@ def run(op: Op, call, backend: str | None):
     """Choose a backend for ``call``, run it and count who served it."""
     cls = choose(op, call, backend)
     result = cls.run(op, call)
-    with _lock:
-        _counts[(op.name, cls.name)] += 1
+    counted(op, cls.name)
     return result
+
+
+def counted(op: Op, name: str) -> None:
+    """Count one call of ``op`` served by backend ``name`` (``dispatch_counts()``)."""
+    with _lock:
+        _counts[(op.name, name)] += 1
 
 
 def explain_call(op: Op, call) -> dict[str, list[str]]:

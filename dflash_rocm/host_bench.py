@@ -21,6 +21,7 @@ import torch
 
 from . import dispatch, launches, registry
 from .api import draft_attention, precompute_and_store_context_kv
+from .plan import plan_draft_attention
 from .ops import ATTENTION, OPS, PRECOMPUTE
 from .platform import platform_for, simulate_platform
 from .workloads import SHAPES, attention_inputs, precompute_inputs
@@ -34,6 +35,7 @@ class HostRow:
     op: str
     backend: str
     validate: bool
+    path: str  # "call": the public function; "plan.run": one layer of a planned batch
     host_us: float  # the package's own work, launches captured
     launches: int
     jit_launch_us: float | None  # + Triton's JIT entry for every launch
@@ -70,10 +72,17 @@ def host_rows(device: torch.device, *, arch: str, shape: str = "qwen3-8b-dflash-
     with simulate:
         a = attention_inputs(s, 1, 8192, torch.bfloat16, torch.bfloat16, device)
         p = precompute_inputs(s, 16, torch.bfloat16, torch.bfloat16, device)
-        calls = {ATTENTION.name: lambda b, v: draft_attention(*a.args(), **a.kwargs, backend=b, validate=v),
-                 PRECOMPUTE.name: lambda b, v: precompute_and_store_context_kv(*p.args(), **p.kwargs(), backend=b,
-                                                                               validate=v)}
-        for op_name, run in calls.items():
+        def planned(b, v):  # what the vLLM plugin runs for the second and later draft layers of a step
+            with launches.capture():
+                plan = plan_draft_attention(*a.args(), **a.kwargs, backend=b, validate=v)
+            return lambda: plan.run(a.query, a.key_cache, a.value_cache)
+
+        calls = {(ATTENTION.name, "call"): lambda b, v: lambda: draft_attention(*a.args(), **a.kwargs, backend=b,
+                                                                                validate=v),
+                 (ATTENTION.name, "plan.run"): planned,
+                 (PRECOMPUTE.name, "call"): lambda b, v: lambda: precompute_and_store_context_kv(
+                     *p.args(), **p.kwargs(), backend=b, validate=v)}
+        for (op_name, path), make in calls.items():
             op = OPS[op_name]
             call = op.build_call(*(a.args() if op is ATTENTION else p.args()),
                                  **(a.kwargs if op is ATTENTION else p.kwargs()), validate=False)
@@ -82,16 +91,17 @@ def host_rows(device: torch.device, *, arch: str, shape: str = "qwen3-8b-dflash-
                     continue
                 cls = dispatch.backend(name)
                 for validate in (False, True):
+                    run = make(name, validate)
                     with launches.capture() as made:
-                        run(name, validate)  # one-time work (derived weights, tables) happens here
+                        run()  # one-time work (derived weights, tables) happens here
                     per_call = len(made)
                     if not per_call:  # a backend that computes on the host (cpu): no host path to time
                         break
                     with launches.capture() as sink:  # emptied per call: a growing list would time the GC
-                        host = _median_us(lambda: (run(name, validate), sink.clear()), repeats)
+                        host = _median_us(lambda: (run(), sink.clear()), repeats)
                     costs = [cls.launch_overhead(launch, arch) for launch in made]
                     known = all(c is not None for c in costs)
-                    rows.append(HostRow(op_name, name, validate, host, per_call,
+                    rows.append(HostRow(op_name, name, validate, path, host, per_call,
                                         sum(c[0] for c in costs) * 1e6 if known and costs else None,
                                         sum(c[1] for c in costs) * 1e6 if known and costs else None,
                                         TARGET_US[op_name]))
@@ -111,11 +121,12 @@ def format_host_rows(rows: list[HostRow], arch: str, width: int | None) -> str:
         return "" if value is None else f"{value:.1f}"
 
     table = format_table(
-        ["op", "backend", "validate", "host us", "launches", "+ JIT us", "+ direct us", "total us", "target"],
-        [(OPS[r.op].label, r.backend, "yes" if r.validate else "no", us(r.host_us), r.launches, us(r.jit_launch_us),
+        ["op", "path", "backend", "validate", "host us", "launches", "+ JIT us", "+ direct us", "total us", "target"],
+        [(OPS[r.op].label, r.path, r.backend, "yes" if r.validate else "no", us(r.host_us), r.launches, us(r.jit_launch_us),
           us(r.direct_launch_us), us(r.total_us), f"<= {r.target_us:.0f}") for r in rows], width=width)
     note = (f"Measured on this machine's CPU: the package's host work per call with its kernel launches "
             f"captured, plus each launch's host cost before the driver call for {arch} (through Triton's "
             f"JIT entry, and through the direct path the backends use); total = host + direct. The driver "
-            f"call itself needs a GPU and is not included.")
+            f"call itself needs a GPU and is not included. plan.run: one layer's call through a "
+            f"plan_draft_attention plan, as the vLLM plugin runs every draft layer after a step's first.")
     return "\n".join([table, "", wrap(note, width)])

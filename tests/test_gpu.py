@@ -175,6 +175,28 @@ def test_attention_with_default_arguments_replays_from_a_graph(backend, shape):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_planned_layers_replay_from_a_graph(backend):
+    """A plan made eagerly, its runs for two layers captured and replayed over new
+    queries: each layer agrees with the reference on its own caches."""
+    device = torch.device("cuda")
+    shape = SHAPES["qwen3-8b-dflash-b16"]
+    layers = [attention_inputs(shape, 4, 2048, torch.bfloat16, torch.bfloat16, device, seed=s) for s in (0, 1)]
+    first = layers[0]
+    if dispatch.reasons_for(backend, ATTENTION, attention_call(*first.args(), **first.kwargs)):
+        pytest.skip(f"{backend} does not serve this call here")
+    plan = dflash_rocm.plan_draft_attention(*first.args(), **first.kwargs, backend=backend)
+    outs = [torch.empty_like(layer.query) for layer in layers]
+    graph = _captured(lambda: [plan.run(*layer.args()[:3], out=out) for layer, out in zip(layers, outs)])
+    fresh = attention_inputs(shape, 4, 2048, torch.bfloat16, torch.bfloat16, device, seed=2)
+    for layer in layers:
+        layer.query.copy_(fresh.query)
+    graph.replay()
+    for layer, out in zip(layers, outs):
+        ref = dflash_rocm.draft_attention(*layer.args()[:3], *first.args()[3:], **first.kwargs, backend="reference")
+        assert dflash_rocm.contract.relative_error(out, ref) < 2e-2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("num_tokens", [16, 256])
 def test_precompute_with_default_arguments_replays_from_a_graph(backend, num_tokens):
     """Captured once, replayed over new states, positions and slots: the caches hold what

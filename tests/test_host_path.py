@@ -109,6 +109,23 @@ def test_the_precompute_copies_no_host_data_once_it_knows_the_caches(device_mode
     assert rec.flagged == []
 
 
+@needs_interpreter
+@pytest.mark.parametrize("backend", ["triton", "rocm"])
+def test_a_planned_layer_makes_no_host_reads(device_mode_checks, backend):
+    """A plan's run (what vLLM's draft layers call) neither reads the device nor copies
+    host data, with the next layer's tensors and fp8 scales."""
+    from dflash_rocm.platform import simulate_platform
+
+    a = attention_args()
+    a.update(key_cache=a["key_cache"].to(torch.float8_e4m3fn), value_cache=a["value_cache"].to(torch.float8_e4m3fn))
+    with simulate_platform("gfx942"):
+        plan = dflash_rocm.plan_draft_attention(**a, k_scale=torch.tensor([0.5]), v_scale=torch.tensor([0.5]),
+                                                backend=backend)
+        layer = dict(query=a["query"].clone(), key_cache=a["key_cache"].clone(), value_cache=a["value_cache"].clone(),
+                     out=a["out"].clone(), k_scale=torch.tensor([0.25]), v_scale=torch.tensor([2.0]))
+        assert recorded(lambda: plan.run(**layer)) == []
+
+
 def test_the_recorder_sees_host_reads(device_mode_checks):
     """The recorder is not blind: the reference backend reads ``seq_lens`` on the host
     (it loops over requests), and a bad index still fails in device mode."""

@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("dflash_rocm.backend", "dflash_rocm.registry", "dflash_rocm.dispatch", "dflash_rocm.floors",
      "dflash_rocm.unfused"),
     ("dflash_rocm.backends",),
-    ("dflash_rocm.api", "dflash_rocm", "dflash_rocm.workloads"),
+    ("dflash_rocm.api", "dflash_rocm.plan", "dflash_rocm", "dflash_rocm.workloads"),
     ("dflash_rocm.check", "dflash_rocm.bench", "dflash_rocm.info", "dflash_rocm.cli", "dflash_rocm.__main__",
      "dflash_rocm.vllm_plugin", "dflash_rocm.audit", "dflash_rocm.host_bench", "dflash_rocm.vllm_bench",
      "dflash_rocm.vllm_cpu_attention", "dflash_rocm.tiny_models"),

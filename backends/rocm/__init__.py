@@ -4,6 +4,7 @@ tuning (on by default for RDNA) and a query limit. aiter is a backend of its own
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -97,6 +98,13 @@ class RocmBackend(TritonBackend):
     @classmethod
     def precompute(cls, call: PrecomputeCall):
         return run_precompute(call, precompute_config(call, platform_for(call.device)))
+
+    @classmethod
+    def plan(cls, op: Op, call):
+        if op is ATTENTION:  # table, query limit and tuner asked once for the batch
+            source, config = attention_config(call)
+            return functools.partial(run_tuned_or_table, source=source, config=config)
+        return super().plan(op, call)
 
     # -- hooks -----------------------------------------------------------------------------
     @classmethod

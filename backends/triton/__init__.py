@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from dflash_rocm.backend import Backend
+from dflash_rocm.ops import ATTENTION, Op
 from dflash_rocm.ops.attention import AttentionCall
 from dflash_rocm.ops.precompute import PrecomputeCall
 from dflash_rocm.platform import Platform
 
-from .attention import run_draft_attention
+from .attention import attention_config_for, run_draft_attention
 from .common import INTERPRETING
 from .launch import prelude_seconds
 from .precompute import run_precompute
@@ -55,6 +58,12 @@ class TritonBackend(Backend):
     @classmethod
     def precompute(cls, call: PrecomputeCall):
         return run_precompute(call)
+
+    @classmethod
+    def plan(cls, op: Op, call):
+        if op is ATTENTION:  # the launch configuration depends on the batch alone
+            return functools.partial(run_draft_attention, config=attention_config_for(call))
+        return super().plan(op, call)
 
     @classmethod
     def launch_overhead(cls, launch, arch: str) -> tuple[float, float] | None:

@@ -1,4 +1,5 @@
-"""The draft layers' attention through :func:`dflash_rocm.draft_attention`.
+"""The draft layers' attention through :func:`dflash_rocm.plan_draft_attention`: one plan
+per step (the first draft layer's call), run by every draft layer.
 
 vLLM keeps choosing the platform's attention backend, building its metadata, allocating
 its cache and writing the query tokens' K/V (``do_kv_cache_update``); only the draft
@@ -13,11 +14,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 
 import torch
 
 from .. import dispatch
-from ..api import draft_attention
+from ..plan import DraftAttentionPlan, PlanMismatch, plan_draft_attention
 from ..contract import FP8_DTYPES
 from ..dispatch import BackendUnavailable
 from .cache_views import BACKENDS, backend_of, kv_cache_views
@@ -54,18 +56,50 @@ def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *a
     n = attn_metadata.num_actual_tokens
     q = query[:n].view(n, self.num_heads, self.head_size)
     out = output[:n].view(n, self.num_heads, self.head_size)
+    sinks = getattr(self, "sinks", None)
+    bounds = _host_int(attn_metadata, "max_query_len"), _host_int(attn_metadata, "max_seq_len")
+
+    def plan_this_layer() -> DraftAttentionPlan:
+        return plan_draft_attention(
+            q, key_cache, value_cache, attn_metadata.block_table, attn_metadata.query_start_loc,
+            attn_metadata.seq_lens, scale=self.scale, causal=bool(causal), sliding_window=self.dflash_sliding_window,
+            sinks=sinks, k_scale=layer._k_scale, v_scale=layer._v_scale, out=out, max_query_len=bounds[0],
+            max_seq_len=bounds[1], validate=False)  # vLLM built these indices; checking them would sync every layer
+
     try:
-        draft_attention(q, key_cache, value_cache, attn_metadata.block_table, attn_metadata.query_start_loc,
-                        attn_metadata.seq_lens, scale=self.scale, causal=bool(causal),
-                        sliding_window=self.dflash_sliding_window, sinks=getattr(self, "sinks", None),
-                        k_scale=layer._k_scale, v_scale=layer._v_scale, out=out,
-                        max_query_len=_host_int(attn_metadata, "max_query_len"),
-                        max_seq_len=_host_int(attn_metadata, "max_seq_len"),
-                        validate=False)  # vLLM built these indices; checking them would sync every layer
+        kind = (bool(causal), self.dflash_sliding_window, self.scale, sinks is None, n, *bounds)
+        plan = _STEP.plan(attn_metadata, kind, plan_this_layer)
+        try:
+            plan.run(q, key_cache, value_cache, out=out, sinks=sinks, k_scale=layer._k_scale, v_scale=layer._v_scale)
+        except PlanMismatch:  # this layer's caches are laid out unlike the first layer's: its own plan
+            plan_this_layer().run(q, key_cache, value_cache, out=out)
     except BackendUnavailable as exc:  # raised before anything is written: vLLM's own path is safe
         _warn_once(f"{base.__name__}:unavailable", "draft attention stays on vLLM's %s: %s", base.__name__, exc)
         return base.forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
     return output
+
+
+class _StepPlans(threading.local):
+    """The attention plans of the step being run. vLLM gives every draft layer of a KV-cache
+    group the same metadata object for a step, so the first layer plans the batch (checks,
+    backend choice, launch configuration) and the others only run (FlashInfer's plan/run
+    split). A new metadata object, or new batch tensors in it, start a new step; the
+    host bounds are part of each plan's key. Per thread, as vLLM's forward is."""
+
+    def __init__(self):
+        self.step, self.plans = (), {}
+
+    def plan(self, metadata, key: tuple, make) -> DraftAttentionPlan:
+        step = (metadata, metadata.block_table, metadata.query_start_loc, metadata.seq_lens)
+        if len(step) != len(self.step) or any(a is not b for a, b in zip(step, self.step)):
+            self.step, self.plans = step, {}
+        found = self.plans.get(key)
+        if found is None:
+            found = self.plans[key] = make()
+        return found
+
+
+_STEP = _StepPlans()
 
 
 def _host_int(metadata, name: str) -> int | None:

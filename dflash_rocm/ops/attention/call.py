@@ -58,6 +58,15 @@ class AttentionCall:
     # structural checks read, and so everything a backend's reasons may depend on.
     layout: object = None
 
+    def with_tensors(self, **tensors) -> "AttentionCall":
+        """This call with other tensors of the same structure (a plan's ``run``, which has
+        checked that each has the planned shape, strides, dtype and device). A copy of the
+        fields, not ``dataclasses.replace``: that re-runs ``__init__`` on a hot path."""
+        new = object.__new__(AttentionCall)
+        new.__dict__.update(self.__dict__)
+        new.__dict__.update(tensors)
+        return new
+
     @property
     def num_tokens(self) -> int:
         return self.query.shape[0]

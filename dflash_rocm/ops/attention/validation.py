@@ -51,9 +51,8 @@ def attention_call(query, key_cache, value_cache, block_table, query_start_loc, 
         key, derived = known
     if out is None:
         out = torch.empty_like(query)
-    elif not storages_apart(out, query, key_cache, value_cache):
-        check_layout_once("attention out", (out, query, key_cache, value_cache),
-                          lambda: _check_out_memory(out, query, key_cache, value_cache))
+    else:
+        check_out_apart(out, query, key_cache, value_cache)
     if max_query_len is not None:
         max_query_len = int_bound("max_query_len", max_query_len, low=0)
     if max_seq_len is not None:
@@ -150,6 +149,14 @@ def _check_structure(query, key_cache, value_cache, block_table, query_start_loc
             if not isinstance(given, torch.Tensor):
                 scales[i] = t  # a float: constant for every call of this structure
     return _Derived(float(scale), *scales)
+
+
+def check_out_apart(out, query, key_cache, value_cache) -> None:
+    """``out`` shares no memory with what the call reads: free when it has a storage of
+    its own (the usual case), else judged once per layout (addresses, shapes, strides)."""
+    if not storages_apart(out, query, key_cache, value_cache):
+        check_layout_once("attention out", (out, query, key_cache, value_cache),
+                          lambda: _check_out_memory(out, query, key_cache, value_cache))
 
 
 def _check_out_memory(out, query, key_cache, value_cache) -> None:

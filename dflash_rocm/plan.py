@@ -1,0 +1,101 @@
+"""Plan once, run many (FlashInfer's model) for the draft attention.
+
+A DFlash step runs the same attention for every draft layer: one batch (block table,
+query start offsets, sequence lengths, host bounds), and per layer only the query, that
+layer's caches, its fp8 scales and sinks, and the output change. :func:`plan_draft_attention`
+does the host work of the batch once: every check :func:`dflash_rocm.draft_attention`
+makes (index checks included, asynchronous on a GPU), the backend choice and the
+backend's own planning (launch configuration, table and tuner lookups).
+:meth:`DraftAttentionPlan.run` then checks only what a layer changes: each tensor's
+shape, strides, dtype and device against the planned ones (a mismatch is a
+:class:`PlanMismatch`, raised before anything is written) and that ``out`` shares no
+memory with what the call reads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import dispatch
+from .ops import ATTENTION
+from .ops.attention.validation import check_out_apart
+from .validation import IndexChecks, check_scale_values, scale_tensor, signature
+
+
+class PlanMismatch(ValueError):
+    """A tensor given to :meth:`DraftAttentionPlan.run` is not laid out as the planned one."""
+
+
+class DraftAttentionPlan:
+    """The host work of one batch's draft-attention calls, done once (see the module)."""
+
+    __slots__ = ("_call", "_runner", "backend", "_planned", "_validate")
+
+    def __init__(self, call, backend: str | None, validate: bool):
+        cls = dispatch.choose(ATTENTION, call, backend)
+        self._call = call
+        self.backend = cls.name  # the backend that serves every run
+        self._runner = cls.plan(ATTENTION, call)
+        self._validate = validate
+        self._planned = {name: signature(getattr(call, name))
+                         for name in ("query", "key_cache", "value_cache", "out", "sinks", "k_scale", "v_scale")}
+
+    def _same(self, name: str, value):
+        planned = self._planned[name]
+        got = signature(value)
+        if got != planned:
+            raise PlanMismatch(f"{name}: not laid out as planned (planned shape, strides, dtype, device "
+                               f"{_describe(planned)}; got {_describe(got)}); make a plan for it")
+        return value
+
+    def run(self, query: torch.Tensor, key_cache, value_cache, *, out: torch.Tensor | None = None,
+            sinks: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+            v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """One layer's attention over the planned batch; returns ``out``. ``out`` None:
+        a new tensor like ``query``. ``sinks`` and the fp8 scale tensors: this layer's
+        (a sinks tensor laid out as the planned one, one-element float scales); None keeps
+        the planned ones. Scales are ignored for caches that are not fp8, as by
+        :func:`dflash_rocm.draft_attention`, and value-checked when the plan validates."""
+        call = self._call
+        query = self._same("query", query)
+        key_cache = self._same("key_cache", key_cache)
+        value_cache = self._same("value_cache", value_cache)
+        out = torch.empty_like(query) if out is None else out
+        self._same("out", out)
+        check_out_apart(out, query, key_cache, value_cache)
+        tensors = dict(query=query, key_cache=key_cache, value_cache=value_cache, out=out)
+        if sinks is not None:
+            tensors["sinks"] = self._same("sinks", sinks if sinks.is_contiguous() else sinks.contiguous())
+        if call.k_scale is not None:  # an fp8 cache
+            for name, given in (("k_scale", k_scale), ("v_scale", v_scale)):
+                if given is not None:
+                    tensors[name] = scale = self._same(name, scale_tensor(name, given, 1, call.device))
+                    if self._validate:
+                        check_scale_values(name, scale, IndexChecks(call.device))
+        self._runner(call.with_tensors(**tensors))
+        dispatch.counted(ATTENTION, self.backend)
+        return out
+
+
+def _describe(sig: tuple) -> str:
+    if len(sig) == 4:
+        shape, strides, dtype, device = sig
+        return f"{list(shape)}, {strides}, {dtype}, {device}"
+    return repr(sig[-1]) if len(sig) == 2 else repr(sig)
+
+
+def plan_draft_attention(query: torch.Tensor, key_cache, value_cache, block_table: torch.Tensor,
+                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor, *, scale: float | None = None,
+                         causal: bool = False, sliding_window: int | None = None, sinks: torch.Tensor | None = None,
+                         k_scale=None, v_scale=None, out: torch.Tensor | None = None, backend: str | None = None,
+                         validate: bool = True, max_query_len: int | None = None,
+                         max_seq_len: int | None = None) -> DraftAttentionPlan:
+    """Plan the draft attention of one batch: the arguments of
+    :func:`dflash_rocm.draft_attention` (validated as there; nothing is computed), with
+    the tensors of any one layer; then ``plan.run(query, key_cache, value_cache, ...)``
+    per layer. The batch's index tensors must not change while the plan is used."""
+    call = ATTENTION.build_call(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
+                                scale=scale, causal=causal, sliding_window=sliding_window, sinks=sinks,
+                                k_scale=k_scale, v_scale=v_scale, out=out, validate=validate,
+                                max_query_len=max_query_len, max_seq_len=max_seq_len)
+    return DraftAttentionPlan(call, backend, validate)

@@ -1,0 +1,131 @@
+"""``plan_draft_attention``: one batch planned once, every layer run against the reference."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import dflash_rocm
+from checks import clone_arg, poison, rel_err
+from dflash_rocm.contract import FP8_DTYPES
+from dflash_rocm.contract import spec_tolerance as tolerance
+from dflash_rocm.paged import PackedCache
+from dflash_rocm.platform import simulate_platform
+from strategies import CPU_SIZES, PACKINGS, attention_cases, make_generator
+from support import needs_interpreter
+from test_validation import attention_args
+
+BACKENDS = ["reference", "cpu", pytest.param("triton", marks=needs_interpreter),
+            pytest.param("rocm", marks=needs_interpreter)]
+
+
+def another_like(t, g):
+    """A tensor laid out exactly as ``t`` (shape, strides, dtype, device) with other values:
+    the next layer's tensor."""
+    if isinstance(t, PackedCache):
+        return PackedCache(another_like(t.view, g))
+    new = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
+    values = torch.randn(new.shape, generator=g, device=t.device)
+    new.copy_(values if t.dtype.is_floating_point else values.to(t.dtype))
+    return new
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(data=st.data())
+def test_every_layer_run_from_one_plan_matches_the_reference(backend, data):
+    packings = ("plain",) if backend == "cpu" else PACKINGS  # cpu reads strided pages only
+    case = data.draw(attention_cases(CPU_SIZES, packings=packings))
+    query, key_cache, value_cache, *batch = case.args
+    kwargs = dict(case.kwargs)
+    kwargs.pop("out", None)
+    g = make_generator(data.draw(st.integers(0, 2 ** 31 - 1)), "cpu")
+    fp8 = key_cache.dtype in FP8_DTYPES
+    with simulate_platform("gfx942"):
+        plan = dflash_rocm.plan_draft_attention(query, key_cache, value_cache, *batch, **kwargs, backend=backend)
+        layers = [(query, key_cache, value_cache, kwargs["sinks"], None, None)]
+        for scale in (0.5, 0.25):  # two more layers: new tensors, same layout
+            sinks = kwargs["sinks"]
+            layers.append((another_like(query, g), another_like(key_cache, g), another_like(value_cache, g),
+                           None if sinks is None else another_like(sinks, g),
+                           torch.tensor([scale]) if fp8 else None, torch.tensor(2 * scale) if fp8 else None))
+        for q, kc, vc, sinks, k_scale, v_scale in layers:
+            out = torch.empty_like(q)
+            poison(out)
+            assert plan.run(q, kc, vc, out=out, sinks=sinks, k_scale=k_scale, v_scale=v_scale) is out
+            ref_kwargs = dict(kwargs, sinks=clone_arg(sinks) if sinks is not None else kwargs["sinks"])
+            if k_scale is not None:
+                ref_kwargs.update(k_scale=float(k_scale), v_scale=float(v_scale))
+            ref = dflash_rocm.draft_attention(*clone_arg((q, kc, vc, *batch)), **ref_kwargs, backend="reference")
+            if out.numel():
+                err = rel_err(out, ref)
+                assert err <= tolerance(q.dtype, kc.dtype), f"{backend}: rel err {err:.2e} for {case.description}"
+
+
+@pytest.mark.parametrize("name,change", [
+    ("query", lambda a: a["query"][:, :, :8]),
+    ("query", lambda a: a["query"].transpose(0, 1).contiguous().transpose(0, 1)),
+    ("key_cache", lambda a: a["key_cache"].half()),
+    ("value_cache", lambda a: torch.zeros(9, 4, 2, 16)),
+    ("out", lambda a: torch.zeros(6, 4, 16).transpose(0, 1).contiguous().transpose(0, 1)),
+])
+def test_a_tensor_not_laid_out_as_planned_is_refused_before_anything_is_written(name, change):
+    a = attention_args()
+    plan = dflash_rocm.plan_draft_attention(**a, backend="reference")
+    run = dict(query=a["query"], key_cache=a["key_cache"], value_cache=a["value_cache"], out=a["out"].clone())
+    run[name] = change(a)
+    before = run["out"].clone()
+    with pytest.raises(dflash_rocm.PlanMismatch, match=name):
+        plan.run(**run)
+    assert torch.equal(run["out"], before)
+
+
+def test_an_out_that_shares_memory_with_the_query_is_refused():
+    a = attention_args()
+    plan = dflash_rocm.plan_draft_attention(**a, backend="reference")
+    q = a["query"].clone()
+    with pytest.raises(ValueError, match="out: shares memory with query"):
+        plan.run(q, a["key_cache"], a["value_cache"], out=q)
+
+
+def test_scales_are_value_checked_when_the_plan_validates():
+    a = attention_args()
+    kc, vc = a["key_cache"].to(torch.float8_e4m3fn), a["value_cache"].to(torch.float8_e4m3fn)
+    a.update(key_cache=kc, value_cache=vc, query=a["query"], k_scale=0.5, v_scale=0.5)
+    plan = dflash_rocm.plan_draft_attention(**a, backend="reference")
+    with pytest.raises(ValueError, match="k_scale: expected positive finite"):
+        plan.run(a["query"], kc, vc, k_scale=torch.tensor([-1.0]))
+    unchecked = dflash_rocm.plan_draft_attention(**a, backend="reference", validate=False)
+    unchecked.run(a["query"], kc, vc, k_scale=torch.tensor([2.0]))  # the caller vouched for its values
+
+
+def test_runs_are_counted_for_the_planned_backend():
+    a = attention_args()
+    dflash_rocm.reset_dispatch_counts()
+    plan = dflash_rocm.plan_draft_attention(**a)
+    assert plan.backend == "cpu"  # auto on CPU tensors
+    for _ in range(3):
+        plan.run(a["query"], a["key_cache"], a["value_cache"])
+    assert dflash_rocm.dispatch_counts() == {("draft_attention", "cpu"): 3}
+
+
+def test_the_vllm_plugin_plans_once_per_step_and_anew_for_new_batch_tensors():
+    from types import SimpleNamespace
+
+    from dflash_rocm.vllm_plugin.attention import _StepPlans
+
+    step_plans, made = _StepPlans(), []
+
+    def make():
+        made.append(object())
+        return made[-1]
+
+    def batch():
+        return SimpleNamespace(block_table=torch.zeros(1, 1), query_start_loc=torch.zeros(2), seq_lens=torch.zeros(1))
+
+    metadata = batch()
+    first = [step_plans.plan(metadata, ("non-causal",), make) for _ in range(5)]  # five draft layers
+    assert len(made) == 1 and all(p is made[0] for p in first)
+    assert step_plans.plan(metadata, ("causal",), make) is made[1]  # another kind of layer: its own plan
+    metadata.seq_lens = torch.zeros(1)  # the same metadata object with a new batch: a new step
+    assert step_plans.plan(metadata, ("non-causal",), make) is made[2]
+    assert step_plans.plan(batch(), ("non-causal",), make) is made[3]
