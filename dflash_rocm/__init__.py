@@ -5,6 +5,7 @@ Public API::
     draft_attention(...)                    # paged, non-causal-by-default draft attention
     plan_draft_attention(...).run(...)      # the same, the batch's host work done once for all layers
     precompute_and_store_context_kv(...)    # fused context K/V -> every layer's cache
+    plan_context_kv(...).run(...)           # the same, the model's weights and caches taken once
     ContextKVWeights                        # the draft tensors the precompute needs
     load_context_kv_weights(path)           # ... from a DFlash draft checkpoint
     PackedCache                             # caches packed beyond a strided view (vLLM ROCM_ATTN)
@@ -72,14 +73,13 @@ from .api import available_backends, draft_attention, explain, precompute_and_st
 from .checkpoint import load_context_kv_weights  # noqa: E402
 from .dispatch import BackendUnavailable, dispatch_counts, reset_dispatch_counts  # noqa: E402
 from .paged import PackedCache  # noqa: E402
-from .plan import DraftAttentionPlan, PlanMismatch, plan_draft_attention  # noqa: E402
+from .plan import ContextKVPlan, DraftAttentionPlan, PlanMismatch, plan_context_kv, plan_draft_attention  # noqa: E402
 from .version import __version__  # noqa: E402
 from .weights import ContextKVWeights  # noqa: E402
 
 __all__ = [
-    "ContextKVWeights", "BackendUnavailable", "DraftAttentionPlan", "PackedCache", "PlanMismatch", "available_backends", "dispatch_counts",
-    "draft_attention", "explain", "load_context_kv_weights", "plan_draft_attention",
-    "precompute_and_store_context_kv",
-    "reset_dispatch_counts",
+    "BackendUnavailable", "ContextKVPlan", "ContextKVWeights", "DraftAttentionPlan", "PackedCache", "PlanMismatch",
+    "available_backends", "dispatch_counts", "draft_attention", "explain", "load_context_kv_weights",
+    "plan_context_kv", "plan_draft_attention", "precompute_and_store_context_kv", "reset_dispatch_counts",
     "__version__",
 ]

@@ -21,7 +21,7 @@ import torch
 
 from . import dispatch, launches, registry
 from .api import draft_attention, precompute_and_store_context_kv
-from .plan import plan_draft_attention
+from .plan import plan_context_kv, plan_draft_attention
 from .ops import ATTENTION, OPS, PRECOMPUTE
 from .platform import platform_for, simulate_platform
 from .workloads import SHAPES, attention_inputs, precompute_inputs
@@ -63,7 +63,7 @@ def _median_us(fn, repeats: int) -> float:
 
 def host_rows(device: torch.device, *, arch: str, shape: str = "qwen3-8b-dflash-b16", backends=None,
               repeats: int = 1000) -> list[HostRow]:
-    """One row per (op, backend, validate) for one DFlash step's calls: attention at batch
+    """One row per (op, path, backend, validate) for one DFlash step's calls: attention at batch
     1 over 8k keys, the precompute of 16 context tokens. On CPU tensors ``arch`` is the
     architecture the vendor backends are simulated as (their host code is what runs)."""
     s = SHAPES[shape]
@@ -72,16 +72,22 @@ def host_rows(device: torch.device, *, arch: str, shape: str = "qwen3-8b-dflash-
     with simulate:
         a = attention_inputs(s, 1, 8192, torch.bfloat16, torch.bfloat16, device)
         p = precompute_inputs(s, 16, torch.bfloat16, torch.bfloat16, device)
-        def planned(b, v):  # what the vLLM plugin runs for the second and later draft layers of a step
+
+        def planned_attention(b, v):  # what the vLLM plugin runs for a step's second and later draft layers
             with launches.capture():
                 plan = plan_draft_attention(*a.args(), **a.kwargs, backend=b, validate=v)
             return lambda: plan.run(a.query, a.key_cache, a.value_cache)
 
+        def planned_precompute(b, v):  # what the vLLM plugin runs every step
+            plan = plan_context_kv(p.weights, p.key_caches, p.value_caches, **p.kwargs(), backend=b)
+            return lambda: plan.run(p.states, p.positions, p.slot_mapping, validate=v)
+
         calls = {(ATTENTION.name, "call"): lambda b, v: lambda: draft_attention(*a.args(), **a.kwargs, backend=b,
                                                                                 validate=v),
-                 (ATTENTION.name, "plan.run"): planned,
+                 (ATTENTION.name, "plan.run"): planned_attention,
                  (PRECOMPUTE.name, "call"): lambda b, v: lambda: precompute_and_store_context_kv(
-                     *p.args(), **p.kwargs(), backend=b, validate=v)}
+                     *p.args(), **p.kwargs(), backend=b, validate=v),
+                 (PRECOMPUTE.name, "plan.run"): planned_precompute}
         for (op_name, path), make in calls.items():
             op = OPS[op_name]
             call = op.build_call(*(a.args() if op is ATTENTION else p.args()),
@@ -122,11 +128,13 @@ def format_host_rows(rows: list[HostRow], arch: str, width: int | None) -> str:
 
     table = format_table(
         ["op", "path", "backend", "validate", "host us", "launches", "+ JIT us", "+ direct us", "total us", "target"],
-        [(OPS[r.op].label, r.path, r.backend, "yes" if r.validate else "no", us(r.host_us), r.launches, us(r.jit_launch_us),
-          us(r.direct_launch_us), us(r.total_us), f"<= {r.target_us:.0f}") for r in rows], width=width)
+        [(OPS[r.op].label, r.path, r.backend, "yes" if r.validate else "no", us(r.host_us), r.launches,
+          us(r.jit_launch_us), us(r.direct_launch_us), us(r.total_us), f"<= {r.target_us:.0f}") for r in rows],
+        width=width)
     note = (f"Measured on this machine's CPU: the package's host work per call with its kernel launches "
             f"captured, plus each launch's host cost before the driver call for {arch} (through Triton's "
             f"JIT entry, and through the direct path the backends use); total = host + direct. The driver "
-            f"call itself needs a GPU and is not included. plan.run: one layer's call through a "
-            f"plan_draft_attention plan, as the vLLM plugin runs every draft layer after a step's first.")
+            f"call itself needs a GPU and is not included. plan.run: through a plan, as the vLLM plugin "
+            f"calls: attention for a step's second and later draft layers (plan_draft_attention), the "
+            f"precompute every step (plan_context_kv).")
     return "\n".join([table, "", wrap(note, width)])

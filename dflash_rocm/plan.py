@@ -1,4 +1,4 @@
-"""Plan once, run many (FlashInfer's model) for the draft attention.
+"""Plan once, run many (FlashInfer's model) for both operations.
 
 A DFlash step runs the same attention for every draft layer: one batch (block table,
 query start offsets, sequence lengths, host bounds), and per layer only the query, that
@@ -10,6 +10,11 @@ backend's own planning (launch configuration, table and tuner lookups).
 shape, strides, dtype and device against the planned ones (a mismatch is a
 :class:`PlanMismatch`, raised before anything is written) and that ``out`` shares no
 memory with what the call reads.
+
+The precompute's plan, :func:`plan_context_kv`, keeps what a serving engine fixes for a
+model's life (weights, each layer's caches, fp8 scales) with their part of the checks'
+key taken once; :meth:`ContextKVPlan.run` takes each step's states, positions and slot
+mappings and checks those as :func:`dflash_rocm.precompute_and_store_context_kv` does.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ from __future__ import annotations
 import torch
 
 from . import dispatch
-from .ops import ATTENTION
+from .ops import ATTENTION, PRECOMPUTE
 from .ops.attention.validation import check_out_apart
+from .ops.precompute.validation import ModelArguments, bound_precompute_call, model_arguments
 from .validation import IndexChecks, check_scale_values, scale_tensor, signature
 
 
@@ -99,3 +105,42 @@ def plan_draft_attention(query: torch.Tensor, key_cache, value_cache, block_tabl
                                 k_scale=k_scale, v_scale=v_scale, out=out, validate=validate,
                                 max_query_len=max_query_len, max_seq_len=max_seq_len)
     return DraftAttentionPlan(call, backend, validate)
+
+
+class ContextKVPlan:
+    """The precompute of one model's weights into one set of caches (see the module)."""
+
+    __slots__ = ("_model", "_backend", "_runners")
+    _RUNNERS_KEPT = 64  # structures (token counts, mappings) kept per plan
+
+    def __init__(self, model: ModelArguments, backend: str | None):
+        self._model, self._backend, self._runners = model, backend, {}
+
+    def run(self, context_states: torch.Tensor, positions: torch.Tensor, slot_mapping, *, return_kv: bool = False,
+            validate: bool = True):
+        """:func:`dflash_rocm.precompute_and_store_context_kv` with the planned weights,
+        caches and scales. The backend and its launch configuration are chosen at the
+        first run of each structure (token count, which layers are written) and kept."""
+        call = bound_precompute_call(self._model, context_states, positions, slot_mapping, return_kv=return_kv,
+                                     validate=validate)
+        if call.layout is None:  # an argument that cannot key a memo: nothing kept
+            return dispatch.run(PRECOMPUTE, call, self._backend)
+        found = self._runners.get(call.layout)
+        if found is None:
+            cls = dispatch.choose(PRECOMPUTE, call, self._backend)
+            if len(self._runners) >= self._RUNNERS_KEPT:
+                self._runners.clear()
+            found = self._runners[call.layout] = (cls.name, cls.plan(PRECOMPUTE, call))
+        result = found[1](call)
+        dispatch.counted(PRECOMPUTE, found[0])
+        return result
+
+
+def plan_context_kv(weights, key_caches, value_caches, *, k_scales=None, v_scales=None,
+                    backend: str | None = None) -> ContextKVPlan:
+    """Plan the precompute for a model's weights and caches (the per-model arguments of
+    :func:`dflash_rocm.precompute_and_store_context_kv`); then ``plan.run(states, positions,
+    slot_mapping)`` per step. The plan holds the caches as they are now: the caller's lists
+    may change later, the tensors must not be resized or re-pointed. Each step's arguments
+    are checked at ``run``, the whole structure once per new shape."""
+    return ContextKVPlan(model_arguments(weights, key_caches, value_caches, k_scales, v_scales), backend)

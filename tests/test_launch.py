@@ -101,6 +101,15 @@ def test_the_specialisation_matches_tritons_own():
                 assert ours == theirs, (target.backend, a if not isinstance(a, torch.Tensor) else "tensor", b)
 
 
+@pytest.mark.parametrize("amd", [False, True])
+def test_the_tensor_fast_path_keys_as_the_general_specialisation(amd):
+    t = torch.zeros(64)
+    tensors = (t, t[1:], t[4:], t.half(), torch.zeros(3, dtype=torch.int32))
+    assert launching.tensor_specialization(tensors, amd) == launching.specialization(tensors, amd)
+    mixed = (t, 16, None)  # not all tensors: the general path answers
+    assert launching.tensor_specialization(mixed, amd) == launching.specialization(mixed, amd)
+
+
 @pytest.mark.parametrize("kernel", [draft_attention_kernel, merge_segments_kernel, context_kv_kernel,
                                     context_kv_split_epilogue_kernel], ids=lambda k: k.__name__)
 def test_every_kernel_declares_its_constexprs_last(kernel):

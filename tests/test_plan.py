@@ -1,4 +1,7 @@
-"""``plan_draft_attention``: one batch planned once, every layer run against the reference."""
+"""The plans: ``plan_draft_attention`` (one batch, every layer) and ``plan_context_kv`` (one
+model's caches, every step), each run checked against the reference."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -6,14 +9,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import dflash_rocm
-from checks import clone_arg, poison, rel_err
+from checks import check_precompute, clone_arg, poison, rel_err
 from dflash_rocm.contract import FP8_DTYPES
 from dflash_rocm.contract import spec_tolerance as tolerance
 from dflash_rocm.paged import PackedCache
 from dflash_rocm.platform import simulate_platform
-from strategies import CPU_SIZES, PACKINGS, attention_cases, make_generator
+from strategies import CPU_SIZES, PACKINGS, attention_cases, make_generator, precompute_cases
 from support import needs_interpreter
-from test_validation import attention_args
+from test_validation import attention_args, precompute_args
 
 BACKENDS = ["reference", "cpu", pytest.param("triton", marks=needs_interpreter),
             pytest.param("rocm", marks=needs_interpreter)]
@@ -129,3 +132,47 @@ def test_the_vllm_plugin_plans_once_per_step_and_anew_for_new_batch_tensors():
     metadata.seq_lens = torch.zeros(1)  # the same metadata object with a new batch: a new step
     assert step_plans.plan(metadata, ("non-causal",), make) is made[2]
     assert step_plans.plan(batch(), ("non-causal",), make) is made[3]
+
+
+PRECOMPUTE_BACKENDS = ["reference", "cpu", pytest.param("triton", marks=needs_interpreter),
+                       pytest.param("rocm", marks=needs_interpreter)]
+
+
+@pytest.mark.parametrize("backend", PRECOMPUTE_BACKENDS)
+@given(data=st.data())
+def test_every_step_run_from_one_precompute_plan_matches_the_reference(backend, data):
+    packings = ("plain",) if backend == "cpu" else PACKINGS
+    case = data.draw(precompute_cases(CPU_SIZES, packings=packings))
+    states, positions, weights, key_caches, value_caches, slot_mapping = case.args
+    kwargs = dict(case.kwargs)
+    return_kv = kwargs.pop("return_kv", False)
+    with simulate_platform("gfx942"):
+        plan = dflash_rocm.plan_context_kv(weights, key_caches, value_caches, **kwargs, backend=backend)
+        g = make_generator(data.draw(st.integers(0, 2 ** 31 - 1)), "cpu")
+        step = case
+        for _ in range(2):  # the planned step, then the next one: new states and positions, same caches
+            args = step.args
+            check_precompute(step, backend, run=lambda call, a=args: plan.run(a[0], a[1], a[5], return_kv=return_kv))
+            new_states = another_like(states, g)
+            new_positions = torch.randint(0, weights.max_position, positions.shape, generator=g).to(positions.dtype)
+            step = dataclasses.replace(case, args=(new_states, new_positions, *args[2:]))
+
+
+def test_a_precompute_plan_keeps_its_caches_when_the_callers_list_changes():
+    p = precompute_args()
+    key_caches, value_caches = list(p["key_caches"]), list(p["value_caches"])
+    plan = dflash_rocm.plan_context_kv(p["weights"], key_caches, value_caches, backend="reference")
+    planned = [c.clone() for c in p["key_caches"]]
+    key_caches[0] = torch.zeros_like(key_caches[0])  # the caller reuses its list
+    plan.run(p["context_states"], p["positions"], p["slot_mapping"])
+    assert torch.equal(key_caches[0], torch.zeros_like(key_caches[0]))
+    assert not torch.equal(p["key_caches"][0], planned[0])  # the planned cache was written
+
+
+def test_a_precompute_plan_refuses_states_that_share_memory_with_a_cache():
+    p = precompute_args()
+    plan = dflash_rocm.plan_context_kv(p["weights"], p["key_caches"], p["value_caches"], backend="reference")
+    cache = p["key_caches"][1]
+    states = cache.view(-1)[:p["context_states"].numel()].view_as(p["context_states"])
+    with pytest.raises(ValueError, match="shares memory with context_states"):
+        plan.run(states, p["positions"], p["slot_mapping"])

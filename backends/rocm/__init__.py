@@ -10,7 +10,7 @@ import logging
 import torch
 
 from dflash_rocm.backends.triton import INTERPRETING, TritonBackend
-from dflash_rocm.backends.triton.attention import run_draft_attention
+from dflash_rocm.backends.triton.attention import PlannedAttention, run_draft_attention
 from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig, PrecomputeLaunchConfig
 from dflash_rocm.backends.triton.precompute import run_precompute
 from dflash_rocm.ops import ATTENTION, Op
@@ -101,10 +101,13 @@ class RocmBackend(TritonBackend):
 
     @classmethod
     def plan(cls, op: Op, call):
-        if op is ATTENTION:  # table, query limit and tuner asked once for the batch
+        # The table (query limit, tuner) asked once for the call's structure.
+        if op is ATTENTION:
             source, config = attention_config(call)
-            return functools.partial(run_tuned_or_table, source=source, config=config)
-        return super().plan(op, call)
+            if source == "tuned":  # keeps the fallback to the table should the tuned config fail
+                return functools.partial(run_tuned_or_table, source=source, config=config)
+            return PlannedAttention(config)
+        return functools.partial(run_precompute, config=precompute_config(call, platform_for(call.device)))
 
     # -- hooks -----------------------------------------------------------------------------
     @classmethod

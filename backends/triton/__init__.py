@@ -12,10 +12,10 @@ from dflash_rocm.ops.attention import AttentionCall
 from dflash_rocm.ops.precompute import PrecomputeCall
 from dflash_rocm.platform import Platform
 
-from .attention import attention_config_for, run_draft_attention
+from .attention import PlannedAttention, attention_config_for, run_draft_attention
 from .common import INTERPRETING
 from .launch import prelude_seconds
-from .precompute import run_precompute
+from .precompute import precompute_config_for, run_precompute
 
 
 def fp8_reason(platform: Platform, dtype: torch.dtype) -> str | None:
@@ -61,9 +61,10 @@ class TritonBackend(Backend):
 
     @classmethod
     def plan(cls, op: Op, call):
-        if op is ATTENTION:  # the launch configuration depends on the batch alone
-            return functools.partial(run_draft_attention, config=attention_config_for(call))
-        return super().plan(op, call)
+        # The launch configuration depends on the call's structure alone (batch bounds included).
+        if op is ATTENTION:
+            return PlannedAttention(attention_config_for(call))
+        return functools.partial(run_precompute, config=precompute_config_for(call))
 
     @classmethod
     def launch_overhead(cls, launch, arch: str) -> tuple[float, float] | None:

@@ -168,6 +168,26 @@ def _make_plan(call: AttentionCall, config: AttentionLaunchConfig, merge_in_kern
                          segments * call.num_tokens * call.num_q_heads if split else 0)
 
 
+class PlannedAttention:
+    """:func:`run_draft_attention` with one configuration for the calls of one planned
+    batch (:func:`dflash_rocm.plan_draft_attention`): their launch plan differs only with
+    the caches' 16-byte alignment, so it is looked up once per alignment."""
+
+    __slots__ = ("config", "_plans")
+
+    def __init__(self, config: AttentionLaunchConfig):
+        self.config, self._plans = config, {}
+
+    def __call__(self, call: AttentionCall) -> None:
+        if call.num_tokens == 0:
+            return
+        alignment = (cache_tensor(call.key_cache).data_ptr() & 15, cache_tensor(call.value_cache).data_ptr() & 15)
+        plan = self._plans.get(alignment)
+        if plan is None:
+            plan = self._plans[alignment] = plan_attention(call, self.config)
+        plan.run(call)
+
+
 def run_draft_attention(call: AttentionCall, config: AttentionLaunchConfig | None = None) -> None:
     """Write ``call.out`` with the split-KV kernel (plus the merge kernel when the tile is
     split and the configuration does not merge in the same launch)."""

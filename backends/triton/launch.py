@@ -76,6 +76,18 @@ def specialization(args: tuple, amd: bool) -> tuple | None:
     return tuple(key)
 
 
+def tensor_specialization(tensors: tuple, amd: bool) -> tuple | None:
+    """:func:`specialization` of arguments that are all tensors (a launch plan's per-call
+    arguments), in one comprehension: this runs for every launch."""
+    try:
+        if amd:
+            return tuple([(t.dtype, not t.data_ptr() & 15, t.untyped_storage().nbytes() <= _TWO_GIB)
+                          for t in tensors])
+        return tuple([(t.dtype, not t.data_ptr() & 15, False) for t in tensors])
+    except AttributeError:  # not all tensors after all
+        return specialization(tensors, amd)
+
+
 class Launcher:
     """Launches of one kernel with fixed constexprs and compiler options: the first launch
     of each argument specialisation (and device) goes through Triton's JIT, which compiles
@@ -158,7 +170,7 @@ class LaunchPlan:
                 self.launch_direct(tensors, args)
 
     def launch_direct(self, tensors: tuple, args: tuple) -> None:
-        dynamic = specialization(tensors, self.amd)
+        dynamic = tensor_specialization(tensors, self.amd)
         spec = None if dynamic is None or self.static_spec is None else (dynamic, self.static_spec)
         self.direct.run(self.grid, args, spec)
 
@@ -205,7 +217,7 @@ def prelude_seconds(launch, arch: str, repeats: int = 2000) -> tuple[float, floa
     tensors = launch.args[:per_call]
     plan = LaunchPlan(jit, launch.grid, launch.options, launch.args[per_call:], launch.constexprs, amd=amd,
                       direct=direct)
-    direct.compiled[(0, (specialization(tensors, amd), plan.static_spec))] = _NoopCompiled()
+    direct.compiled[(0, (tensor_specialization(tensors, amd), plan.static_spec))] = _NoopCompiled()
 
     def through_launcher():
         plan(*tensors)

@@ -15,7 +15,7 @@ import torch
 from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
 
 from .. import dispatch
-from ..api import precompute_and_store_context_kv
+from ..plan import ContextKVPlan, plan_context_kv
 from ..contract import FP8_DTYPES
 from ..ops import ATTENTION
 from ..ops.attention import AttentionSpec
@@ -58,9 +58,8 @@ class DFlashRocmQwen3ForCausalLM(DFlashQwen3ForCausalLM):
                                "Set DFLASH_ROCM_VLLM=0 to run vLLM's own DFlash path.")
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self._dflash_weights: ContextKVWeights | None = None
-        self._dflash_scales: tuple[torch.Tensor, torch.Tensor] | None = None
         self._dflash_views_key: tuple | None = None
-        self._dflash_views: list = []
+        self._dflash_plans: dict[bool, ContextKVPlan | str] = {}  # writes caches -> plan (or why not)
         self._dflash_vllm_config = vllm_config
         self._dflash_attention_layers = attention.install(self)
         _configure_backends(vllm_config, self.get_draft_attn_causal(), _model_device(vllm_config))
@@ -72,49 +71,48 @@ class DFlashRocmQwen3ForCausalLM(DFlashQwen3ForCausalLM):
             logger.warning("context-KV precompute stays on vLLM's path: %s", found)
         else:
             self._dflash_weights = found
+            self._dflash_plans = {}  # new weights: new plans
             logger.info("context-KV precompute of this draft runs through dflash_rocm (%d layers)",
                         found.num_layers)
         _warm_up(self, self._dflash_vllm_config)
         return loaded
 
-    def _cache_scales(self, layers) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-layer fp8 cache scales stacked once (vLLM sets them at load time)."""
-        if self._dflash_scales is None:
-            self._dflash_scales = (torch.cat([a._k_scale.reshape(1).float() for a in layers]),
-                                   torch.cat([a._v_scale.reshape(1).float() for a in layers]))
-        return self._dflash_scales
-
-    def _cache_views(self, layers) -> list:
-        """Every layer's (key, value) views, or a reason; rebuilt only when vLLM rebinds its caches."""
+    def _context_kv_plan(self, writes: bool) -> ContextKVPlan | str:
+        """The precompute's plan (weights, every layer's cache views, fp8 scales taken once),
+        or why the caches cannot be read; made again only when vLLM rebinds its caches."""
+        if not writes:
+            plan = self._dflash_plans.get(False)
+            if plan is None:
+                plan = self._dflash_plans[False] = plan_context_kv(self._dflash_weights, None, None)
+            return plan
+        layers = self.model._attn_layers
         caches = [_layer_cache(a) for a in layers]
         key = tuple((c.data_ptr(), tuple(c.shape), c.stride()) for c in caches)
-        if self._dflash_views_key != key:
-            self._dflash_views = [kv_cache_views(a.impl, a, c) for a, c in zip(layers, caches)]
-            self._dflash_views_key = key
-        return self._dflash_views
-
-    def precompute_and_store_context_kv(self, context_states, context_positions, context_slot_mapping=None):
-        weights = self._dflash_weights
-        if weights is None:
-            return super().precompute_and_store_context_kv(context_states, context_positions, context_slot_mapping)
-        key_caches = value_caches = None
-        k_scales = v_scales = None
-        if context_slot_mapping is not None:
-            layers = self.model._attn_layers
-            views = self._cache_views(layers)
+        if self._dflash_views_key != key or True not in self._dflash_plans:
+            views = [kv_cache_views(a.impl, a, c) for a, c in zip(layers, caches)]
             bad = next((v for v in views if isinstance(v, str)), None)
             if bad:
-                attention._warn_once("precompute:" + bad, "context-KV precompute stays on vLLM's path: %s", bad)
-                return super().precompute_and_store_context_kv(context_states, context_positions,
-                                                               context_slot_mapping)
-            key_caches = [v[0] for v in views]
-            value_caches = [v[1] for v in views]
-            if key_caches[0].dtype in FP8_DTYPES:
-                k_scales, v_scales = self._cache_scales(layers)
+                plan = bad
+            else:
+                key_caches, value_caches = [v[0] for v in views], [v[1] for v in views]
+                k_scales = v_scales = None
+                if key_caches[0].dtype in FP8_DTYPES:  # vLLM sets the scales at load time
+                    k_scales = torch.cat([a._k_scale.reshape(1).float() for a in layers])
+                    v_scales = torch.cat([a._v_scale.reshape(1).float() for a in layers])
+                plan = plan_context_kv(self._dflash_weights, key_caches, value_caches, k_scales=k_scales,
+                                       v_scales=v_scales)
+            self._dflash_plans[True], self._dflash_views_key = plan, key
+        return self._dflash_plans[True]
+
+    def precompute_and_store_context_kv(self, context_states, context_positions, context_slot_mapping=None):
+        if self._dflash_weights is None:
+            return super().precompute_and_store_context_kv(context_states, context_positions, context_slot_mapping)
+        plan = self._context_kv_plan(context_slot_mapping is not None)
+        if isinstance(plan, str):
+            attention._warn_once("precompute:" + plan, "context-KV precompute stays on vLLM's path: %s", plan)
+            return super().precompute_and_store_context_kv(context_states, context_positions, context_slot_mapping)
         # vLLM built the positions and slots; checking them would sync with the device.
-        precompute_and_store_context_kv(context_states, context_positions, weights, key_caches, value_caches,
-                                        context_slot_mapping, k_scales=k_scales, v_scales=v_scales,
-                                        validate=False)
+        plan.run(context_states, context_positions, context_slot_mapping, validate=False)
 
 
 def _model_device(vllm_config) -> torch.device:

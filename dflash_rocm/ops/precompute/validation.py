@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ...contract import FP8_DTYPES, QUERY_DTYPES
-from ...validation import (IndexChecks, LayoutMemo, cache_arg, check_device, check_disjoint, check_dtype,
+from ...validation import (IndexChecks, LayoutMemo, Structure, cache_arg, check_device, check_disjoint, check_dtype,
                            check_layout_once, check_scale_values, check_shape, check_writable, index_tensor, per_layer,
                            scale_tensor, signature, storages_apart, tensor_arg)
 from ...paged import PackedCache, cache_packing, memory_of
@@ -31,13 +31,49 @@ class _Derived:
     v_scales: torch.Tensor | None
 
 
+@dataclass(frozen=True)
+class ModelArguments:
+    """The arguments of the precompute that a serving engine keeps for the model's life
+    (weights, each layer's caches, fp8 scales), with their part of the structure key taken
+    once: what a :func:`dflash_rocm.plan_context_kv` plan holds. The caches are held as
+    tuples, so the caller's lists may change without changing the plan; the tensors
+    themselves must not be resized or re-pointed (``set_``) while it is used."""
+
+    weights: object
+    key_caches: tuple | None
+    value_caches: tuple | None
+    k_scales: object
+    v_scales: object
+    key: Structure | tuple  # their signatures and the caches' addresses (hashed once)
+    storages: frozenset  # the caches' storages: states outside all of them need no overlap test
+
+
+def model_arguments(weights, key_caches, value_caches, k_scales=None, v_scales=None) -> ModelArguments:
+    frozen = [tuple(c) if isinstance(c, (list, tuple)) else c for c in (key_caches, value_caches, k_scales, v_scales)]
+    key_caches, value_caches, k_scales, v_scales = frozen
+    caches = [c for group in (key_caches, value_caches) if isinstance(group, tuple) for c in group
+              if isinstance(c, (torch.Tensor, PackedCache))]
+    key = (_weights_signature(weights), _caches(key_caches), _caches(value_caches), _sequence(k_scales),
+           _sequence(v_scales))
+    return ModelArguments(weights, key_caches, value_caches, k_scales, v_scales, LayoutMemo.structure(key) or key,
+                          frozenset(memory_of(c).untyped_storage().data_ptr() for c in caches))
+
+
 def precompute_call(context_states, positions, weights, key_caches, value_caches, slot_mapping, *,
                     k_scales=None, v_scales=None, return_kv=False, validate=True) -> PrecomputeCall:
     """Check the arguments and build the call; the structural checks run once per call
     structure (see :func:`dflash_rocm.ops.attention.validation.attention_call`)."""
-    key = _STRUCTURES.structure((signature(context_states), signature(positions), _weights_signature(weights),
-                                 _sequence(slot_mapping), _caches(key_caches), _caches(value_caches),
-                                 _sequence(k_scales), _sequence(v_scales), signature(return_kv)))
+    return bound_precompute_call(model_arguments(weights, key_caches, value_caches, k_scales, v_scales),
+                                 context_states, positions, slot_mapping, return_kv=return_kv, validate=validate)
+
+
+def bound_precompute_call(model: ModelArguments, context_states, positions, slot_mapping, *, return_kv=False,
+                          validate=True) -> PrecomputeCall:
+    """:func:`precompute_call` with the model's arguments taken once (a plan's run)."""
+    weights, key_caches, value_caches = model.weights, model.key_caches, model.value_caches
+    k_scales, v_scales = model.k_scales, model.v_scales
+    key = _STRUCTURES.structure((signature(context_states), signature(positions), _sequence(slot_mapping),
+                                 signature(return_kv), model.key))
     known = _STRUCTURES.get(key)
     if known is None:
         derived = _check_structure(context_states, positions, weights, key_caches, value_caches, slot_mapping,
@@ -56,7 +92,8 @@ def precompute_call(context_states, positions, weights, key_caches, value_caches
     vcs = tuple(value_caches) if value_caches is not None else (None,) * L
     written = [kcs[i] for i, s in enumerate(slots) if s is not None] + [
         vcs[i] for i, s in enumerate(slots) if s is not None]
-    if written and not storages_apart(context_states, *written):
+    if written and memory_of(context_states).untyped_storage().data_ptr() in model.storages and not storages_apart(
+            context_states, *written):
         check_layout_once("precompute states", [context_states, *written],
                           lambda: _check_states_apart(context_states, written))
     device = context_states.device
