@@ -118,8 +118,3 @@ def cache_packing(*caches: torch.Tensor | PackedCache | None) -> tuple[tuple[int
     if not any(isinstance(c, PackedCache) for c in caches):
         return None
     return tuple((c.row_pack, c.dim_pack) if isinstance(c, PackedCache) else (1, 1) for c in caches)
-
-
-def as_packed_view(cache: torch.Tensor | PackedCache) -> torch.Tensor:
-    """Any cache as the 6-D view of the module docstring (a plain one with ``R = C = 1``)."""
-    return cache.view if isinstance(cache, PackedCache) else cache.unsqueeze(2).unsqueeze(-1)

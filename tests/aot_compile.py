@@ -47,9 +47,9 @@ def compile_launch(launch, arch):
 def _without_counters(run, call, config):
     from unittest import mock
 
-    from dflash_rocm.backends.triton import precompute
+    from dflash_rocm.backends.triton import counters
 
-    with mock.patch.object(precompute, "arrival_counters", lambda device, count: None):
+    with mock.patch.object(counters, "arrival_counters", lambda device, count: None):
         run(call, config)
 
 

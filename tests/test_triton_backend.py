@@ -377,13 +377,12 @@ def test_only_bf16_upcasts_under_the_interpreter_so_fp16_and_fp32_run_the_gpu_pa
 def test_split_work_is_merged_by_a_second_launch_when_no_counters_are_free(monkeypatch):
     """While a CUDA graph is captured with too few arrival counters, the merge of split
     key segments and the sum of split hidden parts take their own launch, same results."""
-    from dflash_rocm.backends.triton import attention, precompute
+    from dflash_rocm.backends.triton import attention, counters, precompute
     from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig, PrecomputeLaunchConfig
     from dflash_rocm.ops.attention import attention_call
     from dflash_rocm.ops.precompute import precompute_call
 
-    monkeypatch.setattr(attention, "arrival_counters", lambda device, count: None)
-    monkeypatch.setattr(precompute, "arrival_counters", lambda device, count: None)
+    monkeypatch.setattr(counters, "arrival_counters", lambda device, count: None)
     counter = _CountTritonLaunches(monkeypatch)
     args = paged([70, 33], [16, 9], Hk=2, G=4, D=32, block_size=16)
     call = attention_call(*args)

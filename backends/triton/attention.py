@@ -4,7 +4,6 @@ partial-buffer sizes per call structure, made once) and the launches of each cal
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -15,8 +14,8 @@ from dflash_rocm.platform import Platform, platform_for
 
 from .attention_kernels import draft_attention_kernel, merge_segments_kernel
 from .common import fp32_math, next_pow2, packed_layout
-from .counters import arrival_counters
-from .launch import LaunchPlan, compiler_options
+from .counters import split_scratch
+from .launch import LaunchPlan, PlanMemo, compiler_options
 from .launch_config import AttentionLaunchConfig, default_attention_config
 
 
@@ -81,16 +80,12 @@ class AttentionPlan:
     part_lse: int
 
     def run(self, call: AttentionCall) -> None:
-        out, device = call.out, call.device
-        part_out = part_lse = counters = out  # unused by the kernel unless split
-        if self.part_out:
-            part_out = torch.empty(self.part_out, dtype=out.dtype, device=device)
-            part_lse = torch.empty(self.part_lse, dtype=torch.float32, device=device)
-        if self.merge_in_kernel:
-            counters = arrival_counters(device, self.counters)
-            if counters is None:  # none free while a graph is captured: the merge takes its own launch
-                plan_attention(call, self.config, merge_in_kernel=False).run(call)
-                return
+        out = call.out  # stands in for the scratch a call that is not split leaves unread
+        part_out, part_lse, counters = split_scratch(out, ((self.part_out, out.dtype), (self.part_lse, torch.float32)),
+                                                     self.counters if self.merge_in_kernel else 0)
+        if counters is None:  # none free while a graph is captured: the merge takes its own launch
+            plan_attention(call, self.config, merge_in_kernel=False).run(call)
+            return
         sinks = call.sinks if call.sinks is not None else out
         k_scale = call.k_scale if call.k_scale is not None else out
         v_scale = call.v_scale if call.v_scale is not None else out
@@ -104,9 +99,7 @@ def cache_tensor(cache) -> torch.Tensor:
     return cache.view if isinstance(cache, PackedCache) else cache
 
 
-_PLANS: dict[tuple, AttentionPlan] = {}
-_PLANS_KEPT = 256
-_PLANS_LOCK = threading.Lock()
+_PLANS = PlanMemo(256)
 
 
 def plan_attention(call: AttentionCall, config: AttentionLaunchConfig, merge_in_kernel: bool | None = None
@@ -118,16 +111,7 @@ def plan_attention(call: AttentionCall, config: AttentionLaunchConfig, merge_in_
     if call.layout is not None:
         key = (call.layout, config, merge_in_kernel, call.query_len_bound, cache_tensor(call.key_cache).data_ptr() & 15,
                cache_tensor(call.value_cache).data_ptr() & 15)
-        plan = _PLANS.get(key)
-        if plan is not None:
-            return plan
-    plan = _make_plan(call, config, merge_in_kernel)
-    if key is not None:
-        with _PLANS_LOCK:
-            if len(_PLANS) >= _PLANS_KEPT:
-                _PLANS.clear()
-            _PLANS[key] = plan
-    return plan
+    return _PLANS.get_or_make(key, lambda: _make_plan(call, config, merge_in_kernel))
 
 
 def _make_plan(call: AttentionCall, config: AttentionLaunchConfig, merge_in_kernel: bool) -> AttentionPlan:

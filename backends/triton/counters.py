@@ -29,3 +29,14 @@ def arrival_counters(device: torch.device, count: int) -> torch.Tensor | None:
         counters = torch.zeros(max(next_pow2(count), 4096), dtype=torch.int32, device=device)
         _COUNTERS[(device, stream)] = counters
     return counters
+
+
+def split_scratch(dummy: torch.Tensor, partials: tuple[tuple[int, torch.dtype], ...], counters: int
+                  ) -> tuple[torch.Tensor | None, ...]:
+    """The scratch of a launch whose work is split: a new buffer per ``(elements, dtype)``
+    of ``partials`` and ``counters`` arrival counters, ``dummy`` for any not needed (0);
+    the counters are None when a graph capture leaves none free (see
+    :func:`arrival_counters`)."""
+    device = dummy.device
+    buffers = tuple(torch.empty(n, dtype=dtype, device=device) if n else dummy for n, dtype in partials)
+    return (*buffers, arrival_counters(device, counters) if counters else dummy)

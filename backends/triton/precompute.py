@@ -17,8 +17,8 @@ from dflash_rocm.platform import Platform, platform_for
 from dflash_rocm.weights import ContextKVWeights
 
 from .common import INTERPRETING, TL_DTYPES, fp32_math, next_pow2, packed_layout
-from .counters import arrival_counters
-from .launch import LaunchPlan, compiler_options
+from .counters import split_scratch
+from .launch import LaunchPlan, PlanMemo, compiler_options
 from .launch_config import PrecomputeLaunchConfig, default_precompute_config
 from .precompute_kernels import META_COLS, context_kv_kernel, context_kv_split_epilogue_kernel
 
@@ -170,17 +170,14 @@ class PrecomputePlan:
 
     def run(self, call: PrecomputeCall, out_k, out_v) -> None:
         fused = fused_weights(call.weights)
-        device, dummy = call.device, call.states
+        dummy = call.states  # stands in for every optional tensor the kernel leaves unread
         slots, _ = slot_rows(call)
-        part_acc = part_ss = counters = dummy
-        if self.part_acc:
-            part_acc = torch.empty(self.part_acc, dtype=torch.float32, device=device)
-            part_ss = torch.empty(self.part_ss, dtype=torch.float32, device=device)
-        if self.merge_in_kernel:
-            counters = arrival_counters(device, self.counters)
-            if counters is None:  # none free while a graph is captured: the sum takes its own launch
-                plan_precompute(call, self.config, merge_in_kernel=False).run(call, out_k, out_v)
-                return
+        part_acc, part_ss, counters = split_scratch(
+            dummy, ((self.part_acc, torch.float32), (self.part_ss, torch.float32)),
+            self.counters if self.merge_in_kernel else 0)
+        if counters is None:  # none free while a graph is captured: the sum takes its own launch
+            plan_precompute(call, self.config, merge_in_kernel=False).run(call, out_k, out_v)
+            return
         tail = (fused.bias if fused.bias is not None else dummy, fused.k_norm, fused.cos_sin,
                 self.table,
                 slots if slots is not None else call.positions,  # positions: never read
@@ -192,9 +189,7 @@ class PrecomputePlan:
             self.epilogue(part_acc, part_ss, call.positions, *tail)
 
 
-_PLANS: dict[tuple, PrecomputePlan] = {}
-_PLANS_KEPT = 64
-_PLANS_LOCK = threading.Lock()
+_PLANS = PlanMemo(64)
 
 
 def plan_precompute(call: PrecomputeCall, config: PrecomputeLaunchConfig, merge_in_kernel: bool | None = None
@@ -213,16 +208,7 @@ def plan_precompute(call: PrecomputeCall, config: PrecomputeLaunchConfig, merge_
         key = (call.layout, config, merge_in_kernel,
                w.kv_bias is None, w.v_scale, w.is_neox, w.eps, w.rotary_dim,
                tuple(s is None for s in call.slot_mappings), all(s is written[0] for s in written))
-        plan = _PLANS.get(key)
-        if plan is not None:
-            return plan
-    plan = _make_plan(call, config, grid_t, split_k, merge_in_kernel)
-    if key is not None:
-        with _PLANS_LOCK:
-            if len(_PLANS) >= _PLANS_KEPT:
-                _PLANS.clear()
-            _PLANS[key] = plan
-    return plan
+    return _PLANS.get_or_make(key, lambda: _make_plan(call, config, grid_t, split_k, merge_in_kernel))
 
 
 def _make_plan(call: PrecomputeCall, config: PrecomputeLaunchConfig, grid_t: int, split_k: int,
