@@ -89,12 +89,15 @@ def test_bench_host_measures_each_backends_host_work_and_launch_costs(capsys):
     from dflash_rocm import host_bench
 
     rows = host_bench.host_rows(torch.device("cpu"), arch="gfx942", backends=["triton", "rocm"], repeats=20)
-    assert {(r.op, r.backend, r.validate) for r in rows} == {
-        (op, b, v) for op in ("draft_attention", "precompute_and_store_context_kv") for b in ("triton", "rocm")
-        for v in (False, True)}
+    assert {(r.op, r.path, r.backend, r.validate) for r in rows} == {
+        (op, path, b, v) for op in ("draft_attention", "precompute_and_store_context_kv")
+        for path in ("call", "plan.run") for b in ("triton", "rocm") for v in (False, True)}
     for r in rows:
         assert r.host_us > 0 and r.launches >= 1
         assert r.jit_launch_us > r.direct_launch_us > 0  # the direct path skips the JIT's binding
+    launches = {(r.op, r.path, r.backend, r.validate): r.launches for r in rows}
+    for (op, path, b, v), n in launches.items():  # a plan launches what the call launches
+        assert n == launches[(op, "call", b, v)]
     rc = cli.main(["bench", "--host", "--op", "attention", "--backend", "triton", "--repeats", "5"])
     out = capsys.readouterr().out
     assert rc == 0 and "draft_attention" in out and "+ direct us" in out and "needs a GPU" in " ".join(out.split())
