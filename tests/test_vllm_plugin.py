@@ -78,6 +78,15 @@ def test_both_operations_went_through_the_named_backend(variant, backend, runs):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("variant", list(VARIANTS))
+def test_the_draft_layers_of_a_step_share_one_attention_plan(variant, backend, runs):
+    """vLLM hands both draft layers of a step one metadata object: the first plans the
+    batch, the second only runs (the host work the plans save)."""
+    ours = runs[variant][backend]
+    assert ours.attention_plans == len(ours.proposals)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_proposals_equal_vllms_own_path_at_every_step(variant, backend, runs):
     ours, vllm_own = runs[variant][backend], runs[variant]["vllm"]
     assert ours.proposals == vllm_own.proposals

@@ -20,6 +20,7 @@ class Run:
     outputs: list[list[int]]
     proposals: list[list[list[int]]] = field(default_factory=list)  # one [requests][tokens] per step
     counts: dict = field(default_factory=dict)  # dflash_rocm.dispatch_counts() of the run
+    attention_plans: int = 0  # plan_draft_attention calls the plugin made
     draft_checks: dict = field(default_factory=dict)
 
 
@@ -48,6 +49,16 @@ def generate(target: str, draft: str | None = None, *, plugin: bool = True, back
         return out
 
     DFlashProposer.propose = recording_propose
+    from dflash_rocm.vllm_plugin import attention as plugin_attention
+
+    planned = plugin_attention.plan_draft_attention
+    plans = [0]
+
+    def counting_plan(*args, **kwargs):
+        plans[0] += 1
+        return planned(*args, **kwargs)
+
+    plugin_attention.plan_draft_attention = counting_plan
     kwargs = dict(model=target, tokenizer=target, dtype="float32", enforce_eager=True, max_model_len=256,
                   max_num_seqs=4, seed=0)
     if draft is not None:
@@ -64,7 +75,7 @@ def generate(target: str, draft: str | None = None, *, plugin: bool = True, back
                                SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
                                use_tqdm=False)
         run = Run(outputs=[list(r.outputs[0].token_ids) for r in results], proposals=proposals,
-                  counts=dflash_rocm.dispatch_counts())
+                  counts=dflash_rocm.dispatch_counts(), attention_plans=plans[0])
         if inspect is not None:
             runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
             run.draft_checks = inspect(runner.drafter.model)
@@ -74,5 +85,6 @@ def generate(target: str, draft: str | None = None, *, plugin: bool = True, back
         if previous is not None:
             os.environ["DFLASH_ROCM_BACKEND"] = previous
         DFlashProposer.propose = original
+        plugin_attention.plan_draft_attention = planned
         del llm
         gc.collect()
