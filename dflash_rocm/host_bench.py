@@ -13,8 +13,6 @@ and is not included.
 from __future__ import annotations
 
 import contextlib
-import statistics
-import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -24,6 +22,7 @@ from .api import draft_attention, precompute_and_store_context_kv
 from .plan import plan_context_kv, plan_draft_attention
 from .ops import ATTENTION, OPS, PRECOMPUTE
 from .platform import platform_for, simulate_platform
+from .timing import host_median_seconds
 from .workloads import SHAPES, attention_inputs, precompute_inputs
 
 # The budget on a 2-core CPU, launches included (modelled GPU work per call is 10-20 us).
@@ -51,14 +50,7 @@ class HostRow:
 
 
 def _median_us(fn, repeats: int) -> float:
-    for _ in range(max(10, repeats // 10)):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e6
+    return host_median_seconds(fn, repeats) * 1e6
 
 
 def host_rows(device: torch.device, *, arch: str, shape: str = "qwen3-8b-dflash-b16", backends=None,

@@ -52,3 +52,16 @@ def _time_one(fn: Callable[[int], object], i: int, device: torch.device) -> floa
     t0 = time.perf_counter()
     fn(i)
     return time.perf_counter() - t0
+
+
+def host_median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time of ``fn()`` on the host (no device sync: for host-only work such as
+    launch preludes with the launch stubbed), after ``repeats // 10`` (at least 10) warm-up calls."""
+    for _ in range(max(10, repeats // 10)):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)

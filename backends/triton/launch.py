@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from dflash_rocm import launches
+from dflash_rocm.timing import host_median_seconds
 
 from .common import INTERPRETING
 
@@ -209,9 +210,6 @@ def prelude_seconds(launch, arch: str, repeats: int = 2000) -> tuple[float, floa
     per-call arguments specialised, the rest fixed) over a :class:`Launcher` whose compiled
     kernel is a no-op. Neither includes the driver call itself (argument packing in C, the
     launch), which needs the GPU."""
-    import statistics
-    import time
-
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
@@ -241,17 +239,7 @@ def prelude_seconds(launch, arch: str, repeats: int = 2000) -> tuple[float, floa
     def through_launcher():
         plan(*tensors)
 
-    def median(fn) -> float:
-        for _ in range(repeats // 10):
-            fn()
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - start)
-        return statistics.median(samples)
-
-    return median(through_jit), median(through_launcher)
+    return host_median_seconds(through_jit, repeats), host_median_seconds(through_launcher, repeats)
 
 
 class _NoopCompiled:
