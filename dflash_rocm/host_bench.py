@@ -66,8 +66,7 @@ def host_rows(device: torch.device, *, arch: str, shape: str = "qwen3-8b-dflash-
         p = precompute_inputs(s, 16, torch.bfloat16, torch.bfloat16, device)
 
         def planned_attention(b, v):  # what the vLLM plugin runs for a step's second and later draft layers
-            with launches.capture():
-                plan = plan_draft_attention(*a.args(), **a.kwargs, backend=b, validate=v)
+            plan = plan_draft_attention(*a.args(), **a.kwargs, backend=b, validate=v)
             return lambda: plan.run(a.query, a.key_cache, a.value_cache)
 
         def planned_precompute(b, v):  # what the vLLM plugin runs every step

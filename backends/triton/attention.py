@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_rocm.ops.attention import AttentionCall
-from dflash_rocm.paged import PackedCache
+from dflash_rocm.paged import memory_of
 from dflash_rocm.platform import Platform, platform_for
 
 from .attention_kernels import draft_attention_kernel, merge_segments_kernel
@@ -89,14 +89,10 @@ class AttentionPlan:
         sinks = call.sinks if call.sinks is not None else out
         k_scale = call.k_scale if call.k_scale is not None else out
         v_scale = call.v_scale if call.v_scale is not None else out
-        self.main(call.query, cache_tensor(call.key_cache), cache_tensor(call.value_cache), call.block_table,
+        self.main(call.query, memory_of(call.key_cache), memory_of(call.value_cache), call.block_table,
                   call.query_start_loc, call.seq_lens, out, part_out, part_lse, counters, sinks, k_scale, v_scale)
         if self.merge is not None:
             self.merge(part_out, part_lse, call.query_start_loc, call.seq_lens, sinks, out)
-
-
-def cache_tensor(cache) -> torch.Tensor:
-    return cache.view if isinstance(cache, PackedCache) else cache
 
 
 _PLANS = PlanMemo(256)
@@ -109,8 +105,8 @@ def plan_attention(call: AttentionCall, config: AttentionLaunchConfig, merge_in_
     merge_in_kernel = config.num_segments > 1 and config.merge_in_kernel if merge_in_kernel is None else merge_in_kernel
     key = None
     if call.layout is not None:
-        key = (call.layout, config, merge_in_kernel, call.query_len_bound, cache_tensor(call.key_cache).data_ptr() & 15,
-               cache_tensor(call.value_cache).data_ptr() & 15)
+        key = (call.layout, config, merge_in_kernel, call.query_len_bound, memory_of(call.key_cache).data_ptr() & 15,
+               memory_of(call.value_cache).data_ptr() & 15)
     return _PLANS.get_or_make(key, lambda: _make_plan(call, config, merge_in_kernel))
 
 
@@ -165,7 +161,7 @@ class PlannedAttention:
     def __call__(self, call: AttentionCall) -> None:
         if call.num_tokens == 0:
             return
-        alignment = (cache_tensor(call.key_cache).data_ptr() & 15, cache_tensor(call.value_cache).data_ptr() & 15)
+        alignment = (memory_of(call.key_cache).data_ptr() & 15, memory_of(call.value_cache).data_ptr() & 15)
         plan = self._plans.get(alignment)
         if plan is None:
             plan = self._plans[alignment] = plan_attention(call, self.config)
