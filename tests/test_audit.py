@@ -105,6 +105,43 @@ def test_amd_reader_counts_the_hot_loop_per_iteration_and_one_side_of_each_branc
     assert facts["straight_cycles"] == pytest.approx(straight)
 
 
+# LLVM's structurizer lays an if/else out as two guarded regions in a row; "Flow" blocks
+# branch on a flag that the block before (or the Flow block itself) sets to a constant.
+AMD_FLOW = """
+kernel:
+	s_cmp_lg_u32 s11, 0
+	s_mov_b64 s[2:3], -1
+	s_cbranch_scc0 .LBB0_3
+; %bb.1:
+	v_exp_f32_e32 v1, v1
+	v_exp_f32_e32 v1, v1
+	s_mov_b64 s[2:3], 0
+.LBB0_3:                               ; %Flow
+	s_and_b64 s[2:3], s[2:3], exec
+	s_cselect_b32 s2, 1, 0
+	s_cmp_lg_u32 s2, 1
+	s_cbranch_scc1 .LBB0_5
+; %bb.4:
+	v_exp_f32_e32 v1, v1
+	v_exp_f32_e32 v1, v1
+	v_exp_f32_e32 v1, v1
+.LBB0_5:
+	s_endpgm
+"""
+
+
+def test_amd_reader_does_not_cost_both_regions_of_a_structurized_if_else():
+    target = TARGETS["gfx942"]
+    straight = isa.amd_facts(AMD_FLOW, target)["straight_cycles"]
+    head, flow, end = 3, 4, 1  # scalar instructions of the entry block, the Flow block, the end
+    # The costlier side (three exponentials) and not both sides (five), whichever way in.
+    assert straight == pytest.approx(head + flow + 3 * target.trans_cycles + end)
+    # A flag the scalar code cannot know keeps both edges: the path through both regions counts.
+    unknown = AMD_FLOW.replace("s_mov_b64 s[2:3], 0", "s_mov_b64 s[2:3], s[6:7]")
+    assert isa.amd_facts(unknown, target)["straight_cycles"] == pytest.approx(
+        head + 1 + flow + 5 * target.trans_cycles + end)
+
+
 SASS_LOOP = """
         /*0000*/                   LDC R1, c[0x0][0x28] ;
         /*0010*/               @P0 EXIT ;

@@ -9,7 +9,11 @@ memory) and ``nvdisasm`` (SASS; a loop is a label and the backward branch to it)
 The hot loop is the loop with the most matrix instructions (else the most
 instructions); its counts are per iteration of one wave (warp). The code outside it is
 costed along its longest path (an ``if``/``else`` counts one side), so a kernel with
-per-kind branches is not charged for both.
+per-kind branches is not charged for both. On AMD, LLVM's structurizer turns an
+``if``/``else`` into two guarded regions in a row, joined by "Flow" blocks that branch
+on a flag set to a constant just before (``s_mov_b64 s[0:1], 0`` ... ``s_cbranch_scc0``);
+such a branch is folded (:class:`_ScalarFolder`), or the path through both regions, which
+no wave takes, would be costed.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class Instr:
     width: int = 0  # bytes per lane of a memory access
     store: bool = False
     load: bool = False
+    operands: tuple[str, ...] = ()  # AMD scalar operands, for folding structurizer branches
 
 
 @dataclass
@@ -100,6 +105,101 @@ def _amd_instr(op: str, operands: str, target: Target) -> Instr:
     return instr
 
 
+_SREG = re.compile(r"^s(?:(\d+)|\[(\d+):(\d+)\])$")
+
+
+def _sregs(operand: str) -> frozenset[int] | None:
+    """The scalar registers an operand names (``s7``, ``s[0:1]``); None if it names none."""
+    m = _SREG.match(operand)
+    if not m:
+        return None
+    lo, hi = (int(m.group(1)),) * 2 if m.group(1) else (int(m.group(2)), int(m.group(3)))
+    return frozenset(range(lo, hi + 1))
+
+
+def _immediate(operand: str) -> int | None:
+    try:
+        return int(operand, 0)
+    except ValueError:
+        return None
+
+
+class _ScalarFolder:
+    """Scalar constants and SCC within one basic block, enough to fold the branches of
+    LLVM's "Flow" blocks: ``s_mov`` of an immediate, ``s_and`` with ``exec`` (nonzero in
+    a block that runs), ``s_cselect``, ``s_cmp_eq/lg_u32``. Anything else that writes a
+    scalar register or SCC forgets what it wrote; a label starts afresh."""
+
+    NONZERO = object()  # a value known to be nonzero, not known exactly
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.known: dict[frozenset[int], object] = {}
+        self.scc: bool | None = None
+
+    def copy(self) -> "_ScalarFolder":
+        other = _ScalarFolder()
+        other.known, other.scc = dict(self.known), self.scc
+        return other
+
+    def run(self, instrs: list[Instr]) -> bool | None:
+        """Step over ``instrs``; whether the last one, a conditional branch, is taken."""
+        taken = None
+        for instr in instrs:
+            taken = self.step(instr.op, instr.operands)
+        return taken
+
+    def _value(self, operand: str):
+        imm = _immediate(operand)
+        if imm is not None:
+            return imm
+        if operand == "exec":
+            return self.NONZERO
+        return self.known.get(_sregs(operand))
+
+    def _write(self, dest: str, value) -> None:
+        regs = _sregs(dest)
+        if regs is None:
+            return
+        self.known = {r: v for r, v in self.known.items() if not r & regs}
+        if value is not None:
+            self.known[regs] = value
+
+    def step(self, op: str, operands: list[str]) -> bool | None:
+        """Advance over one instruction; for a conditional SCC branch, whether it is taken
+        (None: not known here)."""
+        if op in ("s_cbranch_scc0", "s_cbranch_scc1"):
+            return None if self.scc is None else self.scc == (op == "s_cbranch_scc1")
+        if op.startswith(("s_waitcnt", "s_nop", "s_branch", "s_cbranch", "s_barrier", "s_endpgm")):
+            return None
+        value, scc = None, None
+        if op.startswith("s_mov_b") and len(operands) == 2:
+            value = self._value(operands[1])
+            scc = self.scc  # s_mov leaves SCC alone
+        elif op.startswith("s_and_b") and len(operands) == 3:
+            a, b = self._value(operands[1]), self._value(operands[2])
+            if 0 in (a, b):
+                value, scc = 0, False
+            elif a is not None and b is not None and self.NONZERO in (a, b) and {a, b} <= {self.NONZERO, -1}:
+                value, scc = self.NONZERO, True
+        elif op.startswith("s_cselect_b") and len(operands) == 3 and self.scc is not None:
+            value = self._value(operands[1] if self.scc else operands[2])
+            scc = self.scc
+        elif op in ("s_cmp_eq_u32", "s_cmp_lg_u32") and len(operands) == 2:
+            a, b = self._value(operands[0]), self._value(operands[1])
+            if isinstance(a, int) and isinstance(b, int):
+                scc = (a == b) == (op == "s_cmp_eq_u32")
+            self.scc = scc
+            return None
+        if operands:
+            self._write(operands[0], value)
+        if op.startswith("s_"):
+            self.scc = scc
+        return None
+
+
 def amd_listing(asm: str, target: Target) -> Listing:
     listing = Listing()
     current = None
@@ -121,7 +221,10 @@ def amd_listing(asm: str, target: Target) -> Listing:
         parts = stripped.split(None, 1)
         if not _AMD_OP.match(parts[0]):
             continue
-        instr = _amd_instr(parts[0], parts[1] if len(parts) > 1 else "", target)
+        operands = parts[1].split(";")[0] if len(parts) > 1 else ""
+        instr = _amd_instr(parts[0], operands, target)
+        if parts[0].startswith("s_"):
+            instr.operands = tuple(o.strip() for o in operands.split(",") if o.strip())
         instr.loop = current
         listing.instrs.append(instr)
     return listing
@@ -239,7 +342,9 @@ def _counts(instrs: list[Instr]) -> dict:
 
 def _longest_path_cycles(listing: Listing, skip_loop: str | None) -> float:
     """Cycles along the costliest path through the code outside ``skip_loop``; an edge
-    to an earlier block is a loop's back edge and is not followed (the graph is acyclic)."""
+    to an earlier block is a loop's back edge and is not followed (the graph is acyclic).
+    A block whose branch the scalar constants of the block before it decide (a "Flow"
+    block) is passed through along that edge to the one successor it takes."""
     instrs = listing.instrs
     if not instrs:
         return 0.0
@@ -247,21 +352,39 @@ def _longest_path_cycles(listing: Listing, skip_loop: str | None) -> float:
     starts = [s for s in starts if s < len(instrs)]
     bounds = list(zip(starts, starts[1:] + [len(instrs)]))
     block_of = {s: b for b, s in enumerate(starts)}
+
+    def cost(b: int) -> float:
+        start, end = bounds[b]
+        return sum(i.cycles for i in instrs[start:end] if skip_loop is None or i.loop != skip_loop)
+
+    def successors(b: int, taken: bool | None = None) -> list[int]:
+        last = instrs[bounds[b][1] - 1]
+        out = [] if taken is False else [block_of.get(listing.labels.get(last.target, -1))]
+        if not last.ends and (last.target is None or (last.conditional and taken is not True)):
+            out.append(b + 1)
+        return [t for t in out if t is not None and b < t < len(bounds)]
+
     reach = [float("-inf")] * len(bounds)  # costliest way into each block
     reach[0] = 0.0
     longest = 0.0
-    for b, (start, end) in enumerate(bounds):
+    for b in range(len(bounds)):
         if reach[b] == float("-inf"):
             continue
-        out = reach[b] + sum(i.cycles for i in instrs[start:end] if skip_loop is None or i.loop != skip_loop)
+        out = reach[b] + cost(b)
         longest = max(longest, out)
-        last = instrs[end - 1]
-        successors = [block_of.get(listing.labels.get(last.target, -1))]
-        if not last.ends and (last.target is None or last.conditional):
-            successors.append(b + 1)
-        for t in successors:
-            if t is not None and b < t < len(bounds):
+        state = _ScalarFolder()
+        state.run(instrs[slice(*bounds[b])])
+        for t in successors(b):
+            taken = None
+            if instrs[bounds[t][1] - 1].conditional:
+                taken = state.copy().run(instrs[slice(*bounds[t])])
+            if taken is None:
                 reach[t] = max(reach[t], out)
+                continue
+            through = out + cost(t)
+            longest = max(longest, through)
+            for u in successors(t, taken):
+                reach[u] = max(reach[u], through)
     return longest
 
 
