@@ -142,6 +142,34 @@ def test_amd_reader_does_not_cost_both_regions_of_a_structurized_if_else():
         head + 1 + flow + 5 * target.trans_cycles + end)
 
 
+AMD_PEELED = """
+kernel:
+.LBB0_1:                                ; =>This Inner Loop Header: Depth=1
+	v_mfma_f32_16x16x16_bf16 v[0:3], v[4:5], v[6:7], v[0:3]
+	v_add_f32_e32 v6, v6, v7
+	s_cbranch_scc1 .LBB0_1
+; %bb.2:
+	s_cbranch_scc1 .LBB0_4
+; %bb.3:
+	buffer_load_dwordx4 v[8:11], v4, s[8:11], 0 offen
+	v_mfma_f32_16x16x16_bf16 v[0:3], v[8:9], v[6:7], v[0:3]
+	v_exp_f32_e32 v5, v5
+.LBB0_4:
+	v_add_f32_e32 v6, v6, v7
+	s_endpgm
+"""
+
+
+def test_amd_reader_costs_the_path_without_a_peeled_trip_apart():
+    target = TARGETS["gfx942"]
+    facts = isa.amd_facts(AMD_PEELED, target)
+    mfma = 2 * 16 * 16 * 16 / target.matrix_flops_per_cycle
+    tail = target.valu_cycles + 1  # the add and the end
+    assert facts["straight_cycles"] == pytest.approx(1 + target.valu_cycles + mfma + target.trans_cycles + tail)
+    # A program with no masked last trip skips the block with matrix code outside the loop.
+    assert facts["unpeeled_straight_cycles"] == pytest.approx(1 + tail)
+
+
 SASS_LOOP = """
         /*0000*/                   LDC R1, c[0x0][0x28] ;
         /*0010*/               @P0 EXIT ;

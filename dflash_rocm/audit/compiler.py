@@ -30,7 +30,7 @@ from dflash_rocm.launches import Launch
 
 from .targets import TARGETS, Target
 
-FACTS_VERSION = 3  # bump when the facts read from the ISA change
+FACTS_VERSION = 4  # bump when the facts read from the ISA change
 
 
 @dataclass(frozen=True)

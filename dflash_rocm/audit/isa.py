@@ -340,11 +340,14 @@ def _counts(instrs: list[Instr]) -> dict:
             "load_widths": {str(w): n for w, n in sorted(loads.items())}}
 
 
-def _longest_path_cycles(listing: Listing, skip_loop: str | None) -> float:
-    """Cycles along the costliest path through the code outside ``skip_loop``; an edge
-    to an earlier block is a loop's back edge and is not followed (the graph is acyclic).
-    A block whose branch the scalar constants of the block before it decide (a "Flow"
-    block) is passed through along that edge to the one successor it takes."""
+def _longest_path_cycles(listing: Listing, skip_loop: str | None, avoid_matrix: bool = False) -> float | None:
+    """Cycles along the costliest path from the entry to a program end through the code
+    outside ``skip_loop``; an edge to an earlier block is a loop's back edge and is not
+    followed (the graph is acyclic). A block whose branch the scalar constants of the
+    block before it decide (a "Flow" block) is passed through along that edge to the one
+    successor it takes. ``avoid_matrix``: only paths through blocks without matrix
+    instructions outside ``skip_loop`` (None if there is none): the path of a program that
+    skips a peeled last trip of the loop."""
     instrs = listing.instrs
     if not instrs:
         return 0.0
@@ -355,7 +358,14 @@ def _longest_path_cycles(listing: Listing, skip_loop: str | None) -> float:
 
     def cost(b: int) -> float:
         start, end = bounds[b]
-        return sum(i.cycles for i in instrs[start:end] if skip_loop is None or i.loop != skip_loop)
+        outside = [i for i in instrs[start:end] if skip_loop is None or i.loop != skip_loop]
+        if avoid_matrix and any(i.cls == "matrix" for i in outside):
+            return float("-inf")
+        return sum(i.cycles for i in outside)
+
+    def ends(b: int) -> bool:
+        last = instrs[bounds[b][1] - 1]
+        return last.ends or b == len(bounds) - 1
 
     def successors(b: int, taken: bool | None = None) -> list[int]:
         last = instrs[bounds[b][1] - 1]
@@ -366,12 +376,13 @@ def _longest_path_cycles(listing: Listing, skip_loop: str | None) -> float:
 
     reach = [float("-inf")] * len(bounds)  # costliest way into each block
     reach[0] = 0.0
-    longest = 0.0
+    longest = float("-inf")
     for b in range(len(bounds)):
-        if reach[b] == float("-inf"):
-            continue
         out = reach[b] + cost(b)
-        longest = max(longest, out)
+        if out == float("-inf"):
+            continue
+        if ends(b):
+            longest = max(longest, out)
         state = _ScalarFolder()
         state.run(instrs[slice(*bounds[b])])
         for t in successors(b):
@@ -382,10 +393,13 @@ def _longest_path_cycles(listing: Listing, skip_loop: str | None) -> float:
                 reach[t] = max(reach[t], out)
                 continue
             through = out + cost(t)
-            longest = max(longest, through)
+            if through == float("-inf"):
+                continue
+            if ends(t):
+                longest = max(longest, through)
             for u in successors(t, taken):
                 reach[u] = max(reach[u], through)
-    return longest
+    return None if longest == float("-inf") else longest
 
 
 def listing_facts(listing: Listing) -> dict:
@@ -398,7 +412,8 @@ def listing_facts(listing: Listing) -> dict:
     return {"instructions": len(listing.instrs),
             "store_widths": {str(w): n for w, n in sorted(stores.items())},
             "hot_loop": _counts(loops[hot_name]) if hot_name else None,
-            "straight_cycles": _longest_path_cycles(listing, hot_name)}
+            "straight_cycles": _longest_path_cycles(listing, hot_name),
+            "unpeeled_straight_cycles": _longest_path_cycles(listing, hot_name, avoid_matrix=True)}
 
 
 def compiled_facts(compiled, target: Target) -> dict:

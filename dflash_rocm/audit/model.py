@@ -8,7 +8,8 @@ Per launch: ``time = launch gap + max(issue, DRAM, L2, Infinity Cache)`` where
   a SIMD shared by ``k`` co-resident waves, ``max(k*matrix, k*vector, matrix + vector)``
   (matrix and vector work of different waves overlap; one wave's own do not), or the
   load latency over ``num_stages`` when that is longer, plus its straight-line code
-  (longest path; less a peeled last trip the program does not take) and the latency of
+  (longest path; for a program without the peeled, masked last trip, the longest path
+  that runs no matrix code outside the loop) and the latency of
   its dependent loads (index tables; partials other programs wrote, for a merge);
 - *DRAM* is the bytes that miss every cache at the peak bandwidth, derated when the
   resident programs cannot keep ``bandwidth x latency`` bytes in flight (Little's law);
@@ -126,11 +127,12 @@ def model_launch(programs: list[Program], facts: dict, target: Target, num_stage
     resident_per_unit = min(occ.groups_per_unit, max(1, math.ceil(len(active) / target.units)))
     k = max(1.0, resident_per_unit * warps / target.simds)
     loop = facts.get("hot_loop")
-    iteration = peeled = 0.0
+    iteration = 0.0
     if loop:
         matrix, vector = loop["matrix_cycles"], loop["vector_cycles"]
         iteration = max(k * matrix, k * vector, matrix + vector)
-        peeled = matrix + vector  # a peeled last trip is a copy of the loop body on the straight path
+    unpeeled = facts.get("unpeeled_straight_cycles")
+    unpeeled = facts["straight_cycles"] if unpeeled is None else unpeeled
     # Traffic through the hierarchy.
     reads = sum(size for p in programs for _, size in p.reads)
     writes = sum(p.write_bytes for p in programs)
@@ -159,7 +161,7 @@ def model_launch(programs: list[Program], facts: dict, target: Target, num_stage
         start = heapq.heappop(free)
         busy = p.chain * target.l2_latency_s
         if p.active:
-            straight = k * max(0.0, facts["straight_cycles"] - (peeled if p.skips_peeled_trip else 0.0))
+            straight = k * (unpeeled if p.skips_peeled_trip else facts["straight_cycles"])
             busy += (p.iterations * trip_s + straight / target.clock_hz + p.remote_chain * remote_s
                      + (target.dram_latency_s if p.iterations or (p.reads and not p.remote_chain) else 0.0))
         heapq.heappush(free, start + busy)
