@@ -25,7 +25,7 @@ class Sizes:
     max_query: int = 5
     max_context: int = 40
     head_dims: tuple[int, ...] = (16, 32)
-    block_sizes: tuple[int, ...] = (1, 4, 16)
+    block_sizes: tuple[int, ...] = (1, 4, 12, 16)  # 12: neither a multiple nor a divisor of a key tile
     kv_heads: tuple[int, ...] = (1, 2)
     queries_per_kv: tuple[int, ...] = (1, 2, 3, 4, 16)
     max_tokens: int = 12
@@ -36,7 +36,7 @@ class Sizes:
 
 CPU_SIZES = Sizes()
 GPU_SIZES = Sizes(max_seqs=6, max_query=17, max_context=3000, head_dims=(64, 128, 256, 80),
-                  block_sizes=(1, 16, 64), kv_heads=(1, 2, 8), queries_per_kv=(1, 2, 4, 8, 16),
+                  block_sizes=(1, 16, 48, 64), kv_heads=(1, 2, 8), queries_per_kv=(1, 2, 4, 8, 16),
                   max_tokens=600, hidden_sizes=(256, 1000, 4096), max_layers=5, device="cuda")
 
 CACHE_DTYPE_CHOICES = ("same", torch.float8_e4m3fn, torch.float8_e4m3fnuz)

@@ -54,9 +54,11 @@ def _find_request(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _tile_keys(qsl_ptr, seq_lens_ptr, num_seqs, tile, window, BLOCK_Q: tl.constexpr, ONE_TILE: tl.constexpr,
-               CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+               CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
     """(request, its first token, its query length, the tile's first query, the request's
-    context length, and the key range [lo, hi) visible to some row of the tile)."""
+    context length, and the key range [lo, hi) visible to some row of the tile). ``lo``
+    is a multiple of ``BLOCK_N`` (a window's first key rounded down; the window mask hides
+    the keys before it), so every key tile starts on a multiple of ``BLOCK_N``."""
     if ONE_TILE:
         b = tile
     else:
@@ -73,7 +75,7 @@ def _tile_keys(qsl_ptr, seq_lens_ptr, num_seqs, tile, window, BLOCK_Q: tl.conste
         hi = tl.minimum(hi, context + tl.minimum(tile_q0 + BLOCK_Q, q_len))
     lo = 0
     if HAS_WINDOW:
-        lo = tl.maximum(0, context + tile_q0 - window + 1)
+        lo = tl.maximum(0, context + tile_q0 - window + 1) // BLOCK_N * BLOCK_N
     return b, q_start, q_len, tile_q0, context, lo, hi
 
 
@@ -140,11 +142,12 @@ def _merge_rows(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, token, head, row
 @triton.jit
 def _row_base(head, block, j, row, stride_b, stride_s, stride_s_in, BLOCK_SIZE: tl.constexpr,
               ROW_PACK: tl.constexpr, UNIT: tl.constexpr):
-    """Pointer to the first element of key ``j`` (row ``row`` of its block): one 64-bit base
-    per row (block * block stride), everything inside a block 32-bit. Packed rows are
-    split from ``j`` itself (the pack divides the block size), so the compiler sees runs
-    of ``ROW_PACK`` contiguous rows. ``UNIT``: the strides but the in-pack one come in
-    units of ``UNIT`` elements (16 bytes, see the module docstring)."""
+    """Pointer to the first element of key ``j`` (row ``row`` of block ``block``): one
+    64-bit base per block (block * block stride), everything inside a block 32-bit. Packed
+    rows are split from ``j`` itself (the pack divides the block size): the compiler then
+    sees runs of ``ROW_PACK`` contiguous rows and loads them as vectors (split from ``row``,
+    it loads bytes). ``UNIT``: the strides but the in-pack one come in units of ``UNIT``
+    elements (16 bytes, see the module docstring)."""
     if ROW_PACK == 1 and UNIT == 1:
         return head + block * stride_b + row * stride_s
     elif ROW_PACK == 1:
@@ -152,6 +155,30 @@ def _row_base(head, block, j, row, stride_b, stride_s, stride_s_in, BLOCK_SIZE: 
     else:
         outer = j // ROW_PACK % (BLOCK_SIZE // ROW_PACK)
         return head + block * stride_b * UNIT + (outer * stride_s * UNIT + (j % ROW_PACK) * stride_s_in)
+
+
+@triton.jit
+def _key_blocks(table, start, seg_hi, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """(cache block, row in it) of the keys ``start + arange(BLOCK_N)``, ``start`` a multiple
+    of ``BLOCK_N``. A tile inside one block (``BLOCK_SIZE`` a multiple of ``BLOCK_N``) reads
+    one table entry, a scalar; a tile of whole blocks reads one entry per block, with the
+    row a constant of the lane; otherwise each key finds its own block."""
+    a = tl.arange(0, BLOCK_N)
+    if BLOCK_SIZE % BLOCK_N == 0:
+        block = tl.load(table + start // BLOCK_SIZE).to(tl.int64)
+        row = start % BLOCK_SIZE + a
+    else:
+        if BLOCK_N % BLOCK_SIZE == 0:
+            index = start // BLOCK_SIZE + a // BLOCK_SIZE
+            row = a % BLOCK_SIZE
+        else:
+            index = (start + a) // BLOCK_SIZE
+            row = (start + a) % BLOCK_SIZE
+        if MASKED:
+            block = tl.load(table + index, mask=start + a < seg_hi, other=0).to(tl.int64)
+        else:
+            block = tl.load(table + index).to(tl.int64)
+    return block, row
 
 
 @triton.jit
@@ -176,12 +203,8 @@ def _attend(acc, m_i, l_i, q, qk_scale, pos, k_head, v_head, table, start, seg_h
     """One key tile: load K/V through the block table, online-softmax update. ``MASKED``
     only for a tile that reaches past the segment's end (the last one)."""
     j = start + tl.arange(0, BLOCK_N)
-    if MASKED:
-        j_ok = j < seg_hi
-        block = tl.load(table + j // BLOCK_SIZE, mask=j_ok, other=0).to(tl.int64)
-    else:
-        block = tl.load(table + j // BLOCK_SIZE).to(tl.int64)
-    row = j % BLOCK_SIZE
+    j_ok = j < seg_hi
+    block, row = _key_blocks(table, start, seg_hi, BLOCK_N, BLOCK_SIZE, MASKED)
     k_rows = _row_base(k_head, block, j, row, stride_kb, stride_ks, stride_ks_in, BLOCK_SIZE, K_ROW_PACK, K_UNIT)
     k_ptrs = k_rows[:, None] + _dim_offset(d, stride_kd, stride_kd_in, K_DIM_PACK, K_UNIT)[None, :]
     v_rows = _row_base(v_head, block, j, row, stride_vb, stride_vs, stride_vs_in, BLOCK_SIZE, V_ROW_PACK, V_UNIT)
@@ -240,7 +263,7 @@ def draft_attention_kernel(
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
     b, q_start, q_len, tile_q0, context, lo, hi = _tile_keys(qsl_ptr, seq_lens_ptr, num_seqs, tile, window,
-                                                             BLOCK_Q, ONE_TILE, CAUSAL, HAS_WINDOW)
+                                                             BLOCK_Q, ONE_TILE, CAUSAL, HAS_WINDOW, BLOCK_N)
     if tile_q0 >= q_len:
         return
     seg_lo = lo
@@ -322,7 +345,7 @@ def merge_segments_kernel(
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     b, q_start, q_len, tile_q0, context, lo, hi = _tile_keys(qsl_ptr, seq_lens_ptr, num_seqs, tile, window,
-                                                             BLOCK_Q, ONE_TILE, CAUSAL, HAS_WINDOW)
+                                                             BLOCK_Q, ONE_TILE, CAUSAL, HAS_WINDOW, BLOCK_N)
     if tile_q0 >= q_len:
         return
     per_segment, active = _segment_plan(lo, hi, num_segments, min_segment_keys, BLOCK_N)

@@ -62,7 +62,7 @@ def _tile_keys(case: Case, c: dict, tile: int) -> tuple[int, int, int, int] | No
         return None
     context = seq_len - q_len
     hi = min(seq_len, context + min(tile_q0 + c["BLOCK_Q"], q_len)) if c["CAUSAL"] else seq_len
-    lo = max(0, context + tile_q0 - case.shape.sliding_window + 1) if c["HAS_WINDOW"] else 0
+    lo = max(0, context + tile_q0 - case.shape.sliding_window + 1) // c["BLOCK_N"] * c["BLOCK_N"] if c["HAS_WINDOW"] else 0
     return b, tile_q0, lo, hi
 
 
