@@ -320,9 +320,19 @@ def test_cdna_attention_computes_each_score_tile_once(audit, arch):
 
 @pytest.mark.slow
 def test_precompute_runs_at_least_four_waves_per_simd_on_gfx942(audit):
+    """No register cap (issue 10: ``waves_per_eu`` padded the allocation to 2 waves): the
+    registers always leave room for 4 waves or more, and so does the launch unless a
+    pipelined loop's LDS buffers limit it, then to no fewer than 3 workgroups per CU,
+    enough for every program of the launch to be resident at once."""
     for case, launch in _launches(audit, archs=("gfx942",)):
         if launch["kernel"].startswith("context_kv"):
-            assert launch["model"]["occupancy"]["waves_per_simd"] >= 4, (case["label"], launch["kernel"])
+            where = (case["label"], launch["kernel"])
+            model, facts = launch["model"], launch["facts"]
+            assert facts["occupancy_waves"] >= 4, where
+            if model["occupancy"]["waves_per_simd"] < 4:
+                assert model["occupancy"]["limited_by"] == "shared memory" and launch["options"]["num_stages"] >= 2, where
+                assert model["occupancy"]["groups_per_unit"] >= 3, where
+                assert model["programs"] <= model["slots"], where
 
 
 @pytest.mark.slow
@@ -330,13 +340,15 @@ def test_compiled_variants_per_kernel_and_architecture_are_bounded(audit):
     """Segment and split counts are runtime arguments (powers of two), so over the whole
     sweep a kernel compiles once per KV dtype, page layout, merge mode and the argument
     attributes (cache under/over 2 GiB, a batch of 1, 16-divisible strides): a few, not one
-    per segment count (the portable table once picked any of 1..33, each a JIT compile)."""
+    per segment count (the portable table once picked any of 1..33, each a JIT compile).
+    The precompute compiles once per token regime of its table: one split tile of 16 or of
+    64 tokens, 32-token tiles with a split last round, 64-token tiles with and without one."""
     constexprs, variants = defaultdict(set), defaultdict(set)
     for case, launch in _launches(audit, archs=tuple(TARGETS)):
         key = (case["target"], launch["kernel"], case["kv"], case["packing"])
         constexprs[key].add(json.dumps(launch["constexprs"], sort_keys=True))
         variants[(case["target"], launch["kernel"])].add(launch["specialisation"])
-    assert constexprs and max(len(v) for v in constexprs.values()) <= 4, {k: len(v) for k, v in constexprs.items()}
+    assert constexprs and max(len(v) for v in constexprs.values()) <= 5, {k: len(v) for k, v in constexprs.items()}
     assert max(len(v) for v in variants.values()) <= 24, {k: len(v) for k, v in variants.items()}
 
 

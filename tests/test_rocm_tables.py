@@ -103,15 +103,33 @@ def test_unknown_family_has_no_table():
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_precompute_config_splits_only_a_single_token_tile(arch):
+def test_precompute_config_splits_a_single_token_tile_or_a_last_partial_round(arch):
     p = platform_for_arch(arch)
     small = tables.precompute_config(arch, num_tokens=16, hidden=4096, num_heads_total=80, head_dim=128)
     mid = tables.precompute_config(arch, num_tokens=256, hidden=4096, num_heads_total=80, head_dim=128)
     big = tables.precompute_config(arch, num_tokens=8192, hidden=4096, num_heads_total=80, head_dim=128)
-    assert small.block_t >= 16 and mid.split_k == big.split_k == 1
+    assert small.block_t >= 16 and small.whole_tiles == 0  # one token tile: every head split
     assert 80 * small.split_k >= min(p.compute_units, 80 * (4096 // (4 * small.block_k)))
+    for config, tokens in ((mid, 256), (big, 8192)):
+        tiles = -(-tokens // config.block_t) * 80
+        if config.split_k > 1:  # full rounds whole, a last round of at most half the CUs split
+            assert config.whole_tiles % p.compute_units == 0 and 0 < tiles - config.whole_tiles <= p.compute_units / 2
+        else:
+            assert config.whole_tiles == 0
+    if arch == "gfx942":  # 640 tiles of 32 tokens on 304 CUs: two rounds whole, 32 tiles split
+        assert (mid.whole_tiles, mid.split_k) == (608, 4)
     assert not any(c.waves_per_eu for c in (small, mid, big))
     assert all(c.num_xcds == (8 if p.family == "cdna" else 1) for c in (small, mid, big))
+
+
+def test_tail_split_spreads_only_a_short_last_round():
+    from dflash_rocm.backends.triton.launch_config import tail_split
+
+    assert tail_split(640, 304) == (608, 4)  # 32 tiles left: 128 parts, a share for many CUs
+    assert tail_split(640, 256) == (512, 2)  # 128 left: 4 ways would give more than 1.75 parts per CU
+    assert tail_split(5120, 304) == (0, 1)  # 256 left: most CUs busy anyway
+    assert tail_split(200, 304) == (0, 1)  # no full round
+    assert tail_split(608, 304) == (0, 1)  # no last round
 
 
 def test_query_limit_env_wins_over_configured(monkeypatch):

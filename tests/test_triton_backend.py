@@ -204,10 +204,10 @@ _COMPUTE_OPS = {"mm", "addmm", "bmm", "matmul", "linear", "mul", "add", "div", "
                 "cat", "stack", "index_put", "index", "cos", "sin", "neg", "permute", "clone"}
 
 
-@pytest.mark.parametrize("block_t,split_k", [(16, 1), (32, 3), (16, 3)])
-def test_precompute_is_one_launch_for_all_layers(monkeypatch, block_t, split_k):
-    """All layers in one launch, a split hidden size summed by its last part (only a
-    single token tile is split: N = 20 is two 16-token tiles)."""
+@pytest.mark.parametrize("block_t,split_k,whole_tiles", [(16, 1, 0), (32, 3, 0), (16, 3, 0), (16, 3, 7)])
+def test_precompute_is_one_launch_for_all_layers(monkeypatch, block_t, split_k, whole_tiles):
+    """All layers in one launch, a split hidden size summed by its last part (N = 20 is
+    two 16-token tiles: all split, or the first seven whole and the rest split)."""
     from dflash_rocm.backends.triton.launch_config import PrecomputeLaunchConfig
     from dflash_rocm.backends.triton.precompute import fused_weights, run_precompute
     from dflash_rocm.ops.precompute import precompute_call
@@ -225,7 +225,8 @@ def test_precompute_is_one_launch_for_all_layers(monkeypatch, block_t, split_k):
     fused_weights(w)  # the one-time weight preparation is not part of a call
     counter = _CountTritonLaunches(monkeypatch)
     with _AtenOps() as aten:
-        run_precompute(call, PrecomputeLaunchConfig(block_t=block_t, block_k=16, split_k=split_k))
+        run_precompute(call, PrecomputeLaunchConfig(block_t=block_t, block_k=16, split_k=split_k,
+                                                    whole_tiles=whole_tiles))
     assert counter.count == 1
     assert not (aten.ops & _COMPUTE_OPS), f"unfused torch work in the fused path: {aten.ops & _COMPUTE_OPS}"
 
@@ -394,9 +395,11 @@ def test_split_work_is_merged_by_a_second_launch_when_no_counters_are_free(monke
     w = make_weights(g, "cpu", L=2, Hk=2, D=32, H=64, R=16, is_neox=True, bias=True, v_scale=0.5,
                      dtype=torch.float32)
     states = torch.randn(12, 64, generator=g)
-    k, v = precompute.run_precompute(precompute_call(states, torch.arange(12), w, None, None, None, return_kv=True),
-                                     PrecomputeLaunchConfig(block_t=16, block_k=16, split_k=2))
-    assert counter.count == 4
     rk, rv = dflash_rocm.precompute_and_store_context_kv(states, torch.arange(12), w, None, None, None,
                                                          return_kv=True, backend="reference")
-    assert max(dflash_rocm.contract.relative_error(k, rk), dflash_rocm.contract.relative_error(v, rv)) < 2e-3
+    for launches, whole_tiles in ((4, 0), (6, 3)):  # every tile split; the first three whole, the others split
+        k, v = precompute.run_precompute(
+            precompute_call(states, torch.arange(12), w, None, None, None, return_kv=True),
+            PrecomputeLaunchConfig(block_t=16, block_k=16, split_k=2, whole_tiles=whole_tiles))
+        assert counter.count == launches
+        assert max(dflash_rocm.contract.relative_error(k, rk), dflash_rocm.contract.relative_error(v, rv)) < 2e-3

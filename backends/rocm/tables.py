@@ -19,7 +19,7 @@ from typing import Callable
 from dflash_rocm.backends.triton.common import next_pow2
 from dflash_rocm.backends.triton.launch_config import (AttentionLaunchConfig, PrecomputeLaunchConfig,
                                                        IN_KERNEL_MERGE_SEGMENTS, attention_grid_tiles, choose_segments,
-                                                       split_k_for)
+                                                       split_k_for, tail_split)
 from dflash_rocm.platform import Platform, platform_for_arch
 
 SUPPORTED_ARCHS = ("gfx942", "gfx950", "gfx1100", "gfx1101", "gfx1151", "gfx1200", "gfx1201")
@@ -147,8 +147,9 @@ def precompute_config(arch: str, *, num_tokens: int, hidden: int, num_heads_tota
                       head_dim: int, compute_units: int | None = None) -> PrecomputeLaunchConfig:
     """Up to 64 tokens in one tile with the hidden size split until the heads fill the
     CUs (the device's own count; None: the flagship's); beyond, 32-token tiles on CDNA up
-    to 512 tokens (enough programs to balance 304 CUs) and 64-token tiles otherwise
-    (choices judged by `dflash-rocm inspect`'s model). No ``waves_per_eu`` cap (it only
+    to 512 tokens (enough programs to balance 304 CUs) and 64-token tiles otherwise, a
+    last partial round of tiles split across every CU (:func:`tail_split`; choices judged
+    by `dflash-rocm inspect`'s model). No ``waves_per_eu`` cap (it only
     padded the register allocation): every config keeps >= 4 waves per SIMD. On CDNA the
     program order keeps a head's tiles on one XCD."""
     platform = platform_for_arch(arch, compute_units=compute_units)
@@ -161,9 +162,16 @@ def precompute_config(arch: str, *, num_tokens: int, hidden: int, num_heads_tota
             split_k=split_k_for(num_heads_total, hidden, block_k, platform.compute_units), num_warps=8, num_stages=2,
             num_xcds=xcds)
     if cdna and num_tokens <= 512:  # gfx942: 16x16 MFMAs issue this 32-token tile faster (modelled +2 points)
-        return PrecomputeLaunchConfig(block_t=32, block_k=block_k, num_warps=4, num_stages=1, num_xcds=xcds,
+        tiles = -(-num_tokens // 32) * num_heads_total
+        whole, split = tail_split(tiles, platform.compute_units)
+        # With up to ~3 programs per CU a single-stage loop waits on every load: prefetch one
+        # step ahead (W's buffer in LDS then limits gfx942 to 3 workgroups per CU, enough).
+        stages = 2 if tiles <= 3 * platform.compute_units else 1
+        return PrecomputeLaunchConfig(block_t=32, block_k=block_k, split_k=split, whole_tiles=whole, num_warps=4,
+                                      num_stages=stages, num_xcds=xcds,
                                       matrix_instr_nonkdim=16 if arch == "gfx942" else 0)
     if cdna:  # gfx950's 4-warp tiles keep its matrix cores fed at 4 waves/SIMD (modelled)
-        return PrecomputeLaunchConfig(block_t=64, block_k=block_k, num_warps=4 if arch == "gfx950" else 8,
-                                      num_stages=1, num_xcds=xcds)
+        whole, split = tail_split(-(-num_tokens // 64) * num_heads_total, platform.compute_units)
+        return PrecomputeLaunchConfig(block_t=64, block_k=block_k, split_k=split, whole_tiles=whole,
+                                      num_warps=4 if arch == "gfx950" else 8, num_stages=1, num_xcds=xcds)
     return PrecomputeLaunchConfig(block_t=64, block_k=block_k, num_warps=8, num_stages=2)

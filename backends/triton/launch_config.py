@@ -59,14 +59,16 @@ class AttentionLaunchConfig:
 @dataclass(frozen=True)
 class PrecomputeLaunchConfig:
     """Tiles of the fused context-KV kernel: ``block_t`` tokens by one head (``head_dim``
-    columns) per program, ``block_k`` of the hidden size per step, the hidden size split
-    ``split_k`` ways (a second launch sums the parts) when the grid is too small;
-    ``num_xcds`` > 1 renumbers programs so each of that many XCDs (separate L2s) runs
-    neighbouring ones."""
+    columns) per program, ``block_k`` of the hidden size per step; the hidden size of every
+    tile past the first ``whole_tiles`` split ``split_k`` ways (the last part to finish, or a
+    second launch, sums the parts): all tiles when the grid is too small to fill the
+    device, the last partial round's when it fills it a few times over; ``num_xcds`` > 1
+    renumbers programs so each of that many XCDs (separate L2s) runs neighbouring ones."""
 
     block_t: int = 32
     block_k: int = 64
     split_k: int = 1
+    whole_tiles: int = 0
     num_warps: int = 4
     num_stages: int = 2
     waves_per_eu: int = 0
@@ -80,6 +82,8 @@ class PrecomputeLaunchConfig:
                 raise ValueError(f"{name}: expected a power of two >= 16, got {value}")
         if self.split_k < 1:
             raise ValueError(f"split_k: expected >= 1, got {self.split_k}")
+        if self.whole_tiles < 0:
+            raise ValueError(f"whole_tiles: expected >= 0, got {self.whole_tiles}")
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -100,6 +104,21 @@ def choose_segments(base_programs: int, key_span: int, target_programs: int, min
            and key_span // (segments * 2) >= min_keys // 2):
         segments *= 2
     return segments
+
+
+def tail_split(tiles: int, units: int) -> tuple[int, int]:
+    """(whole tiles, split) for a grid of ``tiles`` equal tiles on ``units`` compute units:
+    the tiles of the full rounds run whole, and when a last round would leave at most half
+    the units busy (each unit then waits on a few that run one tile more), the hidden size
+    of its tiles is split 4 ways (2 when that already gives more than 1.75 parts per unit)
+    so every unit takes a share; ``(0, 1)`` when nothing is split. Chosen by
+    `dflash-rocm inspect`'s model (MI300X N = 256: 57 -> 64 % of the floor)."""
+    whole = tiles // units * units
+    tail = tiles - whole
+    if not whole or not tail or 2 * tail > units:
+        return 0, 1
+    split = 4 if 4 * tail <= 1.75 * units else 2
+    return whole, split
 
 
 def split_k_for(num_heads_total: int, hidden: int, block_k: int, compute_units: int) -> int:

@@ -198,7 +198,9 @@ def plan_precompute(call: PrecomputeCall, config: PrecomputeLaunchConfig, merge_
     outside validation carry no structure and get a fresh plan)."""
     w = call.weights
     grid_t = -(-call.num_tokens // config.block_t)
-    split_k = config.split_k if grid_t == 1 else 1  # split only a single token tile
+    tiles = grid_t * 2 * w.num_layers * w.num_kv_heads
+    whole = min(config.whole_tiles, tiles) if config.split_k > 1 else tiles
+    split_k = config.split_k if whole < tiles else 1
     merge_in_kernel = split_k > 1 if merge_in_kernel is None else merge_in_kernel
     key = None
     if call.layout is not None:
@@ -208,10 +210,10 @@ def plan_precompute(call: PrecomputeCall, config: PrecomputeLaunchConfig, merge_
         key = (call.layout, config, merge_in_kernel,
                w.kv_bias is None, w.v_scale, w.is_neox, w.eps, w.rotary_dim,
                tuple(s is None for s in call.slot_mappings), all(s is written[0] for s in written))
-    return _PLANS.get_or_make(key, lambda: _make_plan(call, config, grid_t, split_k, merge_in_kernel))
+    return _PLANS.get_or_make(key, lambda: _make_plan(call, config, grid_t, whole, split_k, merge_in_kernel))
 
 
-def _make_plan(call: PrecomputeCall, config: PrecomputeLaunchConfig, grid_t: int, split_k: int,
+def _make_plan(call: PrecomputeCall, config: PrecomputeLaunchConfig, grid_t: int, whole: int, split_k: int,
                merge_in_kernel: bool) -> PrecomputePlan:
     w = call.weights
     N, L, Hk, D = call.num_tokens, w.num_layers, w.num_kv_heads, w.head_dim
@@ -220,7 +222,7 @@ def _make_plan(call: PrecomputeCall, config: PrecomputeLaunchConfig, grid_t: int
     cache_dtype = call.cache_dtype or dtype
     rows = 2 * L * Hk
     block_d = max(16, next_pow2(D))
-    epilogue = dict(HK=Hk, D=D, R=w.rotary_dim, ROWS=rows, BLOCK_T=config.block_t, BLOCK_D=block_d,
+    epilogue = dict(HK=Hk, D=D, R=w.rotary_dim, BLOCK_T=config.block_t, BLOCK_D=block_d,
                     SPLIT_K=split_k, HAS_BIAS=w.kv_bias is not None, IS_NEOX=w.is_neox,
                     HAS_V_SCALE=w.v_scale is not None, IS_FP8=call.is_fp8,
                     FP8_MAX=float(torch.finfo(cache_dtype).max) if call.is_fp8 else 0.0,
@@ -234,18 +236,21 @@ def _make_plan(call: PrecomputeCall, config: PrecomputeLaunchConfig, grid_t: int
     v_scale = float(w.v_scale) if w.v_scale is not None else 1.0
     cos_sin_stride = w.rotary_dim  # the fused float32 table is contiguous
     x = call.states
+    split_tiles = grid_t * rows - whole if split_k > 1 else 0
     main = LaunchPlan(
-        context_kv_kernel, (split_k * grid_t * rows,), compiler_options(config),
-        (slot_layer_stride, N, w.hidden_size, x.stride(0), x.stride(1), cos_sin_stride, v_scale, w.eps, grid_t),
-        dict(BLOCK_K=config.block_k, MERGE_IN_KERNEL=merge_in_kernel, NUM_XCDS=config.num_xcds,
+        context_kv_kernel, (whole + split_tiles * split_k,), compiler_options(config),
+        (slot_layer_stride, N, w.hidden_size, x.stride(0), x.stride(1), cos_sin_stride, v_scale, w.eps, grid_t, whole),
+        dict(BLOCK_K=config.block_k, HAS_WHOLE=split_k > 1 and whole > 0, MERGE_IN_KERNEL=merge_in_kernel,
+             NUM_XCDS=config.num_xcds,
              FP32_MATH=fp32_math(dtype), **epilogue))
     sum_parts = None
-    if split_k > 1 and not merge_in_kernel:
-        sum_parts = LaunchPlan(context_kv_split_epilogue_kernel, (grid_t, rows), compiler_options(config),
-                               (slot_layer_stride, N, w.hidden_size, cos_sin_stride, v_scale, w.eps), epilogue)
-    split = split_k > 1
-    return PrecomputePlan(config, main, sum_parts, merge_in_kernel, cache_table(call),
-                          grid_t * rows, split_k * N * rows * D if split else 0, split_k * rows * N if split else 0)
+    if split_tiles and not merge_in_kernel:
+        sum_parts = LaunchPlan(context_kv_split_epilogue_kernel, (split_tiles,), compiler_options(config),
+                               (slot_layer_stride, N, w.hidden_size, cos_sin_stride, v_scale, w.eps, grid_t, whole),
+                               epilogue)
+    parts = split_tiles * split_k * config.block_t
+    return PrecomputePlan(config, main, sum_parts, merge_in_kernel, cache_table(call), split_tiles, parts * block_d,
+                          parts)
 
 
 def run_precompute(call: PrecomputeCall, config: PrecomputeLaunchConfig | None = None):

@@ -5,14 +5,20 @@ head): the GEMM against the K/V weight rows with the hidden RMSNorm folded in (t
 norm weight is pre-multiplied into the rows; the per-token inverse RMS, accumulated from
 the same loads of ``x``, scales the tile), then the epilogue: bias, the K head's RMSNorm
 and RoPE, the value scale, and the store straight into that layer's paged cache slot.
-The hidden size is split (``SPLIT_K``) only when all tokens fit one tile and the heads
-alone cannot fill the device; the last part of a tile to finish sums the parts and runs
-the epilogue (an arrival counter, see ``counters.py``), or a second launch does.
+Tiles (a token tile of one head row) are numbered token tile fastest, then head rows.
+The first ``whole_tiles`` run whole, one program each; the hidden size of every later
+tile is split ``SPLIT_K`` ways, one program per part. Splitting all tiles serves a
+single token tile whose heads alone cannot fill the device; splitting only the tiles
+past the last full round of the device (a few) spreads that partial round over every
+unit instead of leaving most idle while a few run a third tile. The last part of a
+split tile to finish sums the parts and runs the epilogue (an arrival counter, see
+``counters.py``), or a second launch does; parts are kept per split tile.
 
-Program order: the split parts of a tile, then the token tiles of a head, then heads, so
-neighbours share a head's weight rows. On MI300/MI355 the hardware deals consecutive
-programs round-robin to 8 XCDs, each with its own L2; ``NUM_XCDS`` renumbers programs so
-that each XCD runs a contiguous range and the sharing happens inside one L2.
+Program order: whole tiles, then the parts of the split tiles, each tile's parts
+together, so neighbours share a head's weight rows. On MI300/MI355 the hardware deals
+consecutive programs round-robin to 8 XCDs, each with its own L2; ``NUM_XCDS`` renumbers
+the programs of each kind so that each XCD runs a contiguous range of it and the sharing
+happens inside one L2.
 
 RoPE without shuffles: the K rows of every head are permuted once (host side) so that
 each rotation pair sits in adjacent columns; ``reshape`` + ``split`` then give the two
@@ -185,47 +191,72 @@ def _epilogue(acc, inv_rms, pid_t, head_row, N, positions_ptr, bias_ptr, k_norm_
 
 
 @triton.jit
-def _sum_parts(part_acc_ptr, part_ss_ptr, pid_t, head_row, N, ROWS: tl.constexpr, D: tl.constexpr,
-               BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_K: tl.constexpr):
-    """The tile's GEMM result and sum of squares from its ``SPLIT_K`` parts (all loads
-    issued together)."""
-    t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    t_ok = t < N
+def _sum_parts(part_acc_ptr, part_ss_ptr, slot, pid_t, N, D: tl.constexpr, BLOCK_T: tl.constexpr,
+               BLOCK_D: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Split tile ``slot``'s GEMM result and sum of squares from its ``SPLIT_K`` parts (all
+    loads issued together); part ``k`` of the tile is at ``slot * SPLIT_K + k``."""
+    rows = tl.arange(0, BLOCK_T)
+    t_ok = pid_t * BLOCK_T + rows < N
     c = tl.arange(0, BLOCK_D)
     mask = t_ok[:, None] & (c < D)[None, :]
     acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
     sum_sq = tl.zeros([BLOCK_T], tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        acc += tl.load(part_acc_ptr + (s * N + t)[:, None] * (ROWS * D) + head_row * D + c[None, :],
-                       mask=mask, other=0.0, cache_modifier=".cg")
-        sum_sq += tl.load(part_ss_ptr + (s * ROWS + head_row) * N + t, mask=t_ok, other=0.0, cache_modifier=".cg")
+    for k in tl.static_range(SPLIT_K):
+        part = (slot * SPLIT_K + k).to(tl.int64) * BLOCK_T + rows
+        acc += tl.load(part_acc_ptr + part[:, None] * BLOCK_D + c[None, :], mask=mask, other=0.0,
+                       cache_modifier=".cg")
+        sum_sq += tl.load(part_ss_ptr + part, mask=t_ok, other=0.0, cache_modifier=".cg")
     return acc, sum_sq
+
+
+@triton.jit
+def _program_tile(pid, num_programs, whole_tiles, NUM_XCDS: tl.constexpr, SPLIT_K: tl.constexpr,
+                  HAS_WHOLE: tl.constexpr):
+    """(tile, part, parts) of hardware program ``pid``: whole tiles first (``HAS_WHOLE``: if
+    any), then split tiles' parts, each kind renumbered for the XCDs on its own."""
+    if SPLIT_K == 1:
+        tile = _xcd_order(pid, num_programs, NUM_XCDS)
+        part = 0
+        parts = 1
+    elif not HAS_WHOLE:
+        q = _xcd_order(pid, num_programs, NUM_XCDS)
+        tile = q // SPLIT_K
+        part = q % SPLIT_K
+        parts = SPLIT_K
+    else:
+        whole = pid < whole_tiles
+        first = tl.where(whole, 0, whole_tiles)
+        q = _xcd_order(pid - first, tl.where(whole, whole_tiles, num_programs - whole_tiles), NUM_XCDS)
+        tile = tl.where(whole, q, whole_tiles + q // SPLIT_K)
+        part = tl.where(whole, 0, q % SPLIT_K)
+        parts = tl.where(whole, 1, SPLIT_K)
+    return tile, part, parts
 
 
 @triton.jit
 def context_kv_kernel(
     x_ptr, w_ptr, part_acc_ptr, part_ss_ptr, counters_ptr, positions_ptr, bias_ptr, k_norm_ptr, cos_sin_ptr,
     meta_ptr, slots_ptr, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr,
-    stride_slot_layer, N, H, stride_xt, stride_xh, stride_cs, v_scale, eps, grid_t,
-    HK: tl.constexpr, D: tl.constexpr, R: tl.constexpr, ROWS: tl.constexpr,
+    stride_slot_layer, N, H, stride_xt, stride_xh, stride_cs, v_scale, eps, grid_t, whole_tiles,
+    HK: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_K: tl.constexpr,
-    MERGE_IN_KERNEL: tl.constexpr, NUM_XCDS: tl.constexpr, HAS_BIAS: tl.constexpr, IS_NEOX: tl.constexpr,
+    HAS_WHOLE: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, NUM_XCDS: tl.constexpr, HAS_BIAS: tl.constexpr, IS_NEOX: tl.constexpr,
     HAS_V_SCALE: tl.constexpr, IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr,
     CACHE_DTYPE: tl.constexpr, RETURN_KV: tl.constexpr, K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr,
     K_ROW_PACK: tl.constexpr, K_DIM_PACK: tl.constexpr, V_ROW_PACK: tl.constexpr, V_DIM_PACK: tl.constexpr,
     SLOTS_I32: tl.constexpr, FP32_MATH: tl.constexpr, EXACT_FP8_ROUND: tl.constexpr,
 ):
-    pid = _xcd_order(tl.program_id(0), tl.num_programs(0), NUM_XCDS)
-    pid_k = pid % SPLIT_K
-    pid_t = (pid // SPLIT_K) % grid_t
-    head_row = pid // (SPLIT_K * grid_t)  # (layer * 2 + kind) * HK + kv_head
+    tile, pid_k, parts = _program_tile(tl.program_id(0), tl.num_programs(0), whole_tiles, NUM_XCDS, SPLIT_K,
+                                       HAS_WHOLE)
+    pid_t = tile % grid_t
+    head_row = tile // grid_t  # (layer * 2 + kind) * HK + kv_head
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < N
     c = tl.arange(0, BLOCK_D)
     c_ok = c < D
     x_rows = x_ptr + t.to(tl.int64) * stride_xt
     w_rows = w_ptr + (head_row * D + c).to(tl.int64) * H
-    k_per = tl.cdiv(tl.cdiv(H, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_per = tl.cdiv(tl.cdiv(H, parts), BLOCK_K) * BLOCK_K
     k_lo = pid_k * k_per
     k_hi = tl.minimum(H, k_lo + k_per)
     acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
@@ -242,37 +273,34 @@ def context_kv_kernel(
             x = xf
             w = w.to(tl.float32)
         acc += tl.dot(x, tl.trans(w))
-    if SPLIT_K == 1:
+    finish = parts == 1  # this program runs the epilogue: a whole tile, or the last part of a split one
+    if parts != 1:
+        slot = tile - whole_tiles
+        rows = tl.arange(0, BLOCK_T)
+        part = (slot * SPLIT_K + pid_k).to(tl.int64) * BLOCK_T + rows
+        tl.store(part_acc_ptr + part[:, None] * BLOCK_D + c[None, :], acc)
+        tl.store(part_ss_ptr + part, sum_sq)
+        if MERGE_IN_KERNEL:  # the last part of the tile to finish sums them
+            tl.debug_barrier()  # every wave's partial stores precede the release below
+            counter = counters_ptr + slot
+            finish = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
+            if finish:
+                acc, sum_sq = _sum_parts(part_acc_ptr, part_ss_ptr, slot, pid_t, N, D, BLOCK_T, BLOCK_D, SPLIT_K)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # every part arrived: ready for the next launch
+    if finish:
         _epilogue(acc, tl.rsqrt(sum_sq / H + eps), pid_t, head_row, N, positions_ptr, bias_ptr, k_norm_ptr,
                   cos_sin_ptr, stride_cs, meta_ptr, slots_ptr, stride_slot_layer, k_scales_ptr, v_scales_ptr,
                   out_k_ptr, out_v_ptr, v_scale, eps, HK, D, R, BLOCK_T, BLOCK_D, HAS_BIAS, IS_NEOX, HAS_V_SCALE,
                   IS_FP8, FP8_MAX, FP8_MIN_EXP, CACHE_DTYPE, RETURN_KV, K_ALIGNED, V_ALIGNED, K_ROW_PACK, K_DIM_PACK,
                   V_ROW_PACK, V_DIM_PACK, SLOTS_I32, EXACT_FP8_ROUND)
-    else:
-        t64 = t.to(tl.int64)
-        part = (pid_k * N + t64)[:, None] * (ROWS * D) + head_row * D + c[None, :]
-        tl.store(part_acc_ptr + part, acc, mask=t_ok[:, None] & c_ok[None, :])
-        tl.store(part_ss_ptr + (pid_k * ROWS + head_row) * N + t64, sum_sq, mask=t_ok)
-        if MERGE_IN_KERNEL:  # the last part of the tile to finish sums them and runs the epilogue
-            tl.debug_barrier()  # every wave's partial stores precede the release below
-            counter = counters_ptr + head_row * grid_t + pid_t
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-                acc, sum_sq = _sum_parts(part_acc_ptr, part_ss_ptr, pid_t, head_row, N, ROWS, D, BLOCK_T, BLOCK_D,
-                                         SPLIT_K)
-                _epilogue(acc, tl.rsqrt(sum_sq / H + eps), pid_t, head_row, N, positions_ptr, bias_ptr, k_norm_ptr,
-                          cos_sin_ptr, stride_cs, meta_ptr, slots_ptr, stride_slot_layer, k_scales_ptr, v_scales_ptr,
-                          out_k_ptr, out_v_ptr, v_scale, eps, HK, D, R, BLOCK_T, BLOCK_D, HAS_BIAS, IS_NEOX,
-                          HAS_V_SCALE, IS_FP8, FP8_MAX, FP8_MIN_EXP, CACHE_DTYPE, RETURN_KV, K_ALIGNED, V_ALIGNED,
-                          K_ROW_PACK, K_DIM_PACK, V_ROW_PACK, V_DIM_PACK, SLOTS_I32, EXACT_FP8_ROUND)
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 @triton.jit
 def context_kv_split_epilogue_kernel(
     part_acc_ptr, part_ss_ptr, positions_ptr, bias_ptr, k_norm_ptr, cos_sin_ptr,
     meta_ptr, slots_ptr, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr,
-    stride_slot_layer, N, H, stride_cs, v_scale, eps,
-    HK: tl.constexpr, D: tl.constexpr, R: tl.constexpr, ROWS: tl.constexpr,
+    stride_slot_layer, N, H, stride_cs, v_scale, eps, grid_t, whole_tiles,
+    HK: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, IS_NEOX: tl.constexpr, HAS_V_SCALE: tl.constexpr, IS_FP8: tl.constexpr,
     FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, CACHE_DTYPE: tl.constexpr, RETURN_KV: tl.constexpr,
@@ -281,10 +309,13 @@ def context_kv_split_epilogue_kernel(
     EXACT_FP8_ROUND: tl.constexpr,
 ):
     """Second launch when the hidden size was split and the parts could not be summed in
-    the first (no arrival counters while a CUDA graph is captured): sum, then the epilogue."""
-    pid_t = tl.program_id(0)
-    head_row = tl.program_id(1)
-    acc, sum_sq = _sum_parts(part_acc_ptr, part_ss_ptr, pid_t, head_row, N, ROWS, D, BLOCK_T, BLOCK_D, SPLIT_K)
+    the first (no arrival counters while a CUDA graph is captured): program ``s`` sums split
+    tile ``whole_tiles + s``, then the epilogue."""
+    slot = tl.program_id(0)
+    tile = whole_tiles + slot
+    pid_t = tile % grid_t
+    head_row = tile // grid_t
+    acc, sum_sq = _sum_parts(part_acc_ptr, part_ss_ptr, slot, pid_t, N, D, BLOCK_T, BLOCK_D, SPLIT_K)
     _epilogue(acc, tl.rsqrt(sum_sq / H + eps), pid_t, head_row, N, positions_ptr, bias_ptr, k_norm_ptr,
               cos_sin_ptr, stride_cs, meta_ptr, slots_ptr, stride_slot_layer, k_scales_ptr, v_scales_ptr, out_k_ptr,
               out_v_ptr, v_scale, eps, HK, D, R, BLOCK_T, BLOCK_D, HAS_BIAS, IS_NEOX, HAS_V_SCALE, IS_FP8, FP8_MAX,

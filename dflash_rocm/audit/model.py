@@ -2,14 +2,17 @@
 
 Per launch: ``time = launch gap + max(issue, DRAM, L2, Infinity Cache)`` where
 
-- *issue* is the makespan of the programs list-scheduled, in dispatch order, onto the
-  concurrent slots (units x workgroups per unit, from registers, waves and shared
-  memory). A program takes its hot-loop trips times the cycles one iteration needs on
-  a SIMD shared by ``k`` co-resident waves, ``max(k*matrix, k*vector, matrix + vector)``
-  (matrix and vector work of different waves overlap; one wave's own do not), or the
+- *issue* is the makespan of the programs dealt round-robin, in dispatch order, to the
+  units, each running up to its resident workgroups at once (from registers, waves and
+  shared memory) and sharing its SIMDs among them (processor sharing: when a program
+  ends, the others speed up). A program takes its hot-loop trips times the cycles one
+  iteration needs on a SIMD shared by ``k`` co-resident waves,
+  ``max(k*matrix, k*vector, matrix + vector)`` (matrix and vector work of different waves
+  overlap; one wave's own do not), or the
   load latency over ``num_stages`` when that is longer, plus its straight-line code
   (longest path; for a program without the peeled, masked last trip, the longest path
-  that runs no matrix code outside the loop) and the latency of
+  that runs no matrix code outside the loop; for one that merges no split work, that of
+  the kernel compiled without the merge or the split) and the latency of
   its dependent loads (index tables; partials other programs wrote, for a merge);
 - *DRAM* is the bytes that miss every cache at the peak bandwidth, derated when the
   resident programs cannot keep ``bandwidth x latency`` bytes in flight (Little's law);
@@ -24,7 +27,6 @@ the compiled code, not a measurement.
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import asdict, dataclass
 
@@ -117,6 +119,52 @@ def _cache_misses(programs: list[Program], domains: int, capacity: int, window: 
     return missed
 
 
+def _iteration(loop: dict | None, k: float) -> float:
+    """Cycles of one hot-loop iteration of each of ``k`` waves sharing a SIMD: matrix and
+    vector work of different waves overlap, one wave's own do not."""
+    if not loop:
+        return 0.0
+    matrix, vector = loop["matrix_cycles"], loop["vector_cycles"]
+    return max(k * matrix, k * vector, matrix + vector)
+
+
+def _straight_cycles(facts: dict, p: Program) -> float:
+    """Cycles of the straight-line code ``p`` runs: its role's variant's (see
+    :func:`.traffic.role_variants`), along the longest path that skips a peeled last trip
+    when ``p`` has none; each falls back to the launch's longest path where there is no
+    such variant or path."""
+    roles = [f"{p.role}_", ""] if p.role else [""]
+    peels = ["unpeeled_", ""] if p.skips_peeled_trip else [""]
+    keys = [role + peel + "straight_cycles" for role in roles for peel in peels]
+    return next(facts[key] for key in keys if facts.get(key) is not None)
+
+
+def _makespan(programs: list[Program], units: int, groups_per_unit: int, busy) -> float:
+    """When the last program ends. Programs go to units round-robin in dispatch order
+    (as the dispatcher deals them when all fit at once, and in steady state when they do
+    not); a unit runs up to ``groups_per_unit`` of its programs at once, sharing its SIMDs:
+    each progresses at ``1 / busy(p, resident)`` of its work per second, so when one ends the
+    others speed up, and the next in the unit's queue starts."""
+    end = 0.0
+    for unit in range(min(units, len(programs))):
+        queue = programs[unit::units]
+        running: list[list] = []  # [program, work left (fraction)]
+        now, nxt = 0.0, 0
+        while running or nxt < len(queue):
+            while len(running) < groups_per_unit and nxt < len(queue):
+                running.append([queue[nxt], 1.0])
+                nxt += 1
+            resident = max(1, sum(p.active for p, _ in running))  # a program that exits at once shares nothing
+            rates = [1.0 / max(busy(p, resident), 1e-15) for p, _ in running]
+            step = min(left / rate for (_, left), rate in zip(running, rates))
+            now += step
+            for entry, rate in zip(running, rates):
+                entry[1] -= rate * step
+            running = [entry for entry in running if entry[1] > 1e-9]
+        end = max(end, now)
+    return end
+
+
 def model_launch(programs: list[Program], facts: dict, target: Target, num_stages: int) -> LaunchModel:
     occ = occupancy(facts, target)
     slots = occ.slots(target)
@@ -125,14 +173,8 @@ def model_launch(programs: list[Program], facts: dict, target: Target, num_stage
     warps = facts["num_warps"]
     active = [p for p in programs if p.active]
     resident_per_unit = min(occ.groups_per_unit, max(1, math.ceil(len(active) / target.units)))
-    k = max(1.0, resident_per_unit * warps / target.simds)
     loop = facts.get("hot_loop")
-    iteration = 0.0
-    if loop:
-        matrix, vector = loop["matrix_cycles"], loop["vector_cycles"]
-        iteration = max(k * matrix, k * vector, matrix + vector)
-    unpeeled = facts.get("unpeeled_straight_cycles")
-    unpeeled = facts["straight_cycles"] if unpeeled is None else unpeeled
+    iteration = _iteration(loop, max(1.0, resident_per_unit * warps / target.simds))  # reported: the fullest unit
     # Traffic through the hierarchy.
     reads = sum(size for p in programs for _, size in p.reads)
     writes = sum(p.write_bytes for p in programs)
@@ -151,21 +193,21 @@ def model_launch(programs: list[Program], facts: dict, target: Target, num_stage
     # takes the DRAM latency for the share of bytes that miss the caches, the L2's otherwise.
     miss = dram_reads / reads if reads else 1.0
     latency = miss * target.dram_latency_s + (1 - miss) * target.l2_latency_s
-    trip_s = max(iteration / target.clock_hz, latency / max(1, num_stages))
     # Data other programs wrote is in this program's L2 only when there is one L2.
     remote_s = target.l2_latency_s if target.l2_domains == 1 else target.dram_latency_s
-    # Issue makespan: list scheduling in dispatch order.
-    free = [0.0] * min(slots, max(1, len(programs)))
-    heapq.heapify(free)
-    for p in programs:
-        start = heapq.heappop(free)
-        busy = p.chain * target.l2_latency_s
-        if p.active:
-            straight = k * (unpeeled if p.skips_peeled_trip else facts["straight_cycles"])
-            busy += (p.iterations * trip_s + straight / target.clock_hz + p.remote_chain * remote_s
-                     + (target.dram_latency_s if p.iterations or (p.reads and not p.remote_chain) else 0.0))
-        heapq.heappush(free, start + busy)
-    issue = max(free) if programs else 0.0
+    # Issue makespan: each unit runs its programs sharing its SIMDs (see _makespan).
+    def busy(p: Program, resident: int) -> float:
+        """Seconds ``p`` takes while ``resident`` programs share its unit."""
+        seconds = p.chain * target.l2_latency_s
+        if not p.active:
+            return seconds
+        k = max(1.0, resident * warps / target.simds)
+        trip = max(_iteration(loop, k) / target.clock_hz, latency / max(1, num_stages))
+        straight = k * _straight_cycles(facts, p)
+        return seconds + (p.iterations * trip + straight / target.clock_hz + p.remote_chain * remote_s
+                          + (target.dram_latency_s if p.iterations or (p.reads and not p.remote_chain) else 0.0))
+
+    issue = _makespan(programs, target.units, occ.groups_per_unit, busy)
     dram = dram_reads + writes
     requested = reads + writes + scratch
     per_iteration = [sum(s for _, s in p.reads) / max(1, p.iterations) for p in active[:slots]]

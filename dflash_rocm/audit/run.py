@@ -13,7 +13,7 @@ from . import sweep
 from .compiler import FactsCache, Specialisation, compile_all, specialise
 from .model import LaunchModel, model_launch
 from .targets import TARGETS, Target
-from .traffic import programs_of
+from .traffic import programs_of, role_variants
 
 
 @dataclass
@@ -120,14 +120,41 @@ def target_for(platform, peak=None) -> Target | None:
     return replace(target, units=platform.compute_units, peak=peak or target.peak)
 
 
+@dataclass(frozen=True)
+class _Pending:
+    """A launch, its specialisation and those of its role variants (see
+    :func:`.traffic.role_variants`)."""
+
+    launch: object
+    spec: Specialisation
+    variants: dict[str, Specialisation]
+
+    @classmethod
+    def of(cls, launch, target: Target) -> "_Pending":
+        return cls(launch, specialise(launch, target),
+                   {role: specialise(variant, target) for role, variant in role_variants(launch).items()})
+
+    def specs(self) -> list[Specialisation]:
+        return [self.spec, *self.variants.values()]
+
+    def facts(self, compiled: dict[str, dict]) -> dict:
+        """The launch's facts, with each role's straight-line cycles (``whole_straight_cycles``...)."""
+        facts = dict(compiled[self.spec.key])
+        for role, spec in self.variants.items():
+            variant = compiled[spec.key]
+            if "error" not in variant:
+                facts[f"{role}_straight_cycles"] = variant["straight_cycles"]
+                facts[f"{role}_unpeeled_straight_cycles"] = variant.get("unpeeled_straight_cycles")
+        return facts
+
+
 def model_case(case: sweep.Case, target: Target, cache: FactsCache) -> CaseResult:
     """One case, captured, compiled (or read from the cache) and modelled."""
     captured = sweep.capture_case(case, target)
     result = CaseResult(target, case, captured.config_name, captured.config, skipped=captured.skipped)
-    specs = [specialise(launch, target) for launch in captured.launches]
-    facts, _ = compile_all(specs, cache)
-    result.launches = [_launch_result(case, target, launch, spec, facts[spec.key])
-                       for launch, spec in zip(captured.launches, specs)]
+    pending = [_Pending.of(launch, target) for launch in captured.launches]
+    facts, _ = compile_all([spec for p in pending for spec in p.specs()], cache)
+    result.launches = [_launch_result(case, target, p.launch, p.spec, p.facts(facts)) for p in pending]
     return result
 
 
@@ -145,15 +172,15 @@ def _launch_result(case: sweep.Case, target: Target, launch, spec: Specialisatio
 def run_audit(plan: AuditPlan, cache: FactsCache, jobs: int | None = None,
               progress: Callable[[int, int, str], None] | None = None) -> Audit:
     results: list[CaseResult] = []
-    pending: list[tuple[CaseResult, object, Specialisation]] = []
+    pending: list[tuple[CaseResult, _Pending]] = []
     for target, case in plan.cases():
         captured = sweep.capture_case(case, target)
         result = CaseResult(target, case, captured.config_name, captured.config, skipped=captured.skipped)
         results.append(result)
-        for launch in captured.launches:
-            pending.append((result, launch, specialise(launch, target)))
+        pending += [(result, _Pending.of(launch, target)) for launch in captured.launches]
     jobs = jobs or min(8, os.cpu_count() or 1)
-    facts, compiled_now = compile_all((spec for _, _, spec in pending), cache, jobs=jobs, progress=progress)
-    for result, launch, spec in pending:
-        result.launches.append(_launch_result(result.case, result.target, launch, spec, facts[spec.key]))
+    facts, compiled_now = compile_all((spec for _, p in pending for spec in p.specs()), cache, jobs=jobs,
+                                      progress=progress)
+    for result, p in pending:
+        result.launches.append(_launch_result(result.case, result.target, p.launch, p.spec, p.facts(facts)))
     return Audit(results, len(facts), compiled_now)

@@ -10,6 +10,7 @@ A kernel without an entry here cannot be modelled: the audit says so instead of 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable, Hashable
@@ -28,6 +29,7 @@ class Program:
     active: bool = True  # False: exits at once (an empty tile)
     remote_chain: int = 0  # dependent round trips to data other programs just wrote (merges)
     skips_peeled_trip: bool = False  # the kernel peels a masked last trip after the loop; this program has none
+    role: str = ""  # "whole" / "part": runs only the code of ROLE_VARIANTS' variant ("": all of the launch's)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -105,7 +107,8 @@ def attention_programs(case: Case, launch: Launch) -> list[Program]:
             reads += [(("part", tile, head, s), part) for s in range(active)]
             written, remote = part + rows * D * 2, _cdiv(active, c["MERGE_CHUNK"])  # one round trip per load
         programs.append(Program(n // block_n, tuple(reads), written, chain, remote_chain=remote,
-                                skips_peeled_trip=n % block_n == 0))
+                                skips_peeled_trip=n % block_n == 0,
+                                role="part" if active > 1 and c["MERGE_IN_KERNEL"] and segment < active - 1 else ""))
     return programs
 
 
@@ -152,41 +155,55 @@ def xcd_order(pid: int, num_programs: int, xcds: int) -> int:
     return xcd * (per + 1) + local if xcd < extra else extra * (per + 1) + (xcd - extra) * per + local
 
 
+def precompute_tile(pid: int, num_programs: int, whole_tiles: int, split: int, xcds: int) -> tuple[int, int, int]:
+    """The kernels' ``_program_tile``: (tile, part, parts) hardware program ``pid`` runs."""
+    if split == 1:
+        return xcd_order(pid, num_programs, xcds), 0, 1
+    if pid < whole_tiles:
+        return xcd_order(pid, whole_tiles, xcds), 0, 1
+    q = xcd_order(pid - whole_tiles, num_programs - whole_tiles, xcds)
+    return whole_tiles + q // split, q % split, split
+
+
 def precompute_programs(case: Case, launch: Launch) -> list[Program]:
     c = launch.constexprs
     H, D, split, block_t, block_k = case.shape.hidden, c["D"], c["SPLIT_K"], c["BLOCK_T"], c["BLOCK_K"]
-    k_per = _cdiv(_cdiv(H, split), block_k) * block_k
-    grid_t, total = launch.arg("grid_t"), launch.grid[0]
+    grid_t, whole, total = launch.arg("grid_t"), launch.arg("whole_tiles"), launch.grid[0]
     programs = []
     for pid in range(total):  # hardware dispatch order
-        logical = xcd_order(pid, total, c["NUM_XCDS"])
-        k, t, head_row = logical % split, (logical // split) % grid_t, logical // (split * grid_t)
+        tile, k, parts = precompute_tile(pid, total, whole, split, c["NUM_XCDS"])
+        t, head_row = tile % grid_t, tile // grid_t
+        k_per = _cdiv(_cdiv(H, parts), block_k) * block_k
         rows = _tokens_in(case, t, block_t)
         k_len = max(0, min(H, (k + 1) * k_per) - k * k_per)
-        reads = [(("x", t, k), rows * k_len * 2), (("w", head_row, k), D * k_len * 2)]
+        reads = [(("x", t, k, parts), rows * k_len * 2), (("w", head_row, k, parts), D * k_len * 2)]
         remote = 0
-        if split == 1:
+        if parts == 1:
             extra, written = _epilogue_io(case, c, t, head_row)
             reads += extra
         else:
-            written = rows * D * 4 + rows * 4
-            if c["MERGE_IN_KERNEL"] and k == split - 1:  # modelled as the last part to arrive
+            written = block_t * (c["BLOCK_D"] + 1) * 4
+            if c["MERGE_IN_KERNEL"] and k == parts - 1:  # modelled as the last part to arrive
                 extra, cache_written = _epilogue_io(case, c, t, head_row)
-                reads += extra + [(("part", t, head_row, s), rows * (D + 1) * 4) for s in range(split)]
+                reads += extra + [(("part", tile, s), rows * (D + 1) * 4) for s in range(parts)]
                 written += cache_written
                 remote = 1
-        programs.append(Program(_cdiv(k_len, block_k), tuple(reads), written, remote_chain=remote))
+        role = "whole" if parts == 1 else "part" if c["MERGE_IN_KERNEL"] and k < parts - 1 else ""
+        programs.append(Program(_cdiv(k_len, block_k), tuple(reads), written, remote_chain=remote, role=role))
     return programs
 
 
 def split_epilogue_programs(case: Case, launch: Launch) -> list[Program]:
     c = launch.constexprs
     D, split = c["D"], c["SPLIT_K"]
+    grid_t, whole = launch.arg("grid_t"), launch.arg("whole_tiles")
     programs = []
-    for t, head_row, _ in _order(launch):
+    for slot, _, _ in _order(launch):
+        tile = whole + slot
+        t, head_row = tile % grid_t, tile // grid_t
         rows = _tokens_in(case, t, c["BLOCK_T"])
         extra, written = _epilogue_io(case, c, t, head_row)
-        reads = [(("part", t, head_row, s), rows * (D + 1) * 4) for s in range(split)] + extra
+        reads = [(("part", tile, s), rows * (D + 1) * 4) for s in range(split)] + extra
         programs.append(Program(0, tuple(reads), written, remote_chain=1))
     return programs
 
@@ -197,6 +214,23 @@ PROGRAMS: dict[str, Callable[[Case, Launch], list[Program]]] = {
     "context_kv_kernel": precompute_programs,
     "context_kv_split_epilogue_kernel": split_epilogue_programs,
 }
+
+
+def role_variants(launch: Launch) -> dict[str, Launch]:
+    """The launch compiled as the programs of each role (see :class:`Program`) run it, where
+    a program runs less than the launch's longest path: a split part that does not merge
+    runs the kernel without the in-kernel merge ("part"); a precompute tile ahead of the
+    split ones runs the kernel without the split ("whole"). The model charges each program
+    the straight-line code of its role's variant."""
+    c, variants = launch.constexprs, {}
+    split = c.get("SPLIT_K", 1) > 1 if launch.name == "context_kv_kernel" else c.get("SPLIT", False)
+    alone = {"HAS_WHOLE": False} if launch.name == "context_kv_kernel" else {}  # no other role's code either
+    if launch.name in ("context_kv_kernel", "draft_attention_kernel") and split and c["MERGE_IN_KERNEL"]:
+        variants["part"] = dataclasses.replace(launch, constexprs={**c, "MERGE_IN_KERNEL": False, **alone})
+    if launch.name == "context_kv_kernel" and split and c["HAS_WHOLE"]:
+        variants["whole"] = dataclasses.replace(launch, constexprs={**c, "SPLIT_K": 1, "MERGE_IN_KERNEL": False,
+                                                                   **alone})
+    return variants
 
 
 def programs_of(case: Case, launch: Launch) -> list[Program]:
