@@ -315,5 +315,6 @@ def precompute_launch_configs(draw):
     from dflash_rocm.backends.triton.launch_config import PrecomputeLaunchConfig
 
     return PrecomputeLaunchConfig(block_t=draw(st.sampled_from([16, 32, 64])), block_k=draw(st.sampled_from([16, 32])),
-                                  split_k=draw(st.sampled_from([1, 2, 3])), whole_tiles=draw(st.sampled_from([0, 1, 5])),
+                                  split_k=draw(st.sampled_from([1, 2, 3])),
+                                  whole_tiles=draw(st.sampled_from([0, 1, 5])),  # then the rest split
                                   num_xcds=draw(st.sampled_from([1, 3, 8])))

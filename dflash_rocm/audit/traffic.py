@@ -64,7 +64,9 @@ def _tile_keys(case: Case, c: dict, tile: int) -> tuple[int, int, int, int] | No
         return None
     context = seq_len - q_len
     hi = min(seq_len, context + min(tile_q0 + c["BLOCK_Q"], q_len)) if c["CAUSAL"] else seq_len
-    lo = max(0, context + tile_q0 - case.shape.sliding_window + 1) // c["BLOCK_N"] * c["BLOCK_N"] if c["HAS_WINDOW"] else 0
+    lo = 0
+    if c["HAS_WINDOW"]:  # rounded down to a key tile, as the kernel does
+        lo = max(0, context + tile_q0 - case.shape.sliding_window + 1) // c["BLOCK_N"] * c["BLOCK_N"]
     return b, tile_q0, lo, hi
 
 
