@@ -243,6 +243,17 @@ def test_a_unit_shares_its_simds_among_its_resident_programs():
     assert model._makespan([long, idle], units=1, groups_per_unit=2, busy=busy) == pytest.approx(10.0)
 
 
+def test_a_merge_waits_on_other_programs_partials_once_per_load():
+    """The second launch's trips each wait on partials written by other programs (on
+    MI300 in another XCD's L2: the DRAM latency), and on nothing else."""
+    target = TARGETS["gfx942"]
+    facts = {"num_warps": 4, "shared_bytes": 0, "occupancy_waves": 8, "straight_cycles": 0,
+             "hot_loop": {"matrix_cycles": 0, "vector_cycles": 4, "instructions": 1, "scratch": 0}}
+    merge = [traffic.Program(3, ((("part", 0), 4096),), 0, chain=1, remote_trips=True)]
+    assert model.model_launch(merge, facts, target, 1).issue_s == pytest.approx(
+        target.l2_latency_s + 3 * target.dram_latency_s)
+
+
 def test_a_program_is_charged_the_straight_code_of_its_role():
     facts = {"straight_cycles": 900.0, "unpeeled_straight_cycles": 500.0, "whole_straight_cycles": 300.0,
              "whole_unpeeled_straight_cycles": None, "part_straight_cycles": 100.0}

@@ -9,7 +9,8 @@ Per launch: ``time = launch gap + max(issue, DRAM, L2, Infinity Cache)`` where
   iteration needs on a SIMD shared by ``k`` co-resident waves,
   ``max(k*matrix, k*vector, matrix + vector)`` (matrix and vector work of different waves
   overlap; one wave's own do not), or the
-  load latency over ``num_stages`` when that is longer, plus its straight-line code
+  load latency over ``num_stages`` when that is longer (a merge's trips wait on data
+  other programs wrote: the remote latency), plus its straight-line code
   (longest path; for a program without the peeled, masked last trip, the longest path
   that runs no matrix code outside the loop; for one that merges no split work, that of
   the kernel compiled without the merge or the split) and the latency of
@@ -202,10 +203,13 @@ def model_launch(programs: list[Program], facts: dict, target: Target, num_stage
         if not p.active:
             return seconds
         k = max(1.0, resident * warps / target.simds)
-        trip = max(_iteration(loop, k) / target.clock_hz, latency / max(1, num_stages))
+        waits = remote_s if p.remote_trips else latency
+        trip = max(_iteration(loop, k) / target.clock_hz, waits / max(1, num_stages))
         straight = k * _straight_cycles(facts, p)
-        return seconds + (p.iterations * trip + straight / target.clock_hz + p.remote_chain * remote_s
-                          + (target.dram_latency_s if p.iterations or (p.reads and not p.remote_chain) else 0.0))
+        # The first streaming load's latency (a merge's is its first trip's remote wait).
+        streams = p.iterations or (p.reads and not p.remote_chain)
+        first = target.dram_latency_s if streams and not p.remote_trips else 0.0
+        return seconds + (p.iterations * trip + straight / target.clock_hz + p.remote_chain * remote_s + first)
 
     issue = _makespan(programs, target.units, occ.groups_per_unit, busy)
     dram = dram_reads + writes

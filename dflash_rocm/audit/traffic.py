@@ -29,7 +29,8 @@ class Program:
     active: bool = True  # False: exits at once (an empty tile)
     remote_chain: int = 0  # dependent round trips to data other programs just wrote (merges)
     skips_peeled_trip: bool = False  # the kernel peels a masked last trip after the loop; this program has none
-    role: str = ""  # "whole" / "part": runs only the code of ROLE_VARIANTS' variant ("": all of the launch's)
+    role: str = ""  # "whole" / "part": runs only the code of its role_variants() variant ("": all of it)
+    remote_trips: bool = False  # each hot-loop trip waits on data other programs just wrote (a merge's loads)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -75,10 +76,10 @@ def _segment_plan(lo: int, hi: int, segments: int, min_keys: int, block_n: int) 
     return per_segment, _cdiv(hi - lo, per_segment)
 
 
-def _index_chain(case: Case, c: dict) -> int:
-    """Dependent loads before the first key load: the request search (unless one tile per
-    request), seq_len/query_start_loc, the block table."""
-    return 2 + (0 if c["ONE_TILE"] else math.ceil(math.log2(case.batch + 1)))
+def _index_chain(case: Case, c: dict, block_table: bool = True) -> int:
+    """Dependent loads before the first streaming load: the request search (unless one tile
+    per request), seq_len/query_start_loc, the block table (the merge reads none)."""
+    return 1 + block_table + (0 if c["ONE_TILE"] else math.ceil(math.log2(case.batch + 1)))
 
 
 def attention_programs(case: Case, launch: Launch) -> list[Program]:
@@ -117,7 +118,7 @@ def attention_programs(case: Case, launch: Launch) -> list[Program]:
 def merge_programs(case: Case, launch: Launch) -> list[Program]:
     c = launch.constexprs
     segments, min_keys = launch.arg("num_segments"), launch.arg("min_segment_keys")
-    chain = _index_chain(case, c)
+    chain = _index_chain(case, c, block_table=False)
     programs = []
     for tile, head, group in _order(launch):
         keys = _tile_keys(case, c, tile)
@@ -127,8 +128,9 @@ def merge_programs(case: Case, launch: Launch) -> list[Program]:
             programs.append(Program(0, (), 0, chain, active=False))
             continue
         part = rows * (2 * c["D"] + 4)
-        programs.append(Program(0, tuple((("part", tile, head, group, s), part) for s in range(active)),
-                                rows * c["D"] * 2, chain, remote_chain=_cdiv(active, c["MERGE_CHUNK"])))
+        programs.append(Program(_cdiv(active, c["MERGE_CHUNK"]),  # one trip per load of MERGE_CHUNK segments
+                                tuple((("part", tile, head, group, s), part) for s in range(active)),
+                                rows * c["D"] * 2, chain, remote_trips=True))
     return programs
 
 
