@@ -342,6 +342,29 @@ def test_index_tensors_of_either_int_width():
             assert torch.allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.parametrize("block_n,window", [(16, None), (32, 21)])
+def test_fp8_keys_widened_in_the_operand_layout_match_the_reference(block_n, window):
+    """fp8 caches with fp16 queries take the GPU path under the interpreter: K loaded as
+    K^T and widened after the layout change, V as on a GPU; masked last tiles, a window."""
+    from dflash_rocm.backends.triton.attention import run_draft_attention
+    from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig
+    from dflash_rocm.launches import capture
+    from dflash_rocm.ops.attention import attention_call
+
+    q, kc, vc, *rest = paged([75, 33], [16, 7], Hk=2, G=4, D=64, block_size=16, dtype=torch.float16)
+    kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+    args = (q, kc, vc, *rest)
+    kwargs = dict(sliding_window=window, k_scale=torch.tensor(0.5), v_scale=torch.tensor(2.0))
+    config = AttentionLaunchConfig(block_m=64, block_n=block_n, num_segments=2)
+    with capture() as launches:
+        run_draft_attention(attention_call(*args, **kwargs), config)
+    assert launches[0].constexprs["IS_FP8"] and not launches[0].constexprs["FP32_MATH"]
+    call = attention_call(*args, **kwargs)
+    run_draft_attention(call, config)
+    ref = dflash_rocm.draft_attention(*args, **kwargs, backend="reference")
+    assert dflash_rocm.contract.relative_error(call.out, ref) < 5e-3
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float16, 5e-3), (torch.float32, 2e-3), (torch.bfloat16, 2e-2)])
 def test_only_bf16_upcasts_under_the_interpreter_so_fp16_and_fp32_run_the_gpu_path(dtype, tol):
     """numpy computes fp16 and fp32 natively: those launches keep FP32_MATH off and run the

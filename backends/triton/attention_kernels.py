@@ -206,23 +206,24 @@ def _attend(acc, m_i, l_i, q, qk_scale, pos, k_head, v_head, table, start, seg_h
     j_ok = j < seg_hi
     block, row = _key_blocks(table, start, seg_hi, BLOCK_N, BLOCK_SIZE, MASKED)
     k_rows = _row_base(k_head, block, j, row, stride_kb, stride_ks, stride_ks_in, BLOCK_SIZE, K_ROW_PACK, K_UNIT)
-    k_ptrs = k_rows[:, None] + _dim_offset(d, stride_kd, stride_kd_in, K_DIM_PACK, K_UNIT)[None, :]
+    k_dims = _dim_offset(d, stride_kd, stride_kd_in, K_DIM_PACK, K_UNIT)
     v_rows = _row_base(v_head, block, j, row, stride_vb, stride_vs, stride_vs_in, BLOCK_SIZE, V_ROW_PACK, V_UNIT)
     v_ptrs = v_rows[:, None] + _dim_offset(d, stride_vd, stride_vd_in, V_DIM_PACK, V_UNIT)[None, :]
-    if MASKED:
-        kv_mask = j_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-    else:
-        k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
-        v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
-    if FP32_MATH:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    elif IS_FP8:
-        k = k.to(q.dtype)
+    key_ok = j_ok if MASKED else tl.full([BLOCK_N], 1, tl.int1)
+    v = tl.load(v_ptrs, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+    if IS_FP8 and not FP32_MATH:
+        # K loaded as K^T ([dims, keys]): the fp8 tile then goes to the dot like V, through
+        # LDS as whole words, and is widened in the operand layout (loaded as [keys, dims]
+        # and transposed, the compiler moves it through LDS byte by byte)
+        k_t = tl.load(k_rows[None, :] + k_dims[:, None], mask=d_ok[:, None] & key_ok[None, :], other=0.0)
+        s = tl.dot(q, k_t.to(q.dtype)) * qk_scale
         v = v.to(q.dtype)
-    s = tl.dot(q, tl.trans(k)) * qk_scale
+    else:
+        k = tl.load(k_rows[:, None] + k_dims[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+        if FP32_MATH:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
     if MASKED or CAUSAL or HAS_WINDOW:
         visible = tl.full([1, BLOCK_N], 1, tl.int1)
         if MASKED:
