@@ -216,14 +216,14 @@ def _attend(acc, m_i, l_i, q, qk_scale, pos, k_head, v_head, table, start, seg_h
         # LDS as whole words, and is widened in the operand layout (loaded as [keys, dims]
         # and transposed, the compiler moves it through LDS byte by byte)
         k_t = tl.load(k_rows[None, :] + k_dims[:, None], mask=d_ok[:, None] & key_ok[None, :], other=0.0)
-        s = tl.dot(q, k_t.to(q.dtype)) * qk_scale
+        s = tl.dot(q, k_t.to(q.dtype))
         v = v.to(q.dtype)
     else:
         k = tl.load(k_rows[:, None] + k_dims[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
         if FP32_MATH:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.dot(q, tl.trans(k))
     if MASKED or CAUSAL or HAS_WINDOW:
         visible = tl.full([1, BLOCK_N], 1, tl.int1)
         if MASKED:
@@ -233,12 +233,15 @@ def _attend(acc, m_i, l_i, q, qk_scale, pos, k_head, v_head, table, start, seg_h
         if HAS_WINDOW:
             visible = visible & (j[None, :] > pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
+    # Scores and the running max stay unscaled (the scale is positive, so the max commutes
+    # with it): the scale enters each exponent by one fused multiply-add.
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
+    alpha = tl.exp2((m_i - m_safe) * qk_scale)
     # P is rounded toward zero to V's type (cheap) and the sum taken of the rounded values,
     # so the weights stay normalised.
-    p = tl.exp2(s - m_safe[:, None]).to(v.dtype, fp_downcast_rounding="rtz" if v.dtype != tl.float32 else None)
+    p = tl.exp2(s * qk_scale - (m_safe * qk_scale)[:, None])
+    p = p.to(v.dtype, fp_downcast_rounding="rtz" if v.dtype != tl.float32 else None)
     l_i = l_i * alpha + tl.sum(p.to(tl.float32), 1)
     acc = acc * alpha[:, None] + tl.dot(p, v)
     return acc, m_new, l_i
@@ -312,6 +315,7 @@ def draft_attention_kernel(
                                 IS_FP8, FP32_MATH, K_ROW_PACK, K_DIM_PACK, V_ROW_PACK, V_DIM_PACK, K_UNIT,
                                 V_UNIT)
 
+    m_i = m_i * qk_scale  # the running max in the exponents' (log2) units
     mask = row_ok[:, None] & d_ok[None, :]
     if active == 1:
         o = _finish(acc, m_i, l_i, head, row_ok, sinks_ptr, v_scale, HAS_SINKS)
