@@ -20,7 +20,6 @@ import sys
 from pathlib import Path
 
 
-
 def _map_source_backends() -> None:
     """Let a source checkout (``PYTHONPATH=repo``) import ``dflash_rocm.backends``.
 

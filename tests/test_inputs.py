@@ -89,6 +89,7 @@ def test_views_into_separate_parts_of_one_buffer_are_accepted():
     buffer = torch.zeros(2 * out.numel())
     dflash_rocm.draft_attention(**{**args, "key_cache": k, "value_cache": v, "out": buffer[out.numel():].view(out.shape)},
                                 backend="reference")
+
     def cpu_layout():  # vLLM CPU: per (block, head) page, K^T [D, bs] then V [bs, D]
         pages = torch.randn(nb, hk, 2, bs * d)
         return (pages[:, :, 0].view(nb, hk, d, bs).permute(0, 3, 1, 2),

@@ -38,6 +38,12 @@ class FakeCompiled:
         return lambda *args: self.log.append(("compiled", grid, args))
 
 
+def launch(kernel, grid, config, *args, **constexprs):
+    """A one-off launch through a plan with no per-call tensors: every argument's
+    specialisation is checked (the general path)."""
+    launching.LaunchPlan(kernel, grid, launching.compiler_options(config) if config else {}, args, constexprs)()
+
+
 @pytest.fixture
 def on_a_gpu(monkeypatch):
     monkeypatch.setattr(launching, "INTERPRETING", False)
@@ -48,8 +54,8 @@ def on_a_gpu(monkeypatch):
 def test_a_second_launch_with_the_same_specialisation_calls_the_compiled_kernel(on_a_gpu):
     kernel = FakeKernel(False, False, True)
     x = torch.zeros(64)
-    launching.launch(kernel, (3,), None, x, 7, p2=5)
-    launching.launch(kernel, (4,), None, torch.zeros(64), 23, p2=5)
+    launch(kernel, (3,), None, x, 7, p2=5)
+    launch(kernel, (4,), None, torch.zeros(64), 23, p2=5)
     assert [entry[0] for entry in kernel.log] == ["jit", "compiled"]
     assert kernel.log[0][3] == {"p2": 5}
     assert kernel.log[1][1] == (4,) and kernel.log[1][2][1:] == (23, 5)  # runtime args, then constexprs
@@ -60,26 +66,26 @@ def test_a_second_launch_with_the_same_specialisation_calls_the_compiled_kernel(
                               "float-then-int"])
 def test_a_new_specialisation_goes_through_the_jit(on_a_gpu, first, second):
     kernel = FakeKernel(False, True)
-    launching.launch(kernel, (1,), None, first, p1=0)
-    launching.launch(kernel, (1,), None, second, p1=0)
+    launch(kernel, (1,), None, first, p1=0)
+    launch(kernel, (1,), None, second, p1=0)
     assert [entry[0] for entry in kernel.log] == ["jit", "jit"]
 
 
 def test_pointer_alignment_and_dtype_are_part_of_the_specialisation(on_a_gpu):
     kernel = FakeKernel(False)
     base = torch.zeros(64)
-    launching.launch(kernel, (1,), None, base)
-    launching.launch(kernel, (1,), None, base[1:])  # 4 bytes off: not 16-byte aligned
-    launching.launch(kernel, (1,), None, base.to(torch.float16))
-    launching.launch(kernel, (1,), None, base[4:])  # 16 bytes off: aligned again
+    launch(kernel, (1,), None, base)
+    launch(kernel, (1,), None, base[1:])  # 4 bytes off: not 16-byte aligned
+    launch(kernel, (1,), None, base.to(torch.float16))
+    launch(kernel, (1,), None, base[4:])  # 16 bytes off: aligned again
     assert [entry[0] for entry in kernel.log] == ["jit", "jit", "jit", "compiled"]
 
 
 def test_constexprs_and_options_pick_their_own_launcher(on_a_gpu):
     kernel = FakeKernel(False, True)
-    launching.launch(kernel, (1,), None, 3, p1=0)
-    launching.launch(kernel, (1,), None, 3, p1=1)
-    launching.launch(kernel, (1,), NS(num_warps=8, num_stages=1), 3, p1=1)
+    launch(kernel, (1,), None, 3, p1=0)
+    launch(kernel, (1,), None, 3, p1=1)
+    launch(kernel, (1,), NS(num_warps=8, num_stages=1), 3, p1=1)
     assert [entry[0] for entry in kernel.log] == ["jit", "jit", "jit"]
 
 

@@ -30,7 +30,6 @@ from dflash_rocm.ops.precompute import PrecomputeCall
 from dflash_rocm.weights import ContextKVWeights
 
 
-
 def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype the K/V GEMM runs in for states of ``dtype`` on this CPU."""
     if dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():

@@ -70,7 +70,8 @@ def _rdna3(w: AttentionWorkload) -> bool:
 # program per CU (a second one per CU only shares the SIMDs). RDNA3's WMMA keeps operands twice in
 # registers: 8 warps and 16-key tiles stay under 256 VGPRs; RDNA4 takes 32-key tiles (16 for fp8).
 # gfx950 with an fp8 cache: the two-stage loop's LDS layout takes the fp8 tiles in words, not
-# bytes (142 -> 24 LDS instructions per loop trip; modelled fp8 b64 4k 55 -> 86 %).
+# bytes (compiled for gfx950: 142 -> 24 LDS instructions per loop trip; modelled fp8 b64 4k
+# 55 -> 86 % of the floor).
 CDNA_RULES = (
     TileRule("cdna-d256", lambda w: w.head_dim > 128, 32, 32, 2, 1, 16, 256, 1.0),
     TileRule("cdna-gfx950-fp8", lambda w: w.fp8 and w.arch == "gfx950", 64, 64, 4, 2, 16, 256, 1.0),
@@ -152,9 +153,10 @@ def precompute_config(arch: str, *, num_tokens: int, hidden: int, num_heads_tota
     CUs (the device's own count; None: the flagship's); beyond, 32-token tiles on CDNA up
     to 512 tokens (enough programs to balance 304 CUs) and 64-token tiles otherwise, a
     last partial round of tiles split across every CU (:func:`tail_split`; choices judged
-    by `dflash-rocm inspect`'s model). No ``waves_per_eu`` cap (it only
-    padded the register allocation): every config keeps >= 4 waves per SIMD. On CDNA the
-    program order keeps a head's tiles on one XCD."""
+    by `dflash-rocm inspect`'s model). No ``waves_per_eu`` cap (it only padded the register
+    allocation): every config's registers leave room for >= 4 waves per SIMD (a two-stage
+    loop's LDS buffer may hold gfx942 to 3 workgroups per CU). On CDNA the program order
+    keeps a head's tiles on one XCD."""
     platform = platform_for_arch(arch, compute_units=compute_units)
     cdna = platform.family == "cdna"
     block_k = 64 if head_dim <= 128 else 32

@@ -36,8 +36,6 @@ AMD_ONLY_OPTIONS = ("waves_per_eu", "matrix_instr_nonkdim")
 def compiler_options(config: Any) -> dict[str, int]:
     """The Triton compiler options a launch configuration stands for (0 means "the
     compiler's choice" for the AMD-only options and is left out)."""
-    if config is None:
-        return {}
     options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     for name in AMD_ONLY_OPTIONS:
         value = getattr(config, name, 0)
@@ -106,9 +104,6 @@ class Launcher:
         self.current_device = torch.cuda.current_device  # compiled kernels are loaded per device
         self.compiled: dict[tuple, Any] = {}
         self._lock = threading.Lock()
-
-    def __call__(self, grid: tuple[int, ...], *args) -> None:
-        self.run(grid, args, specialization(args, self.amd))
 
     def run(self, grid: tuple[int, ...], args: tuple, spec) -> None:
         """Launch with ``spec``: :func:`specialization` of ``args``, or any key that changes
@@ -193,11 +188,6 @@ class PlanMemo:
                         self._plans.clear()
                     self._plans[key] = plan
         return plan
-
-
-def launch(kernel, grid: tuple[int, ...], config: Any, *args, **constexprs) -> None:
-    """A one-off launch (no plan kept): every argument's specialisation is checked."""
-    LaunchPlan(kernel, grid, compiler_options(config), args, constexprs)()
 
 
 def prelude_seconds(launch, arch: str, repeats: int = 2000) -> tuple[float, float]:

@@ -112,7 +112,8 @@ def tail_split(tiles: int, units: int) -> tuple[int, int]:
     the units busy (each unit then waits on a few that run one tile more), the hidden size
     of its tiles is split 4 ways (2 when that already gives more than 1.75 parts per unit)
     so every unit takes a share; ``(0, 1)`` when nothing is split. Chosen by
-    `dflash-rocm inspect`'s model (MI300X N = 256: 57 -> 64 % of the floor)."""
+    `dflash-rocm inspect`'s model (modelled, not measured: MI300X N = 256 57 -> 64 % of the
+    floor)."""
     whole = tiles // units * units
     tail = tiles - whole
     if not whole or not tail or 2 * tail > units:

@@ -213,7 +213,9 @@ def _sum_parts(part_acc_ptr, part_ss_ptr, slot, pid_t, N, D: tl.constexpr, BLOCK
 def _program_tile(pid, num_programs, whole_tiles, NUM_XCDS: tl.constexpr, SPLIT_K: tl.constexpr,
                   HAS_WHOLE: tl.constexpr):
     """(tile, part, parts) of hardware program ``pid``: whole tiles first (``HAS_WHOLE``: if
-    any), then split tiles' parts, each kind renumbered for the XCDs on its own."""
+    any), then split tiles' parts, each kind renumbered for the XCDs on its own (in step
+    with the hardware's dealing when ``whole_tiles`` is a multiple of ``NUM_XCDS``, as the
+    tables make it; otherwise only the L2 sharing suffers)."""
     if SPLIT_K == 1:
         tile = _xcd_order(pid, num_programs, NUM_XCDS)
         part = 0

@@ -197,6 +197,7 @@ def model_launch(programs: list[Program], facts: dict, target: Target, num_stage
     # Data other programs wrote is in this program's L2 only when there is one L2.
     remote_s = target.l2_latency_s if target.l2_domains == 1 else target.dram_latency_s
     # Issue makespan: each unit runs its programs sharing its SIMDs (see _makespan).
+
     def busy(p: Program, resident: int) -> float:
         """Seconds ``p`` takes while ``resident`` programs share its unit."""
         seconds = p.chain * target.l2_latency_s

@@ -68,6 +68,8 @@ VLLM_ORDER: dict[str, tuple[str, ...]] = {
 def vllm_order(vendor: str) -> list[VllmBackend]:
     """The backends vLLM tries for a non-causal DFlash draft on this platform, in order."""
     return [_BY_NAME[name] for name in VLLM_ORDER.get(vendor, ())]
+
+
 _CPU_PLAIN_ISAS = ("vec", "vec16")
 _FLASH_STYLE = ("RocmAiterUnifiedAttentionImpl", "TritonAttentionImpl", "FlashAttentionImpl", "FlexAttentionImpl")
 
