@@ -71,11 +71,11 @@ def variants():
     out = []
     for arch in TARGETS:
         features = dict(causal=True, sliding_window=256, sinks=torch.zeros(8))
-        # (dtype, fp8 cache, features, merged by the last segment): every kernel path once per arch.
-        for dtype, fp8, kwargs, in_kernel in ((torch.bfloat16, False, {}, True),
-                                              (torch.bfloat16, False, features, False),
-                                              (torch.float16, False, features, True),
-                                              (torch.bfloat16, True, {}, False)):
+        # (dtype, fp8 cache, features, merge): every kernel path once per arch.
+        for dtype, fp8, kwargs, merge in ((torch.bfloat16, False, {}, "last"),
+                                          (torch.bfloat16, False, features, "launch"),
+                                          (torch.float16, False, features, "tail"),
+                                          (torch.bfloat16, True, {}, "launch")):
             if fp8 and arch not in fp8_of:
                 continue
             args = list(paged([600], [16], Hk=2, G=4, D=128, block_size=16, dtype=dtype))
@@ -89,8 +89,8 @@ def variants():
             else:
                 name, config = "portable", attention_config_for(call)
             config = AttentionLaunchConfig(**{**config.as_dict(), "num_segments": max(2, config.num_segments),
-                                              "merge_in_kernel": in_kernel})
-            out.append((f"attention {name} {dtype} fp8={fp8} {sorted(kwargs)} merge_in_kernel={in_kernel}", arch,
+                                              "merge": merge})
+            out.append((f"attention {name} {dtype} fp8={fp8} {sorted(kwargs)} merge={merge}", arch,
                         lambda c=call, cfg=config: run_draft_attention(c, cfg)))
         g = make_generator(0, "cpu")
         for dtype, fp8, neox, split in ((torch.bfloat16, False, True, 1), (torch.float16, False, False, 2),
@@ -145,7 +145,7 @@ def packed_variants(arch, fp8_dtype):
             with simulate_platform(arch):
                 _, config = rocm.attention_config(call)
             config = AttentionLaunchConfig(**{**config.as_dict(), "num_segments": max(2, config.num_segments),
-                                              "merge_in_kernel": False})
+                                              "merge": "launch"})
             out.append((f"attention {packing} fp8={fp8}", arch, lambda c=call, cfg=config: run_draft_attention(c, cfg)))
             w = make_weights(make_generator(0, "cpu"), "cpu", L=2, Hk=2, D=128, H=256, R=128, is_neox=True, bias=False,
                              v_scale=None, dtype=torch.bfloat16)

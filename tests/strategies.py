@@ -301,13 +301,13 @@ def precompute_cases(draw, sizes: Sizes = CPU_SIZES, dtypes=(torch.float32, torc
 @st.composite
 def attention_launch_configs(draw, queries_per_kv: int):
     """Pinned launch configs of the Triton attention kernel, split-KV included."""
-    from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig
+    from dflash_rocm.backends.triton.launch_config import MERGES, AttentionLaunchConfig
 
     block_m = draw(st.sampled_from([m for m in (16, 32, 64) if m >= queries_per_kv]))
     return AttentionLaunchConfig(block_m=block_m, block_n=draw(st.sampled_from([16, 32])),
                                  num_segments=draw(st.sampled_from([1, 2, 4, 8])),
                                  min_segment_keys=draw(st.sampled_from([0, 16, 48])),
-                                 merge_in_kernel=draw(st.booleans()))
+                                 merge=draw(st.sampled_from(MERGES)))
 
 
 @st.composite

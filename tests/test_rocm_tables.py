@@ -3,6 +3,8 @@
 import pytest
 
 from dflash_rocm.backends.rocm import settings, tables
+from dflash_rocm.backends.triton.common import next_pow2
+from dflash_rocm.backends.triton.launch_config import IN_KERNEL_MERGE_SEGMENTS
 from dflash_rocm.platform import platform_for_arch
 
 ARCHS = tables.SUPPORTED_ARCHS
@@ -36,7 +38,14 @@ def test_configs_are_valid_for_every_shape(arch, group, d):
                 # as many segments as the span holds of those.
                 assert cfg.min_segment_keys >= 128
                 assert cfg.num_segments <= max(1, 2 * span // cfg.min_segment_keys)
-                assert cfg.merge_in_kernel == (cfg.num_segments <= tables.IN_KERNEL_MERGE_SEGMENTS)
+                # Few partials: the last segment merges; more: merger programs only where fewer
+                # of them than CUs (else segments could wait for room), else a second launch.
+                tiles_heads = batch * -(-16 // cfg.queries_per_tile(group)) * 8
+                mergers = tiles_heads * cfg.block_m // min(cfg.block_m, next_pow2(group))
+                if cfg.num_segments <= IN_KERNEL_MERGE_SEGMENTS:
+                    assert cfg.merge == "last"
+                else:
+                    assert cfg.merge == ("tail" if mergers < platform_for_arch(arch).compute_units else "launch")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -48,6 +57,14 @@ def test_split_kv_fills_the_device_for_one_request(arch):
     assert tiles * 8 * cfg.num_segments >= min(p.compute_units, tiles * 8 * tables.MAX_SEGMENTS[p.family])
     _, full = tables.attention_config(workload(arch, batch=64, key_span=131072), 16)
     assert full.num_segments <= cfg.num_segments
+
+
+def test_one_request_on_cdna_merges_by_merger_programs_and_a_large_batch_does_not():
+    """Batch 1 x 8 KV heads x 16 mergers is 128 programs, under MI300X's 304 CUs: merged in
+    the same launch without one program reading every partial; batch 4's 512 are not."""
+    assert tables.attention_config(workload("gfx942", batch=1, key_span=8192), 16)[1].merge == "tail"
+    _, b4 = tables.attention_config(workload("gfx942", batch=4, key_span=131072), 16)
+    assert b4.num_segments > IN_KERNEL_MERGE_SEGMENTS and b4.merge == "launch"
 
 
 @pytest.mark.parametrize("arch", ARCHS)

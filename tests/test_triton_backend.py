@@ -239,11 +239,10 @@ def test_attention_is_one_launch_unless_split_and_merged_by_a_second(monkeypatch
     args = paged([40, 17], [16, 16], Hk=2, G=4, D=32, block_size=16)
     ref = dflash_rocm.draft_attention(*args, backend="reference")
     counter = _CountTritonLaunches(monkeypatch)
-    for segments, in_kernel, launches in ((1, True, 1), (4, True, 1), (4, False, 2)):
+    for segments, merge, launches in ((1, "last", 1), (4, "last", 1), (4, "tail", 1), (4, "launch", 2)):
         call = attention_call(*args)
         before = counter.count
-        run_draft_attention(call, AttentionLaunchConfig(block_m=64, block_n=16, num_segments=segments,
-                                                        merge_in_kernel=in_kernel))
+        run_draft_attention(call, AttentionLaunchConfig(block_m=64, block_n=16, num_segments=segments, merge=merge))
         assert counter.count - before == launches
         assert dflash_rocm.contract.relative_error(call.out, ref) < 1e-3
 
@@ -255,9 +254,11 @@ def test_split_tile_counters_are_left_zero_for_the_next_launch():
     from dflash_rocm.ops.attention import attention_call
 
     args = paged([70, 33], [16, 9], Hk=2, G=4, D=32, block_size=16)
-    run_draft_attention(attention_call(*args), AttentionLaunchConfig(block_m=32, block_n=16, num_segments=4))
-    counters = _COUNTERS[(torch.device("cpu"), None)]
-    assert counters.numel() >= 4 and not counters.any()
+    for merge in ("last", "tail"):  # the tail's mergers also leave the launch's ticket counter zero
+        run_draft_attention(attention_call(*args), AttentionLaunchConfig(block_m=32, block_n=16, num_segments=4,
+                                                                         merge=merge))
+        counters = _COUNTERS[(torch.device("cpu"), None)]
+        assert counters.numel() >= 5 and not counters.any()
 
 
 def test_no_write_outside_slots_even_with_duplicate_free_random_slots():

@@ -434,6 +434,8 @@ BAD_ENTRIES = {
     "3 warps": _entry_with(num_warps=3),
     "0 stages": _entry_with(num_stages=0),
     "negative waves": _entry_with(waves_per_eu=-1),
+    "unknown merge": _entry_with(merge="spin"),
+    "bool merge (the old field's type)": _entry_with(merge=True),
     "workload with a string": {**_entry_with(), "workload": {"batch": "1", "query_len": 4, "key_span": 64}},
     "negative speed-up": {**_entry_with(), "speedup": -1.0},
     "entry is a list": [1, 2],

@@ -18,8 +18,8 @@ from typing import Callable
 
 from dflash_rocm.backends.triton.common import next_pow2
 from dflash_rocm.backends.triton.launch_config import (AttentionLaunchConfig, PrecomputeLaunchConfig,
-                                                       IN_KERNEL_MERGE_SEGMENTS, attention_grid_tiles, choose_segments,
-                                                       split_k_for, tail_split)
+                                                       attention_grid_tiles, choose_segments, merge_for, split_k_for,
+                                                       tail_split)
 from dflash_rocm.platform import Platform, platform_for_arch
 
 SUPPORTED_ARCHS = ("gfx942", "gfx950", "gfx1100", "gfx1101", "gfx1151", "gfx1200", "gfx1201")
@@ -123,9 +123,11 @@ def segmented_config(w: AttentionWorkload) -> tuple[str, AttentionLaunchConfig]:
     rule = select_rule(w)
     block_m, warps = _tile_rows(w, rule)
     segments = segments_for(w, rule, block_m)
+    tiles_heads = attention_grid_tiles(w.batch, w.query_len, block_m // w.group) * w.num_kv_heads
     return rule.name, AttentionLaunchConfig(
         block_m=block_m, block_n=rule.block_n, num_segments=segments, num_warps=warps, num_stages=rule.num_stages,
-        min_segment_keys=rule.min_keys_per_segment, merge_in_kernel=segments <= IN_KERNEL_MERGE_SEGMENTS,
+        min_segment_keys=rule.min_keys_per_segment,
+        merge=merge_for(segments, tiles_heads, block_m, w.group, w.platform.compute_units),
         matrix_instr_nonkdim=rule.matrix_instr_nonkdim)
 
 

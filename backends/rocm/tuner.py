@@ -17,7 +17,7 @@ from dflash_rocm.version import __version__
 from dflash_rocm import tuning
 from dflash_rocm.backends.triton import attention_kernels
 from dflash_rocm.backends.triton.attention import run_draft_attention
-from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig
+from dflash_rocm.backends.triton.launch_config import MERGES, AttentionLaunchConfig
 from dflash_rocm.contract import dtype_name
 from dflash_rocm.ops.attention import AttentionCall, AttentionSpec, attention_call
 from dflash_rocm.platform import Platform
@@ -60,14 +60,14 @@ MAX_STAGES = 8  # the tables and the candidates use 1 or 2
 MAX_WAVES_PER_EU = 16
 MAX_SEGMENT_KEYS = 1 << 20
 MATRIX_INSTR_NONKDIMS = (0, 16, 32)  # 0: the compiler's choice; 16 or 32: MFMA tile edge
-BOOL_FIELDS = ("merge_in_kernel",)
 
 
 def launch_config_from_dict(d: object, group: int, family: str) -> AttentionLaunchConfig:
     """A tuned entry's config, validated like a table entry: exactly the launch fields,
-    ints (``merge_in_kernel`` a bool), power-of-two tiles of 16..256 rows with ``block_m >= group`` (each tile holds
-    whole query tokens), segments within the family's table limit, a warp count the
-    compiler takes, stages >= 1 and waves per EU >= 0 within sane bounds. ``ValueError``
+    ints (``merge`` one of :data:`MERGES`), power-of-two tiles of 16..256 rows with
+    ``block_m >= group`` (each tile holds whole query tokens), segments within the
+    family's table limit, a warp count the compiler takes, stages >= 1 and waves per EU
+    >= 0 within sane bounds. ``ValueError``
     says what is wrong. (What still fails to compile is caught at launch: see
     ``run_tuned_or_table`` in this package.)"""
     if not isinstance(d, dict):
@@ -77,9 +77,9 @@ def launch_config_from_dict(d: object, group: int, family: str) -> AttentionLaun
         unknown, missing = sorted(set(d) - fields), sorted(fields - set(d))
         raise ValueError(f"config keys: unknown {unknown}, missing {missing}")
     for name, value in d.items():
-        if name in BOOL_FIELDS:
-            if not isinstance(value, bool):
-                raise ValueError(f"config {name}: expected true or false, got {value!r}")
+        if name == "merge":
+            if value not in MERGES:
+                raise ValueError(f"config merge: expected one of {MERGES}, got {value!r}")
         elif isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"config {name}: expected an int, got {value!r}")
     for name in ("block_m", "block_n"):
@@ -132,7 +132,7 @@ def table_workload(platform: Platform, spec: AttentionSpec, w: tuning.Workload) 
 
 def candidates(default: AttentionLaunchConfig, group: int) -> list[AttentionLaunchConfig]:
     """Single changes around the table's config: the split, the tile shape, warps,
-    stages and waves per EU."""
+    stages, waves per EU and (when split) the merge."""
     s = default.num_segments
     variants = [replace(default, num_segments=n) for n in (s * 2, s // 2, s // 4, 1) if 1 <= n <= 64]
     variants += [replace(default, block_m=m) for m in (16, 32, 64, 128) if m >= group]
@@ -140,6 +140,8 @@ def candidates(default: AttentionLaunchConfig, group: int) -> list[AttentionLaun
     variants += [replace(default, num_warps=8 if default.num_warps == 4 else 4),
                  replace(default, num_stages=2 if default.num_stages == 1 else 1)]
     variants += [replace(default, waves_per_eu=w) for w in (1, 2, 4) if w != default.waves_per_eu]
+    if s > 1:
+        variants += [replace(default, merge=m) for m in MERGES]
     unique = []
     for v in variants:
         if v != default and v not in unique:

@@ -16,7 +16,7 @@ from .attention_kernels import draft_attention_kernel, merge_segments_kernel
 from .common import fp32_math, next_pow2, packed_layout
 from .counters import split_scratch
 from .launch import LaunchPlan, PlanMemo, compiler_options
-from .launch_config import AttentionLaunchConfig, default_attention_config
+from .launch_config import AttentionLaunchConfig, default_attention_config, merge_program_rows, tail_merge_fits
 
 
 def attention_config_for(call: AttentionCall, platform: Platform | None = None) -> AttentionLaunchConfig:
@@ -28,9 +28,10 @@ def attention_config_for(call: AttentionCall, platform: Platform | None = None) 
         head_dim=call.head_dim, fp8=call.is_fp8)
 
 
-# Segments whose partials one load brings in: the merge kernel merges one token's rows,
-# all 64 at once; the last segment of a tile merges the whole tile, as many at once as
-# keep the load under 64 values per thread (see merge_chunk).
+# Segments whose partials one load brings in: a merge program (second launch or merger
+# at the grid's end) merges one token's rows, all 64 at once; the last segment of a tile
+# merges the whole tile, as many at once as keep the load under 64 values per thread
+# (see merge_chunk).
 MERGE_KERNEL_CHUNK = 64
 
 
@@ -73,18 +74,17 @@ class AttentionPlan:
 
     config: AttentionLaunchConfig
     main: LaunchPlan
-    merge: LaunchPlan | None  # a split tile's merge, when not done by its last segment
-    merge_in_kernel: bool
-    counters: int  # arrival counters the in-kernel merge needs
+    merge: LaunchPlan | None  # a split tile's merge, when it takes a second launch
+    counters: int  # arrival counters (and the ticket) a merge in the same launch needs; 0: none
     part_out: int  # elements of the 16-bit partials (0: not split)
     part_lse: int
 
     def run(self, call: AttentionCall) -> None:
         out = call.out  # stands in for the scratch a call that is not split leaves unread
         part_out, part_lse, counters = split_scratch(out, ((self.part_out, out.dtype), (self.part_lse, torch.float32)),
-                                                     self.counters if self.merge_in_kernel else 0)
+                                                     self.counters)
         if counters is None:  # none free while a graph is captured: the merge takes its own launch
-            plan_attention(call, self.config, merge_in_kernel=False).run(call)
+            plan_attention(call, self.config, merge="launch").run(call)
             return
         sinks = call.sinks if call.sinks is not None else out
         k_scale = call.k_scale if call.k_scale is not None else out
@@ -98,19 +98,19 @@ class AttentionPlan:
 _PLANS = PlanMemo(256)
 
 
-def plan_attention(call: AttentionCall, config: AttentionLaunchConfig, merge_in_kernel: bool | None = None
-                   ) -> AttentionPlan:
-    """The plan of ``call``'s structure under ``config``: made once, kept (calls built
-    outside validation carry no structure and get a fresh plan)."""
-    merge_in_kernel = config.num_segments > 1 and config.merge_in_kernel if merge_in_kernel is None else merge_in_kernel
+def plan_attention(call: AttentionCall, config: AttentionLaunchConfig, merge: str | None = None) -> AttentionPlan:
+    """The plan of ``call``'s structure under ``config`` (``merge`` overriding its merge):
+    made once, kept (calls built outside validation carry no structure and get a fresh
+    plan)."""
+    merge = merge or config.merge
     key = None
     if call.layout is not None:
-        key = (call.layout, config, merge_in_kernel, call.query_len_bound, memory_of(call.key_cache).data_ptr() & 15,
+        key = (call.layout, config, merge, call.query_len_bound, memory_of(call.key_cache).data_ptr() & 15,
                memory_of(call.value_cache).data_ptr() & 15)
-    return _PLANS.get_or_make(key, lambda: _make_plan(call, config, merge_in_kernel))
+    return _PLANS.get_or_make(key, lambda: _make_plan(call, config, merge))
 
 
-def _make_plan(call: AttentionCall, config: AttentionLaunchConfig, merge_in_kernel: bool) -> AttentionPlan:
+def _make_plan(call: AttentionCall, config: AttentionLaunchConfig, merge: str) -> AttentionPlan:
     G = call.num_queries_per_kv
     if config.block_m < G:
         raise ValueError(f"block_m={config.block_m} cannot hold the {G} query heads of one KV head")
@@ -118,6 +118,14 @@ def _make_plan(call: AttentionCall, config: AttentionLaunchConfig, merge_in_kern
     one_tile = call.query_len_bound <= block_q  # every request's query block is one tile
     num_tiles = call.num_seqs if one_tile else call.num_tokens // block_q + call.num_seqs
     segments = config.num_segments
+    split = segments > 1
+    rows = merge_program_rows(config.block_m, G)
+    if merge == "tail" and call.device.type == "cuda" and not tail_merge_fits(
+            num_tiles * call.num_kv_heads, config.block_m, G, platform_for(call.device).compute_units):
+        merge = "launch"  # too many mergers to be sure the segments they wait on progress
+    # (The interpreter runs programs one at a time in grid order, a tile's segments before
+    # its mergers; a captured launch does not run.)
+    mergers = config.block_m // rows if split and merge == "tail" else 0
     q, out = call.query, call.out
     _, k_strides, k_pack = cache_addressing(call.key_cache)
     _, v_strides, v_pack = cache_addressing(call.value_cache)
@@ -127,23 +135,24 @@ def _make_plan(call: AttentionCall, config: AttentionLaunchConfig, merge_in_kern
                  HAS_WINDOW=call.sliding_window is not None, HAS_SINKS=call.sinks is not None)
     window = call.sliding_window or 0
     main = LaunchPlan(
-        draft_attention_kernel, (num_tiles, call.num_kv_heads, segments), compiler_options(config),
+        draft_attention_kernel, (num_tiles, call.num_kv_heads, segments + mergers), compiler_options(config),
         (call.num_seqs, call.num_tokens, call.scale * math.log2(math.e), window, segments, config.min_segment_keys,
          q.stride(0), q.stride(1), q.stride(2), *k_strides, *v_strides,
          call.block_table.stride(0), out.stride(0), out.stride(1), out.stride(2)),
-        dict(HQ=call.num_q_heads, BLOCK_SIZE=call.block_size, SPLIT=segments > 1, MERGE_IN_KERNEL=merge_in_kernel,
-             MERGE_CHUNK=merge_chunk(config, block_d), IS_FP8=call.is_fp8, FP32_MATH=fp32_math(q.dtype), **tiles,
+        dict(HQ=call.num_q_heads, BLOCK_SIZE=call.block_size, SPLIT=split, MERGE_IN_KERNEL=split and merge == "last",
+             MERGERS=mergers, MERGE_CHUNK=MERGE_KERNEL_CHUNK if mergers else merge_chunk(config, block_d),
+             IS_FP8=call.is_fp8, FP32_MATH=fp32_math(q.dtype), **tiles,
              **{f"K_{k}": v for k, v in k_pack.items()}, **{f"V_{k}": v for k, v in v_pack.items()}))
-    merge = None
-    if segments > 1 and not merge_in_kernel:
-        rows = min(config.block_m, next_pow2(G))
-        merge = LaunchPlan(
-            merge_segments_kernel, (num_tiles, call.num_kv_heads, config.block_m // rows), compiler_options(config),
+    second = None
+    if split and merge == "launch":
+        second = LaunchPlan(
+            merge_segments_kernel, (num_tiles, call.num_kv_heads, config.block_m // rows),
+            compiler_options(config),
             (call.num_seqs, call.num_tokens, window, segments, config.min_segment_keys,
              out.stride(0), out.stride(1), out.stride(2)),
             dict(HQ=call.num_q_heads, ROWS=rows, MERGE_CHUNK=MERGE_KERNEL_CHUNK, **tiles))
-    split = segments > 1
-    return AttentionPlan(config, main, merge, merge_in_kernel, num_tiles * call.num_kv_heads,
+    counters = 0 if not split or merge == "launch" else num_tiles * call.num_kv_heads + (merge == "tail")
+    return AttentionPlan(config, main, second, counters,
                          segments * call.num_tokens * call.num_q_heads * call.head_dim if split else 0,
                          segments * call.num_tokens * call.num_q_heads if split else 0)
 

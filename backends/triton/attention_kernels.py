@@ -12,9 +12,14 @@ Key segments: the keys visible to a tile are cut into ``num_segments`` equal,
 ``BLOCK_N``-aligned shares of at least ``min_segment_keys`` keys, decided on the device
 from the real sequence length, so segments past the end exit at once and a short
 sequence in a table sized for long ones is not split at all. A split tile writes, per
-segment, its normalised output in the output dtype and one float32 log2-sum-exp per row;
-the last segment to finish (an atomic counter per tile and head, reset by that program)
-merges them in the same launch, or a second launch merges them (``MERGE_IN_KERNEL`` off).
+segment, its normalised output in the output dtype and one float32 log2-sum-exp per row,
+then counts its arrival on the tile's counter (one per tile and KV head). The partials are
+merged (the launch config's ``merge``) by the last segment to finish (``MERGE_IN_KERNEL``:
+one program reads every partial of the tile, so only for a few segments); or by
+``MERGERS`` merger programs per tile at the end of the grid (``program_id(2) >=
+num_segments``), each waiting on the counter and then merging one row group (the last
+merger to finish resets the counter; the host launches this only with fewer mergers than
+compute units, so segments always find room to run); or by a second launch.
 
 Packed pages (:mod:`dflash_rocm.paged`): K and V are each addressed as the 6-D view
 ``[blocks, bs // R, R, Hk, D // C, C]`` with constexpr pack factors (``K_ROW_PACK``,
@@ -110,6 +115,15 @@ def _finish(acc, m_i, l_i, head, row_ok, sinks_ptr, v_scale, HAS_SINKS: tl.const
 
 
 @triton.jit
+def _wait_for(counter, count):
+    """Spin until ``counter`` reaches ``count`` (acquire: what the arrivals wrote before
+    their release is visible after)."""
+    seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+    while seen < count:
+        seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+
+
+@triton.jit
 def _merge_rows(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, token, head, row_ok, active, num_tokens,
                 stride_ot, stride_oh, stride_od, HQ: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
                 BLOCK_D: tl.constexpr, SEG_CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr):
@@ -137,6 +151,20 @@ def _merge_rows(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, token, head, row
     o = _finish(acc, m, total, head, row_ok, sinks_ptr, 1.0, HAS_SINKS)
     tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od,
              o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _merge_group(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, group, tile_q0, q_start, q_len, kv_head, active,
+                 num_tokens, stride_ot, stride_oh, stride_od, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                 ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+                 HAS_SINKS: tl.constexpr):
+    """Merge row group ``group`` (``ROWS`` rows) of a split tile."""
+    r = group * ROWS + tl.arange(0, ROWS)
+    q_idx = tile_q0 + r // G
+    row_ok = (r // G < BLOCK_Q) & (q_idx < q_len)
+    _merge_rows(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, (q_start + q_idx).to(tl.int64), kv_head * G + r % G,
+                row_ok, active, num_tokens, stride_ot, stride_oh, stride_od, HQ, D, ROWS, BLOCK_D, MERGE_CHUNK,
+                HAS_SINKS)
 
 
 @triton.jit
@@ -258,10 +286,10 @@ def draft_attention_kernel(
     stride_bt, stride_ot, stride_oh, stride_od,
     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    ONE_TILE: tl.constexpr, SPLIT: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, MERGE_CHUNK: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, IS_FP8: tl.constexpr,
-    FP32_MATH: tl.constexpr, K_ROW_PACK: tl.constexpr, K_DIM_PACK: tl.constexpr, V_ROW_PACK: tl.constexpr,
-    V_DIM_PACK: tl.constexpr, K_UNIT: tl.constexpr, V_UNIT: tl.constexpr,
+    ONE_TILE: tl.constexpr, SPLIT: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, MERGERS: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+    IS_FP8: tl.constexpr, FP32_MATH: tl.constexpr, K_ROW_PACK: tl.constexpr, K_DIM_PACK: tl.constexpr,
+    V_ROW_PACK: tl.constexpr, V_DIM_PACK: tl.constexpr, K_UNIT: tl.constexpr, V_UNIT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -275,6 +303,17 @@ def draft_attention_kernel(
     active = 1
     if SPLIT:
         per_segment, active = _segment_plan(lo, hi, num_segments, min_segment_keys, BLOCK_N)
+        if MERGERS:
+            if segment >= num_segments:  # merger program segment - num_segments of this tile
+                if active > 1:
+                    counter = counters_ptr + tile * tl.num_programs(1) + kv_head
+                    _wait_for(counter, active)
+                    _merge_group(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, segment - num_segments, tile_q0,
+                                 q_start, q_len, kv_head, active, num_tokens, stride_ot, stride_oh, stride_od, HQ, G,
+                                 D, BLOCK_M // MERGERS, BLOCK_D, BLOCK_Q, MERGE_CHUNK, HAS_SINKS)
+                    if tl.atomic_add(counter, 1, sem="relaxed", scope="gpu") == active + MERGERS - 1:
+                        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+                return
         if segment >= active:
             return
         seg_lo = lo + segment * per_segment
@@ -327,13 +366,16 @@ def draft_attention_kernel(
         o = acc * (v_scale / l_safe)[:, None]
         tl.store(part_out_ptr + part[:, None] * D + d[None, :], o.to(part_out_ptr.dtype.element_ty), mask=mask)
         tl.store(part_lse_ptr + part, tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe)), mask=row_ok)
-        if MERGE_IN_KERNEL:
+        if MERGE_IN_KERNEL or MERGERS:
             tl.debug_barrier()  # every wave's partial stores precede the release below
             counter = counters_ptr + tile * tl.num_programs(1) + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == active - 1:
-                _merge_rows(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, token, head, row_ok, active, num_tokens,
-                            stride_ot, stride_oh, stride_od, HQ, D, BLOCK_M, BLOCK_D, MERGE_CHUNK, HAS_SINKS)
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if MERGE_IN_KERNEL:
+                if arrived == active - 1:
+                    _merge_rows(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, token, head, row_ok, active,
+                                num_tokens, stride_ot, stride_oh, stride_od, HQ, D, BLOCK_M, BLOCK_D, MERGE_CHUNK,
+                                HAS_SINKS)
+                    tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 @triton.jit
@@ -355,9 +397,6 @@ def merge_segments_kernel(
         return
     per_segment, active = _segment_plan(lo, hi, num_segments, min_segment_keys, BLOCK_N)
     if active > 1:
-        r = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
-        q_idx = tile_q0 + r // G
-        row_ok = (r // G < BLOCK_Q) & (q_idx < q_len)
-        _merge_rows(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, (q_start + q_idx).to(tl.int64),
-                    kv_head * G + r % G, row_ok, active, num_tokens, stride_ot, stride_oh, stride_od, HQ, D, ROWS,
-                    BLOCK_D, MERGE_CHUNK, HAS_SINKS)
+        _merge_group(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, tl.program_id(2), tile_q0, q_start, q_len,
+                     kv_head, active, num_tokens, stride_ot, stride_oh, stride_od, HQ, G, D, ROWS, BLOCK_D, BLOCK_Q,
+                     MERGE_CHUNK, HAS_SINKS)

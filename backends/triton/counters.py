@@ -1,10 +1,12 @@
 """Arrival counters for merging split work in the same launch.
 
 A tile split across programs (key segments of the attention, hidden-size parts of the
-precompute) is finished by whichever program arrives last: each program writes its
-partial, then increments the tile's counter (acquire-release); the one that sees
-``parts - 1`` merges the partials and resets the counter to zero. So the counters are
-zero between launches and no launch pays a memset; they are kept per device and stream.
+precompute) is finished in the same launch: each program writes its partial, then
+increments the tile's counter (acquire-release). Either the one that sees ``parts - 1``
+merges the partials and resets the counter to zero, or (attention merger programs) the
+mergers wait for ``parts`` arrivals, merge, count themselves, and the last of them resets
+it. So the counters are zero between launches and no launch pays a memset; they are kept
+per device and stream.
 """
 
 from __future__ import annotations

@@ -17,6 +17,10 @@ from .common import next_pow2
 MAX_SEGMENTS = 64
 MIN_KEYS_PER_SEGMENT = 256
 IN_KERNEL_MERGE_SEGMENTS = 8  # more partials than this are merged by a second launch (one load for all)
+# How a split tile's partials are merged: by the last segment to finish ("last"), by merger
+# programs at the end of the same grid that wait for the segments ("tail"), or by a second
+# launch ("launch").
+MERGES = ("last", "tail", "launch")
 
 
 @dataclass(frozen=True)
@@ -27,8 +31,7 @@ class AttentionLaunchConfig:
     heads that share one KV head; ``block_n`` keys per loop step; ``num_segments`` splits
     each tile's key range across programs, each segment at least ``min_segment_keys``
     long (the device decides from the real sequence length how many segments have keys);
-    a split tile is merged by its last segment in the same launch (``merge_in_kernel``)
-    or by a second launch.
+    ``merge`` says how a split tile's partials are merged (see :data:`MERGES`).
     """
 
     block_m: int = 64
@@ -38,7 +41,7 @@ class AttentionLaunchConfig:
     num_stages: int = 2
     waves_per_eu: int = 0  # AMD only; 0 leaves the compiler's choice
     min_segment_keys: int = 0
-    merge_in_kernel: bool = True
+    merge: str = "last"
     matrix_instr_nonkdim: int = 0  # AMD only: 16 picks 16x16 MFMA tiles; 0 the compiler's choice
 
     def __post_init__(self) -> None:
@@ -48,6 +51,8 @@ class AttentionLaunchConfig:
                 raise ValueError(f"{name}: expected a power of two >= 16, got {value}")
         if not 1 <= self.num_segments <= MAX_SEGMENTS:
             raise ValueError(f"num_segments: expected 1..{MAX_SEGMENTS}, got {self.num_segments}")
+        if self.merge not in MERGES:
+            raise ValueError(f"merge: expected one of {MERGES}, got {self.merge!r}")
 
     def queries_per_tile(self, queries_per_kv: int) -> int:
         return self.block_m // queries_per_kv
@@ -87,6 +92,30 @@ class PrecomputeLaunchConfig:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def merge_program_rows(block_m: int, queries_per_kv: int) -> int:
+    """Rows a merge program merges (second launch or merger at the grid's end): one query
+    token's heads."""
+    return min(block_m, next_pow2(queries_per_kv))
+
+
+def tail_merge_fits(tiles_heads: int, block_m: int, queries_per_kv: int, compute_units: int) -> bool:
+    """Whether a split launch of ``tiles_heads`` (tile, KV head) pairs may merge by merger
+    programs at the end of its grid. Mergers wait for segment programs; with fewer of them
+    than the device has compute units, some unit always has room that no waiting merger
+    holds, so the segments progress whatever order the hardware dispatches programs in."""
+    return tiles_heads * (block_m // merge_program_rows(block_m, queries_per_kv)) < compute_units
+
+
+def merge_for(num_segments: int, tiles_heads: int, block_m: int, queries_per_kv: int, compute_units: int) -> str:
+    """How the tables merge a split tile: by its last segment when there are few partials;
+    else by merger programs where they fit (no second launch, and no single program reads
+    every partial: modelled, MI300X batch 1 8k 50 -> 56 % of the floor); else by a second
+    launch."""
+    if num_segments <= IN_KERNEL_MERGE_SEGMENTS:
+        return "last"
+    return "tail" if tail_merge_fits(tiles_heads, block_m, queries_per_kv, compute_units) else "launch"
 
 
 def attention_grid_tiles(num_seqs: int, query_len: int, queries_per_tile: int) -> int:
@@ -150,7 +179,7 @@ def default_attention_config(platform: Platform, *, num_seqs: int, query_len: in
     return AttentionLaunchConfig(block_m=block_m, block_n=block_n, num_segments=segments,
                                  num_warps=4 if head_dim <= 128 else 8, num_stages=2,
                                  min_segment_keys=MIN_KEYS_PER_SEGMENT,
-                                 merge_in_kernel=segments <= IN_KERNEL_MERGE_SEGMENTS)
+                                 merge=merge_for(segments, tiles * num_kv_heads, block_m, G, platform.compute_units))
 
 
 @functools.lru_cache(maxsize=1024)

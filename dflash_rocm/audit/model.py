@@ -140,6 +140,13 @@ def _straight_cycles(facts: dict, p: Program) -> float:
     return next(facts[key] for key in keys if facts.get(key) is not None)
 
 
+def _hot_loop(facts: dict, p: Program) -> dict | None:
+    """The hot loop ``p`` runs: its role's variant's (see :func:`.traffic.role_variants`),
+    else the launch's."""
+    key = f"{p.role}_hot_loop"
+    return facts[key] if p.role and key in facts else facts.get("hot_loop")
+
+
 def _makespan(programs: list[Program], units: int, groups_per_unit: int, busy) -> float:
     """When the last program ends. Programs go to units round-robin in dispatch order
     (as the dispatcher deals them when all fit at once, and in steady state when they do
@@ -166,16 +173,31 @@ def _makespan(programs: list[Program], units: int, groups_per_unit: int, busy) -
     return end
 
 
-def model_launch(programs: list[Program], facts: dict, target: Target, num_stages: int) -> LaunchModel:
-    occ = occupancy(facts, target)
+@dataclass(frozen=True)
+class _Phase:
+    """One phase's bound terms and traffic (see :func:`model_launch`)."""
+
+    issue_s: float
+    dram_s: float
+    l2_s: float
+    llc_s: float
+    fill: float
+    requested: int
+    llc: int
+    dram: int
+    writes: int
+    reread: int
+
+    @property
+    def seconds(self) -> float:
+        return max(self.issue_s, self.dram_s, self.l2_s, self.llc_s)
+
+
+def _model_phase(programs: list[Program], facts: dict, target: Target, num_stages: int, occ: Occupancy) -> _Phase:
     slots = occ.slots(target)
-    if slots == 0:
-        raise ValueError(f"a workgroup of this kernel does not fit on {target.arch} ({occ.limited_by})")
     warps = facts["num_warps"]
     active = [p for p in programs if p.active]
-    resident_per_unit = min(occ.groups_per_unit, max(1, math.ceil(len(active) / target.units)))
     loop = facts.get("hot_loop")
-    iteration = _iteration(loop, max(1.0, resident_per_unit * warps / target.simds))  # reported: the fullest unit
     # Traffic through the hierarchy.
     reads = sum(size for p in programs for _, size in p.reads)
     writes = sum(p.write_bytes for p in programs)
@@ -205,7 +227,7 @@ def model_launch(programs: list[Program], facts: dict, target: Target, num_stage
             return seconds
         k = max(1.0, resident * warps / target.simds)
         waits = remote_s if p.remote_trips else latency
-        trip = max(_iteration(loop, k) / target.clock_hz, waits / max(1, num_stages))
+        trip = max(_iteration(_hot_loop(facts, p), k) / target.clock_hz, waits / max(1, num_stages))
         straight = k * _straight_cycles(facts, p)
         # The first streaming load's latency (a merge's is its first trip's remote wait).
         streams = p.iterations or (p.reads and not p.remote_chain)
@@ -218,9 +240,26 @@ def model_launch(programs: list[Program], facts: dict, target: Target, num_stage
     per_iteration = [sum(s for _, s in p.reads) / max(1, p.iterations) for p in active[:slots]]
     in_flight = sum(per_iteration) * max(1, num_stages)
     fill = min(1.0, in_flight / (target.peak.bandwidth * target.dram_latency_s)) if in_flight else 1.0
-    dram_s = dram / (target.peak.bandwidth * fill) if dram else 0.0
-    l2_s = requested / target.l2_bandwidth
-    llc_s = llc / target.llc_bandwidth if llc else 0.0
-    seconds = target.launch_gap_s + max(issue, dram_s, l2_s, llc_s)
-    return LaunchModel(len(programs), len(active), slots, occ, iteration, requested, llc, dram,
-                       writes, reads - unique, issue, dram_s, l2_s, llc_s, fill, seconds)
+    return _Phase(issue, dram / (target.peak.bandwidth * fill) if dram else 0.0, requested / target.l2_bandwidth,
+                  llc / target.llc_bandwidth if llc else 0.0, fill, requested, llc, dram, writes, reads - unique)
+
+
+def model_launch(programs: list[Program], facts: dict, target: Target, num_stages: int) -> LaunchModel:
+    occ = occupancy(facts, target)
+    slots = occ.slots(target)
+    if slots == 0:
+        raise ValueError(f"a workgroup of this kernel does not fit on {target.arch} ({occ.limited_by})")
+    active = [p for p in programs if p.active]
+    resident_per_unit = min(occ.groups_per_unit, max(1, math.ceil(len(active) / target.units)))
+    iteration = _iteration(facts.get("hot_loop"), max(1.0, resident_per_unit * facts["num_warps"] / target.simds))
+    # Phases run one after the other: a later phase's programs wait on the earlier ones' work.
+    phases = [_model_phase([p for p in programs if p.phase == n], facts, target, num_stages, occ)
+              for n in sorted({p.phase for p in programs})]
+
+    def total(name: str):
+        return sum(getattr(ph, name) for ph in phases)
+
+    seconds = target.launch_gap_s + sum(ph.seconds for ph in phases)
+    return LaunchModel(len(programs), len(active), slots, occ, iteration, total("requested"), total("llc"),
+                       total("dram"), total("writes"), total("reread"), total("issue_s"), total("dram_s"),
+                       total("l2_s"), total("llc_s"), min(ph.fill for ph in phases), seconds)

@@ -27,8 +27,10 @@ LEGEND = (
     "SIMD; mma/ex = matrix and exp instructions per hot-loop iteration of one wave; st = store width in bytes "
     "(the most frequent); MB req/dram = "
     "bytes the programs move through L2 / bytes the model sends to DRAM; us = modelled launch time with its "
-    "bound (i issue, d DRAM, l L2, c Infinity Cache); floor = us the floor bytes take at peak bandwidth; %fl "
-    "= floor / modelled time of the whole case. MODELLED, NOT MEASURED: no figure here ran on a GPU.")
+    "bound (i issue, d DRAM, l L2, c Infinity Cache; a launch whose merger programs wait on the rest is "
+    "modelled in two phases, one after the other, the bound that of the summed terms); floor = us the "
+    "floor bytes take at peak bandwidth; %fl = floor / modelled time of the whole case. MODELLED, NOT "
+    "MEASURED: no figure here ran on a GPU.")
 
 
 def short_kernel(name: str) -> str:

@@ -138,13 +138,15 @@ class _Pending:
         return [self.spec, *self.variants.values()]
 
     def facts(self, compiled: dict[str, dict]) -> dict:
-        """The launch's facts, with each role's straight-line cycles (``whole_straight_cycles``...)."""
+        """The launch's facts, with each role's straight-line cycles (``whole_straight_cycles``...)
+        and hot loop (``merger_hot_loop``...)."""
         facts = dict(compiled[self.spec.key])
         for role, spec in self.variants.items():
             variant = compiled[spec.key]
             if "error" not in variant:
                 facts[f"{role}_straight_cycles"] = variant["straight_cycles"]
                 facts[f"{role}_unpeeled_straight_cycles"] = variant.get("unpeeled_straight_cycles")
+                facts[f"{role}_hot_loop"] = variant.get("hot_loop")
         return facts
 
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Callable, Hashable
 
+from dflash_rocm.backends.triton.attention_kernels import merge_segments_kernel
 from dflash_rocm.launches import Launch
 
 from .sweep import BLOCK_SIZE, Case
@@ -29,8 +31,9 @@ class Program:
     active: bool = True  # False: exits at once (an empty tile)
     remote_chain: int = 0  # dependent round trips to data other programs just wrote (merges)
     skips_peeled_trip: bool = False  # the kernel peels a masked last trip after the loop; this program has none
-    role: str = ""  # "whole" / "part": runs only the code of its role_variants() variant ("": all of it)
+    role: str = ""  # "whole"/"part"/"merger": runs only the code of its role_variants() variant ("": all of it)
     remote_trips: bool = False  # each hot-loop trip waits on data other programs just wrote (a merge's loads)
+    phase: int = 0  # a later phase runs after every program of the earlier ones ended (it waits on their work)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -85,9 +88,10 @@ def _index_chain(case: Case, c: dict, block_table: bool = True) -> int:
 def attention_programs(case: Case, launch: Launch) -> list[Program]:
     c = launch.constexprs
     block_q, block_n, G, D = c["BLOCK_Q"], c["BLOCK_N"], c["G"], c["D"]
-    segments, min_keys = launch.grid[2], launch.arg("min_segment_keys")
+    segments, min_keys = launch.arg("num_segments"), launch.arg("min_segment_keys")
     kv_bytes = 1 if c["IS_FP8"] else 2
     chain = _index_chain(case, c)
+    mergers = c["MERGERS"]
     programs = []
     for tile, head, segment in _order(launch):
         keys = _tile_keys(case, c, tile)
@@ -96,6 +100,19 @@ def attention_programs(case: Case, launch: Launch) -> list[Program]:
             continue
         b, tile_q0, lo, hi = keys
         per_segment, active = _segment_plan(lo, hi, segments, min_keys, block_n) if c["SPLIT"] else (hi - lo, 1)
+        if segment >= segments:  # a merger at the grid's end: after the segments, it merges its rows
+            group_rows = c["BLOCK_M"] // mergers
+            rows = max(0, min(group_rows, (case.query_len - tile_q0) * G - (segment - segments) * group_rows))
+            if active == 1:
+                programs.append(Program(0, (), 0, chain, active=False))
+                continue
+            # It has found its tile while the segments ran; then it sees the last arrival (one
+            # round trip) and loads MERGE_CHUNK segments a trip (a merger without rows only waits).
+            part = rows * (2 * D + 4)
+            programs.append(Program(_cdiv(active, c["MERGE_CHUNK"]) if rows else 0,
+                                    tuple((("part", tile, head, s, segment), part) for s in range(active) if rows),
+                                    rows * D * 2, 0, remote_chain=1, role="merger", remote_trips=True, phase=1))
+            continue
         if segment >= active:
             programs.append(Program(0, (), 0, chain, active=False))
             continue
@@ -106,12 +123,14 @@ def attention_programs(case: Case, launch: Launch) -> list[Program]:
                  (("bt", b, seg_lo // BLOCK_SIZE), 4 * _cdiv(n, BLOCK_SIZE))]
         part = rows * (2 * D + 4)
         written, remote = (rows * D * 2, 0) if active == 1 else (part, 0)
-        if active > 1 and c["MERGE_IN_KERNEL"] and segment == active - 1:  # modelled as the last to arrive
+        last_merges = active > 1 and c["MERGE_IN_KERNEL"]
+        if last_merges and segment == active - 1:  # modelled as the last to arrive
             reads += [(("part", tile, head, s), part) for s in range(active)]
             written, remote = part + rows * D * 2, _cdiv(active, c["MERGE_CHUNK"])  # one round trip per load
         programs.append(Program(n // block_n, tuple(reads), written, chain, remote_chain=remote,
                                 skips_peeled_trip=n % block_n == 0,
-                                role="part" if active > 1 and c["MERGE_IN_KERNEL"] and segment < active - 1 else ""))
+                                role="part" if active > 1 and (mergers or last_merges and segment < active - 1)
+                                else ""))
     return programs
 
 
@@ -223,18 +242,33 @@ PROGRAMS: dict[str, Callable[[Case, Launch], list[Program]]] = {
 def role_variants(launch: Launch) -> dict[str, Launch]:
     """The launch compiled as the programs of each role (see :class:`Program`) run it, where
     a program runs less than the launch's longest path: a split part that does not merge
-    runs the kernel without the in-kernel merge ("part"); a precompute tile ahead of the
-    split ones runs the kernel without the split ("whole"). The model charges each program
-    the straight-line code of its role's variant."""
+    runs the kernel without the in-kernel merge and the merger programs ("part"); a
+    precompute tile ahead of the split ones runs the kernel without the split ("whole").
+    A merger program at the end of the attention grid runs the merge kernel's code (plus
+    the wait): its variant is the merge kernel with the merger's rows ("merger"). The
+    model charges each program the straight-line code and hot loop of its role's variant
+    (each variant leaves out the other roles' code too)."""
     c, variants = launch.constexprs, {}
-    split = c.get("SPLIT_K", 1) > 1 if launch.name == "context_kv_kernel" else c.get("SPLIT", False)
-    alone = {"HAS_WHOLE": False} if launch.name == "context_kv_kernel" else {}  # no other role's code either
-    if launch.name in ("context_kv_kernel", "draft_attention_kernel") and split and c["MERGE_IN_KERNEL"]:
-        variants["part"] = dataclasses.replace(launch, constexprs={**c, "MERGE_IN_KERNEL": False, **alone})
-    if launch.name == "context_kv_kernel" and split and c["HAS_WHOLE"]:
-        variants["whole"] = dataclasses.replace(launch, constexprs={**c, "SPLIT_K": 1, "MERGE_IN_KERNEL": False,
-                                                                   **alone})
+    if launch.name == "draft_attention_kernel" and c["SPLIT"] and (c["MERGE_IN_KERNEL"] or c["MERGERS"]):
+        variants["part"] = dataclasses.replace(launch, constexprs={**c, "MERGE_IN_KERNEL": False, "MERGERS": 0})
+    if launch.name == "draft_attention_kernel" and c["SPLIT"] and c["MERGERS"]:
+        variants["merger"] = _merger_launch(launch)
+    if launch.name == "context_kv_kernel" and c["SPLIT_K"] > 1:
+        alone = {"MERGE_IN_KERNEL": False, "HAS_WHOLE": False}
+        if c["MERGE_IN_KERNEL"]:
+            variants["part"] = dataclasses.replace(launch, constexprs={**c, **alone})
+        if c["HAS_WHOLE"]:
+            variants["whole"] = dataclasses.replace(launch, constexprs={**c, "SPLIT_K": 1, **alone})
     return variants
+
+
+def _merger_launch(launch: Launch) -> Launch:
+    """The merge kernel launched as the attention launch's merger programs run it: the
+    same arguments by name, ``ROWS`` the merger's rows."""
+    constexprs = {**launch.constexprs, "ROWS": launch.constexprs["BLOCK_M"] // launch.constexprs["MERGERS"]}
+    names = inspect.signature(merge_segments_kernel.fn).parameters
+    return Launch(merge_segments_kernel, launch.grid, tuple(launch.arg(n) for n in names if n not in constexprs),
+                  {n: constexprs[n] for n in names if n in constexprs}, launch.options)
 
 
 def programs_of(case: Case, launch: Launch) -> list[Program]:
