@@ -42,10 +42,12 @@ def test_configs_are_valid_for_every_shape(arch, group, d):
                 # of them than CUs (else segments could wait for room), else a second launch.
                 tiles_heads = batch * -(-16 // cfg.queries_per_tile(group)) * 8
                 mergers = tiles_heads * cfg.block_m // min(cfg.block_m, next_pow2(group))
+                p = platform_for_arch(arch)
+                xcds = 8 if p.family == "cdna" else 1  # MI300/MI355 deal programs to XCDs round-robin
                 if cfg.num_segments <= IN_KERNEL_MERGE_SEGMENTS:
                     assert cfg.merge == "last"
                 else:
-                    assert cfg.merge == ("tail" if mergers < platform_for_arch(arch).compute_units else "launch")
+                    assert cfg.merge == ("tail" if -(-mergers // xcds) < p.compute_units // xcds else "launch")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -65,6 +67,19 @@ def test_one_request_on_cdna_merges_by_merger_programs_and_a_large_batch_does_no
     assert tables.attention_config(workload("gfx942", batch=1, key_span=8192), 16)[1].merge == "tail"
     _, b4 = tables.attention_config(workload("gfx942", batch=4, key_span=131072), 16)
     assert b4.num_segments > IN_KERNEL_MERGE_SEGMENTS and b4.merge == "launch"
+
+
+def test_merger_programs_leave_room_in_every_xcd():
+    """MI300 deals programs to its 8 XCDs round-robin: each XCD must keep a CU that no
+    waiting merger holds (16 mergers per (tile, KV head) with a 64-row tile of 4 heads)."""
+    from dflash_rocm.backends.triton.launch_config import tail_merge_fits
+
+    mi300 = platform_for_arch("gfx942")  # 304 CUs, 38 per XCD
+    assert tail_merge_fits(8, 64, 4, mi300) and not tail_merge_fits(32, 64, 4, mi300)  # 16 vs 64 per XCD
+    small = platform_for_arch("gfx942", compute_units=16)  # 2 CUs per XCD
+    assert tail_merge_fits(1, 32, 4, small) and not tail_merge_fits(1, 64, 4, small)  # 1 vs 2 mergers per XCD
+    rdna = platform_for_arch("gfx1100")  # 96 CUs, dealt as one
+    assert tail_merge_fits(5, 64, 4, rdna) and not tail_merge_fits(6, 64, 4, rdna)  # 80 vs 96 mergers
 
 
 @pytest.mark.parametrize("arch", ARCHS)

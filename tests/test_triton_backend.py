@@ -254,11 +254,11 @@ def test_split_tile_counters_are_left_zero_for_the_next_launch():
     from dflash_rocm.ops.attention import attention_call
 
     args = paged([70, 33], [16, 9], Hk=2, G=4, D=32, block_size=16)
-    for merge in ("last", "tail"):  # the tail's mergers also leave the launch's ticket counter zero
+    for merge in ("last", "tail"):  # the last merger to finish resets its tile's counter
         run_draft_attention(attention_call(*args), AttentionLaunchConfig(block_m=32, block_n=16, num_segments=4,
                                                                          merge=merge))
         counters = _COUNTERS[(torch.device("cpu"), None)]
-        assert counters.numel() >= 5 and not counters.any()
+        assert counters.numel() >= 4 and not counters.any()
 
 
 def test_no_write_outside_slots_even_with_duplicate_free_random_slots():

@@ -18,8 +18,8 @@ from typing import Callable
 
 from dflash_rocm.backends.triton.common import next_pow2
 from dflash_rocm.backends.triton.launch_config import (AttentionLaunchConfig, PrecomputeLaunchConfig,
-                                                       attention_grid_tiles, choose_segments, merge_for, split_k_for,
-                                                       tail_split)
+                                                       attention_grid_tiles, choose_segments, dispatch_partitions,
+                                                       merge_for, split_k_for, tail_split)
 from dflash_rocm.platform import Platform, platform_for_arch
 
 SUPPORTED_ARCHS = ("gfx942", "gfx950", "gfx1100", "gfx1101", "gfx1151", "gfx1200", "gfx1201")
@@ -127,7 +127,7 @@ def segmented_config(w: AttentionWorkload) -> tuple[str, AttentionLaunchConfig]:
     return rule.name, AttentionLaunchConfig(
         block_m=block_m, block_n=rule.block_n, num_segments=segments, num_warps=warps, num_stages=rule.num_stages,
         min_segment_keys=rule.min_keys_per_segment,
-        merge=merge_for(segments, tiles_heads, block_m, w.group, w.platform.compute_units),
+        merge=merge_for(segments, tiles_heads, block_m, w.group, w.platform),
         matrix_instr_nonkdim=rule.matrix_instr_nonkdim)
 
 
@@ -162,7 +162,7 @@ def precompute_config(arch: str, *, num_tokens: int, hidden: int, num_heads_tota
     platform = platform_for_arch(arch, compute_units=compute_units)
     cdna = platform.family == "cdna"
     block_k = 64 if head_dim <= 128 else 32
-    xcds = 8 if cdna else 1
+    xcds = dispatch_partitions(platform)
     if num_tokens <= 64:
         return PrecomputeLaunchConfig(
             block_t=max(16, next_pow2(num_tokens)), block_k=block_k,

@@ -75,7 +75,7 @@ class AttentionPlan:
     config: AttentionLaunchConfig
     main: LaunchPlan
     merge: LaunchPlan | None  # a split tile's merge, when it takes a second launch
-    counters: int  # arrival counters (and the ticket) a merge in the same launch needs; 0: none
+    counters: int  # arrival counters a merge in the same launch needs (0: none)
     part_out: int  # elements of the 16-bit partials (0: not split)
     part_lse: int
 
@@ -121,7 +121,7 @@ def _make_plan(call: AttentionCall, config: AttentionLaunchConfig, merge: str) -
     split = segments > 1
     rows = merge_program_rows(config.block_m, G)
     if merge == "tail" and call.device.type == "cuda" and not tail_merge_fits(
-            num_tiles * call.num_kv_heads, config.block_m, G, platform_for(call.device).compute_units):
+            num_tiles * call.num_kv_heads, config.block_m, G, platform_for(call.device)):
         merge = "launch"  # too many mergers to be sure the segments they wait on progress
     # (The interpreter runs programs one at a time in grid order, a tile's segments before
     # its mergers; a captured launch does not run.)
@@ -151,7 +151,7 @@ def _make_plan(call: AttentionCall, config: AttentionLaunchConfig, merge: str) -
             (call.num_seqs, call.num_tokens, window, segments, config.min_segment_keys,
              out.stride(0), out.stride(1), out.stride(2)),
             dict(HQ=call.num_q_heads, ROWS=rows, MERGE_CHUNK=MERGE_KERNEL_CHUNK, **tiles))
-    counters = 0 if not split or merge == "launch" else num_tiles * call.num_kv_heads + (merge == "tail")
+    counters = 0 if not split or merge == "launch" else num_tiles * call.num_kv_heads
     return AttentionPlan(config, main, second, counters,
                          segments * call.num_tokens * call.num_q_heads * call.head_dim if split else 0,
                          segments * call.num_tokens * call.num_q_heads if split else 0)

@@ -100,22 +100,32 @@ def merge_program_rows(block_m: int, queries_per_kv: int) -> int:
     return min(block_m, next_pow2(queries_per_kv))
 
 
-def tail_merge_fits(tiles_heads: int, block_m: int, queries_per_kv: int, compute_units: int) -> bool:
+def dispatch_partitions(platform: Platform) -> int:
+    """Partitions the hardware deals a grid's programs to round-robin, each with its own
+    share of the compute units: MI300/MI355 deal program ``i`` to XCD ``i % 8`` (at most 8
+    XCDs); 1 elsewhere."""
+    return 8 if platform.family == "cdna" else 1
+
+
+def tail_merge_fits(tiles_heads: int, block_m: int, queries_per_kv: int, platform: Platform) -> bool:
     """Whether a split launch of ``tiles_heads`` (tile, KV head) pairs may merge by merger
-    programs at the end of its grid. Mergers wait for segment programs; with fewer of them
-    than the device has compute units, some unit always has room that no waiting merger
-    holds, so the segments progress whatever order the hardware dispatches programs in."""
-    return tiles_heads * (block_m // merge_program_rows(block_m, queries_per_kv)) < compute_units
+    programs at the end of its grid. Mergers wait for segment programs; with fewer mergers
+    dealt to every dispatch partition than it has compute units, some unit of each always
+    has room that no waiting merger holds, so the segments progress whatever order the
+    hardware dispatches programs in."""
+    mergers = tiles_heads * (block_m // merge_program_rows(block_m, queries_per_kv))
+    parts = dispatch_partitions(platform)
+    return -(-mergers // parts) < platform.compute_units // parts
 
 
-def merge_for(num_segments: int, tiles_heads: int, block_m: int, queries_per_kv: int, compute_units: int) -> str:
+def merge_for(num_segments: int, tiles_heads: int, block_m: int, queries_per_kv: int, platform: Platform) -> str:
     """How the tables merge a split tile: by its last segment when there are few partials;
     else by merger programs where they fit (no second launch, and no single program reads
     every partial: modelled, MI300X batch 1 8k 50 -> 56 % of the floor); else by a second
     launch."""
     if num_segments <= IN_KERNEL_MERGE_SEGMENTS:
         return "last"
-    return "tail" if tail_merge_fits(tiles_heads, block_m, queries_per_kv, compute_units) else "launch"
+    return "tail" if tail_merge_fits(tiles_heads, block_m, queries_per_kv, platform) else "launch"
 
 
 def attention_grid_tiles(num_seqs: int, query_len: int, queries_per_tile: int) -> int:
@@ -179,7 +189,7 @@ def default_attention_config(platform: Platform, *, num_seqs: int, query_len: in
     return AttentionLaunchConfig(block_m=block_m, block_n=block_n, num_segments=segments,
                                  num_warps=4 if head_dim <= 128 else 8, num_stages=2,
                                  min_segment_keys=MIN_KEYS_PER_SEGMENT,
-                                 merge=merge_for(segments, tiles * num_kv_heads, block_m, G, platform.compute_units))
+                                 merge=merge_for(segments, tiles * num_kv_heads, block_m, G, platform))
 
 
 @functools.lru_cache(maxsize=1024)
