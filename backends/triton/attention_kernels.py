@@ -18,8 +18,9 @@ merged (the launch config's ``merge``) by the last segment to finish (``MERGE_IN
 one program reads every partial of the tile, so only for a few segments); or by
 ``MERGERS`` merger programs per tile at the end of the grid (``program_id(2) >=
 num_segments``), each waiting on the counter and then merging one row group (the last
-merger to finish resets the counter; the host launches this only with fewer mergers than
-compute units, so segments always find room to run); or by a second launch.
+merger to finish resets the counter; the host launches this only where every dispatch
+partition keeps a compute unit free of mergers, so segments always find room to run); or
+by a second launch.
 
 Packed pages (:mod:`dflash_rocm.paged`): K and V are each addressed as the 6-D view
 ``[blocks, bs // R, R, Hk, D // C, C]`` with constexpr pack factors (``K_ROW_PACK``,

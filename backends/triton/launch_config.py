@@ -16,7 +16,7 @@ from .common import next_pow2
 
 MAX_SEGMENTS = 64
 MIN_KEYS_PER_SEGMENT = 256
-IN_KERNEL_MERGE_SEGMENTS = 8  # more partials than this are merged by a second launch (one load for all)
+IN_KERNEL_MERGE_SEGMENTS = 8  # more partials than the last segment should read alone (see merge_for)
 # How a split tile's partials are merged: by the last segment to finish ("last"), by merger
 # programs at the end of the same grid that wait for the segments ("tail"), or by a second
 # launch ("launch").

@@ -1,6 +1,8 @@
 """A bound-and-bottleneck time model of one launch, from compiled facts and traffic.
 
-Per launch: ``time = launch gap + max(issue, DRAM, L2, Infinity Cache)`` where
+Per launch: ``time = launch gap + max(issue, DRAM, L2, Infinity Cache)``, summed over the
+launch's phases when it has several (programs that wait on the others' work, such as the
+attention's merger programs, run in a later phase), where
 
 - *issue* is the makespan of the programs dealt round-robin, in dispatch order, to the
   units, each running up to its resident workgroups at once (from registers, waves and
