@@ -247,6 +247,25 @@ def test_attention_is_one_launch_unless_split_and_merged_by_a_second(monkeypatch
         assert dflash_rocm.contract.relative_error(call.out, ref) < 1e-3
 
 
+def test_a_gpu_plan_merges_by_a_second_launch_where_mergers_could_fill_an_xcd(monkeypatch):
+    """Merger programs wait on segments: on a GPU whose XCDs would each be filled by them,
+    the plan merges by a second launch instead, whatever the configuration asked."""
+    from dflash_rocm.backends.triton import attention
+    from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig
+    from dflash_rocm.ops.attention import AttentionCall, attention_call
+    from dflash_rocm.platform import platform_for_arch
+
+    call = attention_call(*paged([600], [16], Hk=2, G=4, D=32, block_size=16))
+    config = AttentionLaunchConfig(block_m=64, block_n=16, num_segments=16, merge="tail")
+    monkeypatch.setattr(AttentionCall, "device", property(lambda self: torch.device("cuda")))
+    for units, mergers, second in ((304, 16, False), (16, 0, True)):  # 2 x 16 mergers: 4 per XCD vs 2 CUs per XCD
+        monkeypatch.setattr(attention, "platform_for", lambda device, u=units: platform_for_arch("gfx942",
+                                                                                               compute_units=u))
+        plan = attention._make_plan(call, config, "tail")
+        assert plan.main.constexprs["MERGERS"] == mergers and (plan.merge is not None) == second
+        assert plan.main.grid[2] == 16 + mergers and plan.counters == (0 if second else 2)
+
+
 def test_split_tile_counters_are_left_zero_for_the_next_launch():
     from dflash_rocm.backends.triton.attention import run_draft_attention
     from dflash_rocm.backends.triton.counters import _COUNTERS
