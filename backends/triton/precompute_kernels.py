@@ -82,47 +82,56 @@ def _table_offset(i, strides, PACK: tl.constexpr):
 
 
 @triton.jit
-def _store_cols(value, t, t_ok, layer, kind, kv_head, dim, dim_ok, N, meta_ptr, slots_ptr, stride_slot_layer,
-                k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, HK: tl.constexpr, D: tl.constexpr,
-                IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, CACHE_DTYPE: tl.constexpr,
-                RETURN_KV: tl.constexpr, ALIGNED: tl.constexpr, ROW_PACK: tl.constexpr, DIM_PACK: tl.constexpr,
-                SLOTS_I32: tl.constexpr, EXACT_FP8_ROUND: tl.constexpr):
-    """Store ``value`` (columns = original dims ``dim``) into the layer's cache slots (and
-    the returned K/V); ``ROW_PACK``/``DIM_PACK`` are this cache kind's pack factors.
-    ``ALIGNED``: the host checked that every cache of this kind has contiguous dim runs
-    (the whole head dim, or the ``DIM_PACK`` dims of a pack) that start 16-byte aligned,
-    so contiguous dims become vector stores."""
+def _cache_rows(t, t_ok, layer, kind, kv_head, meta_ptr, slots_ptr, stride_slot_layer, ROW_PACK: tl.constexpr,
+                SLOTS_I32: tl.constexpr):
+    """(rows to write, their offsets in the layer's cache of this kind, the kind's strides
+    in the table) of the tile's tokens: once per tile, however many column groups it
+    stores (each store then adds only its dims). A layer not written has no rows to write."""
     meta = meta_ptr + layer * _META_COLS
     slot_row = tl.load(meta + 2)
-    if slot_row >= 0:
-        slots = tl.load(slots_ptr + slot_row * stride_slot_layer + t, mask=t_ok, other=-1)
-        ok = t_ok & (slots >= 0)
-        block_size = tl.load(meta + 3)
-        if SLOTS_I32:  # every cache has under 2**31 slots: 32-bit division
-            slots = slots.to(tl.int32)
-            block_size = block_size.to(tl.int32)
-        block = slots // block_size
-        strides = meta + 4 + 6 * kind  # [block, row, row in pack, head, dim, dim in pack]
-        row_base = block.to(tl.int64) * tl.load(strides) + _table_offset(slots - block * block_size, strides + 1,
-                                                                         ROW_PACK) + kv_head * tl.load(strides + 3)
-        base = tl.load(meta + kind).to(tl.pointer_type(CACHE_DTYPE))
-        stored = value
-        if IS_FP8:
-            if kind == 0:
-                scale = tl.load(k_scales_ptr + layer)
-            else:
-                scale = tl.load(v_scales_ptr + layer)
-            stored = tl.minimum(tl.maximum(stored / scale, -FP8_MAX), FP8_MAX)
-            if EXACT_FP8_ROUND:
-                stored = _round_to_fp8_grid(stored, FP8_MIN_EXP)
-        if ALIGNED and DIM_PACK == 1:  # every row starts 16-byte aligned and its dims are contiguous
-            ptrs = tl.multiple_of(base + row_base[:, None] + dim[None, :], [16, 16])
-        elif ALIGNED:  # every pack of DIM_PACK dims is contiguous and starts 16-byte aligned
-            dims = packed_offset(dim, tl.load(strides + 4), 1, DIM_PACK)
-            ptrs = tl.multiple_of(base + row_base[:, None] + dims[None, :], [16, 16])
+    written = slot_row + tl.zeros_like(t) >= 0  # per row: the interpreter takes no scalar in a mask
+    slots = tl.load(slots_ptr + slot_row * stride_slot_layer + t, mask=t_ok & written, other=-1)
+    ok = t_ok & (slots >= 0)
+    block_size = tl.maximum(tl.load(meta + 3), 1)  # 0 in the row of a layer not written
+    if SLOTS_I32:  # every cache has under 2**31 slots: 32-bit division
+        slots = slots.to(tl.int32)
+        block_size = block_size.to(tl.int32)
+    block = slots // block_size
+    strides = meta + 4 + 6 * kind  # [block, row, row in pack, head, dim, dim in pack]
+    row_base = block.to(tl.int64) * tl.load(strides) + _table_offset(slots - block * block_size, strides + 1,
+                                                                     ROW_PACK) + kv_head * tl.load(strides + 3)
+    return ok, row_base, strides
+
+
+@triton.jit
+def _store_cols(value, t, t_ok, layer, kind, kv_head, dim, dim_ok, ok, row_base, strides, N, meta_ptr,
+                k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, HK: tl.constexpr, D: tl.constexpr,
+                IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, CACHE_DTYPE: tl.constexpr,
+                RETURN_KV: tl.constexpr, ALIGNED: tl.constexpr, DIM_PACK: tl.constexpr,
+                EXACT_FP8_ROUND: tl.constexpr):
+    """Store ``value`` (columns = original dims ``dim``) into the cache rows
+    :func:`_cache_rows` found (and the returned K/V); ``DIM_PACK`` is this cache kind's
+    dim pack factor. ``ALIGNED``: the host checked that every cache of this kind has
+    contiguous dim runs (the whole head dim, or the ``DIM_PACK`` dims of a pack) that start
+    16-byte aligned, so contiguous dims become vector stores."""
+    base = tl.load(meta_ptr + layer * _META_COLS + kind).to(tl.pointer_type(CACHE_DTYPE))
+    stored = value
+    if IS_FP8:
+        if kind == 0:
+            scale = tl.load(k_scales_ptr + layer)
         else:
-            ptrs = base + row_base[:, None] + _table_offset(dim, strides + 4, DIM_PACK)[None, :]
-        tl.store(ptrs, stored.to(CACHE_DTYPE), mask=ok[:, None] & dim_ok[None, :])
+            scale = tl.load(v_scales_ptr + layer)
+        stored = tl.minimum(tl.maximum(stored / scale, -FP8_MAX), FP8_MAX)
+        if EXACT_FP8_ROUND:
+            stored = _round_to_fp8_grid(stored, FP8_MIN_EXP)
+    if ALIGNED and DIM_PACK == 1:  # every row starts 16-byte aligned and its dims are contiguous
+        ptrs = tl.multiple_of(base + row_base[:, None] + dim[None, :], [16, 16])
+    elif ALIGNED:  # every pack of DIM_PACK dims is contiguous and starts 16-byte aligned
+        dims = packed_offset(dim, tl.load(strides + 4), 1, DIM_PACK)
+        ptrs = tl.multiple_of(base + row_base[:, None] + dims[None, :], [16, 16])
+    else:
+        ptrs = base + row_base[:, None] + _table_offset(dim, strides + 4, DIM_PACK)[None, :]
+    tl.store(ptrs, stored.to(CACHE_DTYPE), mask=ok[:, None] & dim_ok[None, :])
     if RETURN_KV:
         out = ((layer * N + t.to(tl.int64))[:, None] * HK + kv_head) * D + dim[None, :]
         mask = t_ok[:, None] & dim_ok[None, :]
@@ -169,25 +178,28 @@ def _epilogue(acc, inv_rms, pid_t, head_row, N, positions_ptr, bias_ptr, k_norm_
         x1, x2 = tl.split(tl.reshape(acc, (BLOCK_T, BLOCK_D // 2, 2)))
         o1 = x1 * cos - x2 * sin
         o2 = x2 * cos + x1 * sin
+        ok, row_base, strides = _cache_rows(t, t_ok, layer, kind, kv_head, meta_ptr, slots_ptr, stride_slot_layer,
+                                            K_ROW_PACK, SLOTS_I32)
         if IS_NEOX and R == D and D == BLOCK_D:  # the halves are dims [0, D/2) and [D/2, D)
-            _store_cols(o1, t, t_ok, layer, kind, kv_head, i, i < D // 2, N, meta_ptr, slots_ptr, stride_slot_layer,
+            _store_cols(o1, t, t_ok, layer, kind, kv_head, i, i < D // 2, ok, row_base, strides, N, meta_ptr,
                         k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, HK, D, IS_FP8, FP8_MAX, FP8_MIN_EXP,
-                        CACHE_DTYPE, RETURN_KV, K_ALIGNED, K_ROW_PACK, K_DIM_PACK, SLOTS_I32, EXACT_FP8_ROUND)
-            _store_cols(o2, t, t_ok, layer, kind, kv_head, i + D // 2, i < D // 2, N, meta_ptr, slots_ptr,
-                        stride_slot_layer, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, HK, D, IS_FP8, FP8_MAX,
-                        FP8_MIN_EXP, CACHE_DTYPE, RETURN_KV, K_ALIGNED, K_ROW_PACK, K_DIM_PACK, SLOTS_I32,
-                        EXACT_FP8_ROUND)
+                        CACHE_DTYPE, RETURN_KV, K_ALIGNED, K_DIM_PACK, EXACT_FP8_ROUND)
+            _store_cols(o2, t, t_ok, layer, kind, kv_head, i + D // 2, i < D // 2, ok, row_base, strides, N, meta_ptr,
+                        k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, HK, D, IS_FP8, FP8_MAX, FP8_MIN_EXP,
+                        CACHE_DTYPE, RETURN_KV, K_ALIGNED, K_DIM_PACK, EXACT_FP8_ROUND)
         else:
             _store_cols(tl.reshape(tl.join(o1, o2), (BLOCK_T, BLOCK_D)), t, t_ok, layer, kind, kv_head, k_dim, c_ok,
-                        N, meta_ptr, slots_ptr, stride_slot_layer, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr,
-                        HK, D, IS_FP8, FP8_MAX, FP8_MIN_EXP, CACHE_DTYPE, RETURN_KV, K_ALIGNED and not IS_NEOX,
-                        K_ROW_PACK, K_DIM_PACK, SLOTS_I32, EXACT_FP8_ROUND)
+                        ok, row_base, strides, N, meta_ptr, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, HK, D,
+                        IS_FP8, FP8_MAX, FP8_MIN_EXP, CACHE_DTYPE, RETURN_KV, K_ALIGNED and not IS_NEOX, K_DIM_PACK,
+                        EXACT_FP8_ROUND)
     else:
         if HAS_V_SCALE:
             acc = acc * v_scale
-        _store_cols(acc, t, t_ok, layer, kind, kv_head, c, c_ok, N, meta_ptr, slots_ptr, stride_slot_layer,
-                    k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, HK, D, IS_FP8, FP8_MAX, FP8_MIN_EXP, CACHE_DTYPE,
-                    RETURN_KV, V_ALIGNED, V_ROW_PACK, V_DIM_PACK, SLOTS_I32, EXACT_FP8_ROUND)
+        ok, row_base, strides = _cache_rows(t, t_ok, layer, kind, kv_head, meta_ptr, slots_ptr, stride_slot_layer,
+                                            V_ROW_PACK, SLOTS_I32)
+        _store_cols(acc, t, t_ok, layer, kind, kv_head, c, c_ok, ok, row_base, strides, N, meta_ptr, k_scales_ptr,
+                    v_scales_ptr, out_k_ptr, out_v_ptr, HK, D, IS_FP8, FP8_MAX, FP8_MIN_EXP, CACHE_DTYPE, RETURN_KV,
+                    V_ALIGNED, V_DIM_PACK, EXACT_FP8_ROUND)
 
 
 @triton.jit
