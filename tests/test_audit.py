@@ -269,6 +269,24 @@ def test_a_later_phase_runs_after_the_earlier_one_ends():
     assert together.seconds == pytest.approx(one.seconds)
 
 
+def test_a_loop_the_compiler_unrolled_is_costed_per_trip():
+    """Two trips' matrix work in one compiled iteration is an unroll by 2: a program of 8
+    trips runs 4 of those iterations; a loop that repeats half a trip is no unroll."""
+    trip = 2 * 32 * 64 * 128
+    assert model.unroll({"matrix_flops": trip // 2}, 4, trip) == 2  # 4 waves, each a quarter of 2 trips
+    assert model.unroll({"matrix_flops": trip // 4}, 4, trip) == 1
+    assert model.unroll({"matrix_flops": 3 * trip // 8}, 4, trip) == 1  # 1.5 trips: a repeat, not an unroll
+    assert model.unroll({"matrix_flops": 0}, 4, trip) == model.unroll(None, 4, trip) == 1
+    target = TARGETS["gfx942"]
+    loop = {"matrix_cycles": 0, "vector_cycles": 4000, "instructions": 1, "scratch": 0, "matrix_flops": trip // 2}
+    facts = {"num_warps": 4, "shared_bytes": 0, "occupancy_waves": 8, "straight_cycles": 0, "hot_loop": loop}
+    program = [traffic.Program(8, (), 0, chain=0)]
+    first = target.dram_latency_s  # the first streaming load's wait
+    unrolled = model.model_launch(program, facts, target, 8, trip)
+    assert unrolled.unroll == 2 and unrolled.issue_s == pytest.approx(first + 4 * 4000 / target.clock_hz)
+    assert model.model_launch(program, facts, target, 8, 0).issue_s == pytest.approx(first + 8 * 4000 / target.clock_hz)
+
+
 def test_a_program_runs_the_hot_loop_of_its_role():
     facts = {"hot_loop": {"vector_cycles": 9}, "merger_hot_loop": {"vector_cycles": 2}}
     assert model._hot_loop(facts, traffic.Program(1, (), 0))["vector_cycles"] == 9

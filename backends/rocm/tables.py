@@ -177,8 +177,12 @@ def precompute_config(arch: str, *, num_tokens: int, hidden: int, num_heads_tota
         return PrecomputeLaunchConfig(block_t=32, block_k=block_k, split_k=split, whole_tiles=whole, num_warps=4,
                                       num_stages=stages, num_xcds=xcds,
                                       matrix_instr_nonkdim=16 if arch == "gfx942" else 0)
-    if cdna:  # gfx950's 4-warp tiles keep its matrix cores fed at 4 waves/SIMD (modelled)
+    # gfx950's 4-warp tiles keep its matrix cores fed at 4 waves/SIMD; gfx942 takes 16x16 MFMAs (with
+    # 32x32 ones LLVM unrolls the loop and the registers allow 5 waves, not 7: N = 4096 81 vs 85 %).
+    # Both modelled.
+    if cdna:
         whole, split = tail_split(-(-num_tokens // 64) * num_heads_total, platform.compute_units)
         return PrecomputeLaunchConfig(block_t=64, block_k=block_k, split_k=split, whole_tiles=whole,
-                                      num_warps=4 if arch == "gfx950" else 8, num_stages=1, num_xcds=xcds)
+                                      num_warps=4 if arch == "gfx950" else 8, num_stages=1, num_xcds=xcds,
+                                      matrix_instr_nonkdim=16 if arch == "gfx942" else 0)
     return PrecomputeLaunchConfig(block_t=64, block_k=block_k, num_warps=8, num_stages=2)

@@ -73,7 +73,8 @@ class LaunchModel:
     active_programs: int
     slots: int
     occupancy: Occupancy
-    iteration_cycles: float  # one hot-loop iteration of one wave at the launch's co-residency
+    iteration_cycles: float  # one hot-loop trip of one wave at the launch's co-residency
+    unroll: int  # trips per compiled iteration of the hot loop (the compiler unrolled it)
     requested_bytes: int  # every byte programs read or write (through L2)
     llc_bytes: int  # bytes crossing the L2s (served by the Infinity Cache or DRAM)
     dram_bytes: int
@@ -149,6 +150,19 @@ def _hot_loop(facts: dict, p: Program) -> dict | None:
     return facts[key] if p.role and key in facts else facts.get("hot_loop")
 
 
+def unroll(loop: dict | None, warps: int, trip_flops: int) -> int:
+    """Source-level trips one compiled iteration of ``loop`` runs: LLVM unrolls a loop whose
+    trips are all alike, and the loop's matrix work then counts whole trips
+    (``trip_flops``: the matrix FLOPs of one trip of the program). 1 when the loop has no
+    matrix work, or not a whole multiple of a trip (a layout that repeats part of its
+    work is not an unroll)."""
+    if not loop or not trip_flops or not loop.get("matrix_flops"):
+        return 1
+    ratio = loop["matrix_flops"] * warps / trip_flops
+    whole = round(ratio)
+    return whole if whole >= 2 and abs(ratio - whole) < 1e-6 else 1
+
+
 def _makespan(programs: list[Program], units: int, groups_per_unit: int, busy) -> float:
     """When the last program ends. Programs go to units round-robin in dispatch order
     (as the dispatcher deals them when all fit at once, and in steady state when they do
@@ -195,7 +209,8 @@ class _Phase:
         return max(self.issue_s, self.dram_s, self.l2_s, self.llc_s)
 
 
-def _model_phase(programs: list[Program], facts: dict, target: Target, num_stages: int, occ: Occupancy) -> _Phase:
+def _model_phase(programs: list[Program], facts: dict, target: Target, num_stages: int, occ: Occupancy,
+                 trip_flops: int) -> _Phase:
     slots = occ.slots(target)
     warps = facts["num_warps"]
     active = [p for p in programs if p.active]
@@ -229,7 +244,9 @@ def _model_phase(programs: list[Program], facts: dict, target: Target, num_stage
             return seconds
         k = max(1.0, resident * warps / target.simds)
         waits = remote_s if p.remote_trips else latency
-        trip = max(_iteration(_hot_loop(facts, p), k) / target.clock_hz, waits / max(1, num_stages))
+        loop = _hot_loop(facts, p)
+        per = unroll(loop, warps, trip_flops)  # trips per compiled iteration (each still waits on its loads)
+        trip = max(_iteration(loop, k) / per / target.clock_hz, waits / max(1, num_stages))
         straight = k * _straight_cycles(facts, p)
         # The first streaming load's latency (a merge's is its first trip's remote wait).
         streams = p.iterations or (p.reads and not p.remote_chain)
@@ -246,22 +263,27 @@ def _model_phase(programs: list[Program], facts: dict, target: Target, num_stage
                   llc / target.llc_bandwidth if llc else 0.0, fill, requested, llc, dram, writes, reads - unique)
 
 
-def model_launch(programs: list[Program], facts: dict, target: Target, num_stages: int) -> LaunchModel:
+def model_launch(programs: list[Program], facts: dict, target: Target, num_stages: int,
+                 trip_flops: int = 0) -> LaunchModel:
+    """The launch's model; ``trip_flops``: the matrix FLOPs one hot-loop trip of a program
+    does (0: unknown), so that a loop the compiler unrolled is costed per trip."""
     occ = occupancy(facts, target)
     slots = occ.slots(target)
     if slots == 0:
         raise ValueError(f"a workgroup of this kernel does not fit on {target.arch} ({occ.limited_by})")
     active = [p for p in programs if p.active]
     resident_per_unit = min(occ.groups_per_unit, max(1, math.ceil(len(active) / target.units)))
-    iteration = _iteration(facts.get("hot_loop"), max(1.0, resident_per_unit * facts["num_warps"] / target.simds))
+    loop = facts.get("hot_loop")
+    per = unroll(loop, facts["num_warps"], trip_flops)
+    iteration = _iteration(loop, max(1.0, resident_per_unit * facts["num_warps"] / target.simds)) / per
     # Phases run one after the other: a later phase's programs wait on the earlier ones' work.
-    phases = [_model_phase([p for p in programs if p.phase == n], facts, target, num_stages, occ)
+    phases = [_model_phase([p for p in programs if p.phase == n], facts, target, num_stages, occ, trip_flops)
               for n in sorted({p.phase for p in programs})]
 
     def total(name: str):
         return sum(getattr(ph, name) for ph in phases)
 
     seconds = target.launch_gap_s + sum(ph.seconds for ph in phases)
-    return LaunchModel(len(programs), len(active), slots, occ, iteration, total("requested"), total("llc"),
+    return LaunchModel(len(programs), len(active), slots, occ, iteration, per, total("requested"), total("llc"),
                        total("dram"), total("writes"), total("reread"), total("issue_s"), total("dram_s"),
                        total("l2_s"), total("llc_s"), min(ph.fill for ph in phases), seconds)

@@ -24,13 +24,14 @@ LEGEND = (
     "or over 2 GiB (AMD buffer loads need under); prog/slot = programs that do work / programs resident at "
     "once; regs = VGPR/AGPR (AMD) or registers per thread (sm_90); spil = VGPR spills (AMD) or spill stores "
     "(sm_90); scr = scratch bytes per lane; lds = shared memory KiB per workgroup; occ = resident waves per "
-    "SIMD; mma/ex = matrix and exp instructions per hot-loop iteration of one wave; st = store width in bytes "
+    "SIMD; mma/ex = matrix and exp instructions per hot-loop trip of one wave (per source trip where the "
+    "compiler unrolled the loop); st = store width in bytes "
     "(the most frequent); MB req/dram = "
     "bytes the programs move through L2 / bytes the model sends to DRAM; us = modelled launch time with its "
     "bound (i issue, d DRAM, l L2, c Infinity Cache; a launch whose merger programs wait on the rest is "
     "modelled in two phases, one after the other, the bound that of the summed terms); floor = us the "
-    "floor bytes take at peak bandwidth; %fl = floor / modelled time of the whole case. MODELLED, NOT "
-    "MEASURED: no figure here ran on a GPU.")
+    "floor bytes take at peak bandwidth; %fl = floor / modelled time of the whole case.")
+NOTICE = "MODELLED, NOT MEASURED: no figure here ran on a GPU."
 
 
 def short_kernel(name: str) -> str:
@@ -62,7 +63,7 @@ def _launch_cells(launch: LaunchResult) -> list[str]:
         return [short_kernel(launch.kernel), "compile error: " + launch.error[:60]]
     loop = f.get("hot_loop") or {}
     regs = f"{f['vgpr']}/{f['agpr']}" if "registers" not in f else str(f["registers"])
-    mma = f"{loop.get('matrix', 0)}/{loop.get('exp', 0)}" if loop else ""
+    mma = f"{loop.get('matrix', 0) // m.unroll}/{loop.get('exp', 0) // m.unroll}" if loop else ""
     bound = {"issue": "i", "DRAM": "d", "L2": "l", "IC": "c"}[m.bound]
     return [short_kernel(launch.kernel), f"{m.active_programs}/{m.slots}", regs,
             str(f["vgpr_spills"]), str(f["scratch_bytes"]),
@@ -80,8 +81,7 @@ def _line(cells: list[str]) -> str:
 def format_results(audit: Audit) -> str:
     results = audit.cases
     lines = [f"{audit.specialisations} compiled kernels ({audit.compiled_now} compiled now, the rest cached)"]
-    for legend in textwrap.wrap(LEGEND, WIDTH):
-        lines.append(legend)
+    lines += textwrap.wrap(LEGEND, WIDTH) + [NOTICE]
     for (arch, op, kv), group in groupby(results, key=lambda r: (r.target.arch, r.case.op, r.case.fp8)):
         group = list(group)
         target = TARGETS[arch]
@@ -137,8 +137,9 @@ def results_to_csv(audit: Audit) -> str:
                            agpr=f["agpr"], registers=f.get("registers"), vgpr_spills=f["vgpr_spills"],
                            sgpr_spills=f.get("sgpr_spills"), scratch_bytes=f["scratch_bytes"],
                            shared_bytes=f["shared_bytes"], waves_per_simd=m.occupancy.waves_per_simd,
-                           groups_per_unit=m.occupancy.groups_per_unit, matrix_per_iter=loop.get("matrix"),
-                           exp_per_iter=loop.get("exp"), store_width=_store_width(f),
+                           groups_per_unit=m.occupancy.groups_per_unit,
+                           matrix_per_iter=loop["matrix"] // m.unroll if loop else None,
+                           exp_per_iter=loop["exp"] // m.unroll if loop else None, store_width=_store_width(f),
                            requested_bytes=m.requested_bytes, dram_bytes=m.dram_bytes, reread_bytes=m.reread_bytes,
                            write_bytes=m.write_bytes, launch_us=m.seconds * 1e6, bound=m.bound)
             writer.writerow(row)

@@ -13,7 +13,7 @@ from . import sweep
 from .compiler import FactsCache, Specialisation, compile_all, specialise
 from .model import LaunchModel, model_launch
 from .targets import TARGETS, Target
-from .traffic import programs_of, role_variants
+from .traffic import programs_of, role_variants, trip_matrix_flops
 
 
 @dataclass
@@ -164,7 +164,8 @@ def _launch_result(case: sweep.Case, target: Target, launch, spec: Specialisatio
     error, model = facts.get("error"), None
     if error is None:
         try:
-            model = model_launch(programs_of(case, launch), facts, target, launch.options.get("num_stages", 1))
+            model = model_launch(programs_of(case, launch), facts, target, launch.options.get("num_stages", 1),
+                                 trip_matrix_flops(launch))
         except ValueError as exc:  # e.g. a workgroup that fits nowhere: a finding, reported
             error = str(exc)
     return LaunchResult(launch.name, launch.grid, launch.options, launch.constexprs, spec.key, spec.flags, facts,

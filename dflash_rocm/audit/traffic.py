@@ -262,6 +262,18 @@ def role_variants(launch: Launch) -> dict[str, Launch]:
     return variants
 
 
+def trip_matrix_flops(launch: Launch) -> int:
+    """The matrix FLOPs one hot-loop trip of a program does (0: a kernel without matrix
+    work): the precompute's ``[BLOCK_T, BLOCK_K] x [BLOCK_K, BLOCK_D]`` step, the
+    attention's two ``BLOCK_M x BLOCK_N x BLOCK_D`` products."""
+    c = launch.constexprs
+    if launch.name == "context_kv_kernel":
+        return 2 * c["BLOCK_T"] * c["BLOCK_K"] * c["BLOCK_D"]
+    if launch.name == "draft_attention_kernel":
+        return 2 * 2 * c["BLOCK_M"] * c["BLOCK_N"] * c["BLOCK_D"]
+    return 0
+
+
 def _merger_launch(launch: Launch) -> Launch:
     """The merge kernel launched as the attention launch's merger programs run it: the
     same arguments by name, ``ROWS`` the merger's rows."""
