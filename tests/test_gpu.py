@@ -98,9 +98,10 @@ def test_qwen3_8b_precompute(backend, num_tokens, fp8):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("context", [1024, 8192, 32768])
 @pytest.mark.parametrize("shape", ["qwen3-8b-dflash-b16", "gemma-swa-sinks"])
-def test_real_shape_attention(backend, context, shape):
+@pytest.mark.parametrize("batch", [1, 4])  # one request's long context: merged by merger programs on MI300/H200
+def test_real_shape_attention(backend, context, shape, batch):
     device = torch.device("cuda")
-    inputs = attention_inputs(SHAPES[shape], 4, context, torch.bfloat16, torch.bfloat16, device)
+    inputs = attention_inputs(SHAPES[shape], batch, context, torch.bfloat16, torch.bfloat16, device)
 
     def run(name):
         return dflash_rocm.draft_attention(*inputs.args(), **inputs.kwargs, backend=name).clone()
@@ -154,19 +155,20 @@ def _captured(step):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("shape", ["qwen3-8b-dflash-b16", "gemma-swa-sinks"])
-def test_attention_with_default_arguments_replays_from_a_graph(backend, shape):
+@pytest.mark.parametrize("batch", [1, 4])  # batch 1: a split merged in the same launch (counters zero again)
+def test_attention_with_default_arguments_replays_from_a_graph(backend, shape, batch):
     """Captured once with default arguments (``validate=True``: the index checks are
     device asserts), replayed over new queries, caches and block tables: each replay
     agrees with the reference on that replay's inputs."""
     device = torch.device("cuda")
-    inputs = attention_inputs(SHAPES[shape], 4, 2048, torch.bfloat16, torch.bfloat16, device)
+    inputs = attention_inputs(SHAPES[shape], batch, 2048, torch.bfloat16, torch.bfloat16, device)
     if dispatch.reasons_for(backend, ATTENTION, attention_call(*inputs.args(), **inputs.kwargs)):
         pytest.skip(f"{backend} does not serve this call here")
     out = torch.empty_like(inputs.query)
     graph = _captured(lambda: dflash_rocm.draft_attention(*inputs.args(), **inputs.kwargs, out=out,
                                                           backend=backend))
     for seed in (1, 2):
-        fresh = attention_inputs(SHAPES[shape], 4, 2048, torch.bfloat16, torch.bfloat16, device, seed=seed)
+        fresh = attention_inputs(SHAPES[shape], batch, 2048, torch.bfloat16, torch.bfloat16, device, seed=seed)
         for static, new in zip(inputs.args(), fresh.args()):
             static.copy_(new)
         graph.replay()
