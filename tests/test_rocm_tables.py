@@ -30,7 +30,8 @@ def test_configs_are_valid_for_every_shape(arch, group, d):
     for fp8 in (False, True):
         for span in (16, 1024, 8192, 131072):
             for batch in (1, 8, 64):
-                name, cfg = tables.attention_config(workload(arch, batch, 16, span, 8 * group, 8, d, fp8), 16)
+                w = workload(arch, batch, 16, span, 8 * group, 8, d, fp8)
+                name, cfg = tables.attention_config(w, 16)
                 assert cfg.block_m >= group and cfg.queries_per_tile(group) >= 1
                 assert 1 <= cfg.num_segments <= tables.MAX_SEGMENTS[platform_for_arch(arch).family]
                 assert cfg.num_segments & (cfg.num_segments - 1) == 0
@@ -44,7 +45,7 @@ def test_configs_are_valid_for_every_shape(arch, group, d):
                 mergers = tiles_heads * cfg.block_m // min(cfg.block_m, next_pow2(group))
                 p = platform_for_arch(arch)
                 xcds = 8 if p.family == "cdna" else 1  # MI300/MI355 deal programs to XCDs round-robin
-                if cfg.num_segments <= IN_KERNEL_MERGE_SEGMENTS:
+                if cfg.num_segments <= IN_KERNEL_MERGE_SEGMENTS and tables.select_rule(w).last_merges:
                     assert cfg.merge == "last"
                 else:
                     assert cfg.merge == ("tail" if -(-mergers // xcds) < p.compute_units // xcds else "launch")

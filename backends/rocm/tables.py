@@ -59,6 +59,7 @@ class TileRule:
     matrix_instr_nonkdim: int  # CDNA: 16 gives 16-row MFMA tiles, so 4 warps share a 64-row tile without replication
     min_keys_per_segment: int  # below this a segment's merge costs more than it saves
     programs_per_cu: float  # how many (tile, head, segment) programs to aim for per CU
+    last_merges: bool = True  # the last segment may merge a split tile (False: its merge code would spill)
 
 
 def _rdna3(w: AttentionWorkload) -> bool:
@@ -68,7 +69,10 @@ def _rdna3(w: AttentionWorkload) -> bool:
 # Every rule compiles without spills for the sweep `dflash-rocm inspect` audits (tests/test_audit.py).
 # CDNA: one 64-row tile (16 queries x 4 heads) per request on 4 warps with 16x16 MFMA; aim for one
 # program per CU (a second one per CU only shares the SIMDs). RDNA3's WMMA keeps operands twice in
-# registers: 8 warps and 16-key tiles stay under 256 VGPRs; RDNA4 takes 32-key tiles (16 for fp8).
+# registers: 8 warps and 16-key tiles stay under 256 VGPRs; RDNA4 takes 32-key tiles, and 16-key
+# tiles on 4 warps for fp8 (every warp widens the fp8 tiles it reads: 4 warps widen half as often
+# as 8; compiled gfx1201, 8 x 840 -> 4 x 1035 vector cycles a trip; modelled b8 8k 36 -> 58 %,
+# b1 8k 34 -> 49 %), whose split tiles are not merged by their last segment (20 VGPRs spill).
 # gfx950 with an fp8 cache: the two-stage loop's LDS layout takes the fp8 tiles in words, not
 # bytes (compiled for gfx950: 142 -> 24 LDS instructions per loop trip; modelled fp8 b64 4k
 # 55 -> 86 % of the floor).
@@ -81,7 +85,7 @@ RDNA_RULES = (
     TileRule("rdna-d256", lambda w: w.head_dim > 128, 16, 16, 4, 1, 0, 256, 1.0),
     TileRule("rdna-short-query", lambda w: w.query_len * w.group <= 16, 16, 32, 4, 1, 0, 128, 1.0),
     TileRule("rdna3-default", _rdna3, 64, 16, 8, 1, 0, 256, 1.0),
-    TileRule("rdna4-fp8", lambda w: w.fp8, 64, 16, 8, 1, 0, 256, 1.0),
+    TileRule("rdna4-fp8", lambda w: w.fp8, 64, 16, 4, 1, 0, 256, 1.0, last_merges=False),
     TileRule("rdna4-default", lambda w: True, 64, 32, 4, 1, 0, 256, 1.0),
 )
 MAX_SEGMENTS = {"cdna": 64, "rdna": 32}
@@ -127,7 +131,7 @@ def segmented_config(w: AttentionWorkload) -> tuple[str, AttentionLaunchConfig]:
     return rule.name, AttentionLaunchConfig(
         block_m=block_m, block_n=rule.block_n, num_segments=segments, num_warps=warps, num_stages=rule.num_stages,
         min_segment_keys=rule.min_keys_per_segment,
-        merge=merge_for(segments, tiles_heads, block_m, w.group, w.platform),
+        merge=merge_for(segments, tiles_heads, block_m, w.group, w.platform, rule.last_merges),
         matrix_instr_nonkdim=rule.matrix_instr_nonkdim)
 
 

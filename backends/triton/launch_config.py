@@ -118,12 +118,13 @@ def tail_merge_fits(tiles_heads: int, block_m: int, queries_per_kv: int, platfor
     return -(-mergers // parts) < platform.compute_units // parts
 
 
-def merge_for(num_segments: int, tiles_heads: int, block_m: int, queries_per_kv: int, platform: Platform) -> str:
-    """How the tables merge a split tile: by its last segment when there are few partials;
-    else by merger programs where they fit (no second launch, and no single program reads
-    every partial: modelled, MI300X batch 1 8k 50 -> 56 % of the floor); else by a second
-    launch."""
-    if num_segments <= IN_KERNEL_MERGE_SEGMENTS:
+def merge_for(num_segments: int, tiles_heads: int, block_m: int, queries_per_kv: int, platform: Platform,
+              last_merges: bool = True) -> str:
+    """How the tables merge a split tile: by its last segment when there are few partials
+    (and ``last_merges``: the kernel has the registers for that merge); else by merger
+    programs where they fit (no second launch, and no single program reads every partial:
+    modelled, MI300X batch 1 8k 50 -> 56 % of the floor); else by a second launch."""
+    if num_segments <= IN_KERNEL_MERGE_SEGMENTS and last_merges:
         return "last"
     return "tail" if tail_merge_fits(tiles_heads, block_m, queries_per_kv, platform) else "launch"
 
