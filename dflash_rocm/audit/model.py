@@ -244,9 +244,8 @@ def _model_phase(programs: list[Program], facts: dict, target: Target, num_stage
             return seconds
         k = max(1.0, resident * warps / target.simds)
         waits = remote_s if p.remote_trips else latency
-        loop = _hot_loop(facts, p)
-        per = unroll(loop, warps, trip_flops)  # trips per compiled iteration (each still waits on its loads)
-        trip = max(_iteration(loop, k) / per / target.clock_hz, waits / max(1, num_stages))
+        hot = _hot_loop(facts, p)
+        trip = max(_iteration(hot, k) / unroll(hot, warps, trip_flops) / target.clock_hz, waits / max(1, num_stages))
         straight = k * _straight_cycles(facts, p)
         # The first streaming load's latency (a merge's is its first trip's remote wait).
         streams = p.iterations or (p.reads and not p.remote_chain)
