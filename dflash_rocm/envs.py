@@ -173,6 +173,10 @@ AITER = Switch(
     "rocm: off (0/false/no) never uses aiter; auto or on uses its paged attention on CDNA where it "
     "serves the call (checked against the Triton kernel on first use)",
     modes=("auto",))
+TAIL_MERGE = Switch(
+    "DFLASH_ROCM_TAIL_MERGE", "1",
+    "off (0/false/no) merges a split attention tile by a second launch where the tables chose merger "
+    "programs that wait on its segments in the same launch (read when a call structure is first planned)")
 VLLM = Switch(
     "DFLASH_ROCM_VLLM", "1",
     "off (0/false/no) leaves vLLM untouched even when the plugin is installed")
@@ -187,5 +191,5 @@ FORCE_COLOR = EnvVar(
     "FORCE_COLOR", "",
     "any value but 0: the command line colours results even when stdout is not a terminal")
 
-ALL: tuple[EnvVar, ...] = (BACKEND, LOG_LEVEL, QUERY_LIMIT, TUNE, CACHE_DIR, AITER, VLLM, TRITON_INTERPRET,
-                           NO_COLOR, FORCE_COLOR)
+ALL: tuple[EnvVar, ...] = (BACKEND, LOG_LEVEL, QUERY_LIMIT, TUNE, CACHE_DIR, AITER, TAIL_MERGE, VLLM,
+                           TRITON_INTERPRET, NO_COLOR, FORCE_COLOR)

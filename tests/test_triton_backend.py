@@ -266,6 +266,19 @@ def test_a_gpu_plan_merges_by_a_second_launch_where_mergers_could_fill_an_xcd(mo
         assert plan.main.grid[2] == 16 + mergers and plan.counters == (0 if second else 2)
 
 
+def test_tail_merge_can_be_switched_off(monkeypatch):
+    from dflash_rocm.backends.triton import attention
+    from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig
+    from dflash_rocm.ops.attention import attention_call
+
+    call = attention_call(*paged([600], [16], Hk=2, G=4, D=32, block_size=16))
+    config = AttentionLaunchConfig(block_m=64, block_n=16, num_segments=16, merge="tail")
+    assert attention._make_plan(call, config, "tail").main.constexprs["MERGERS"] == 16
+    monkeypatch.setenv("DFLASH_ROCM_TAIL_MERGE", "off")
+    plan = attention._make_plan(call, config, "tail")
+    assert plan.main.constexprs["MERGERS"] == 0 and plan.merge is not None
+
+
 def test_split_tile_counters_are_left_zero_for_the_next_launch():
     from dflash_rocm.backends.triton.attention import run_draft_attention
     from dflash_rocm.backends.triton.counters import _COUNTERS

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_rocm import envs
 from dflash_rocm.ops.attention import AttentionCall
 from dflash_rocm.paged import memory_of
 from dflash_rocm.platform import Platform, platform_for
@@ -120,9 +121,9 @@ def _make_plan(call: AttentionCall, config: AttentionLaunchConfig, merge: str) -
     segments = config.num_segments
     split = segments > 1
     rows = merge_program_rows(config.block_m, G)
-    if merge == "tail" and call.device.type == "cuda" and not tail_merge_fits(
-            num_tiles * call.num_kv_heads, config.block_m, G, platform_for(call.device)):
-        merge = "launch"  # too many mergers to be sure the segments they wait on progress
+    if merge == "tail" and (not envs.TAIL_MERGE.setting() or call.device.type == "cuda" and not tail_merge_fits(
+            num_tiles * call.num_kv_heads, config.block_m, G, platform_for(call.device))):
+        merge = "launch"  # switched off, or too many mergers to be sure the segments they wait on progress
     # (The interpreter runs programs one at a time in grid order, a tile's segments before
     # its mergers; a captured launch does not run.)
     mergers = config.block_m // rows if split and merge == "tail" else 0
