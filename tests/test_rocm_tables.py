@@ -42,13 +42,21 @@ def test_configs_are_valid_for_every_shape(arch, group, d):
                 # Few partials: the last segment merges; more: merger programs only where fewer
                 # of them than CUs (else segments could wait for room), else a second launch.
                 tiles_heads = batch * -(-16 // cfg.queries_per_tile(group)) * 8
-                mergers = tiles_heads * cfg.block_m // min(cfg.block_m, next_pow2(group))
+                token_rows = min(cfg.block_m, next_pow2(group))
                 p = platform_for_arch(arch)
                 xcds = 8 if p.family == "cdna" else 1  # MI300/MI355 deal programs to XCDs round-robin
+
+                def fits(rows):
+                    return rows <= cfg.block_m and -(-tiles_heads * cfg.block_m // rows // xcds) < p.compute_units // xcds
+
                 if cfg.num_segments <= IN_KERNEL_MERGE_SEGMENTS and tables.select_rule(w).last_merges:
-                    assert cfg.merge == "last"
+                    assert (cfg.merge, cfg.merge_rows) == ("last", 0)
+                elif fits(token_rows):
+                    assert (cfg.merge, cfg.merge_rows) == ("tail", 0)
+                elif fits(2 * token_rows):  # twice the rows, half the mergers
+                    assert (cfg.merge, cfg.merge_rows) == ("tail", 2 * token_rows)
                 else:
-                    assert cfg.merge == ("tail" if -(-mergers // xcds) < p.compute_units // xcds else "launch")
+                    assert (cfg.merge, cfg.merge_rows) == ("launch", 0)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -62,12 +70,21 @@ def test_split_kv_fills_the_device_for_one_request(arch):
     assert full.num_segments <= cfg.num_segments
 
 
-def test_one_request_on_cdna_merges_by_merger_programs_and_a_large_batch_does_not():
-    """Batch 1 x 8 KV heads x 16 mergers is 128 programs, under MI300X's 304 CUs: merged in
-    the same launch without one program reading every partial; batch 4's 512 are not."""
-    assert tables.attention_config(workload("gfx942", batch=1, key_span=8192), 16)[1].merge == "tail"
-    _, b4 = tables.attention_config(workload("gfx942", batch=4, key_span=131072), 16)
-    assert b4.num_segments > IN_KERNEL_MERGE_SEGMENTS and b4.merge == "launch"
+def test_small_batches_on_cdna_merge_by_merger_programs_and_a_large_batch_does_not():
+    """Batch 1 x 8 KV heads x 16 mergers is 128 programs, 16 per XCD of MI300X's 38 CUs:
+    merged in the same launch without one program reading every partial; batch 4 takes
+    8-row mergers (256: 32 per XCD); batch 8's would fill the XCDs: a second launch (with
+    few segments, the last one merges)."""
+    b1 = tables.attention_config(workload("gfx942", batch=1, key_span=8192), 16)[1]
+    assert (b1.merge, b1.merge_rows) == ("tail", 0)
+    b4 = tables.attention_config(workload("gfx942", batch=4, key_span=131072), 16)[1]
+    assert b4.num_segments > IN_KERNEL_MERGE_SEGMENTS and (b4.merge, b4.merge_rows) == ("tail", 8)
+    from dflash_rocm.backends.triton.launch_config import merge_for
+
+    mi300 = platform_for_arch("gfx942")
+    assert merge_for(16, 8 * 8, 64, 4, mi300) == ("launch", 0)  # 8 tiles x 8 heads: 64 or 128 mergers per XCD
+    assert merge_for(16, 8 * 8, 64, 4, mi300, last_merges=False) == ("launch", 0)
+    assert merge_for(8, 8 * 8, 64, 4, mi300) == ("last", 0)
 
 
 def test_merger_programs_leave_room_in_every_xcd():
@@ -76,11 +93,12 @@ def test_merger_programs_leave_room_in_every_xcd():
     from dflash_rocm.backends.triton.launch_config import tail_merge_fits
 
     mi300 = platform_for_arch("gfx942")  # 304 CUs, 38 per XCD
-    assert tail_merge_fits(8, 64, 4, mi300) and not tail_merge_fits(32, 64, 4, mi300)  # 16 vs 64 per XCD
+    assert tail_merge_fits(8 * 16, mi300) and not tail_merge_fits(32 * 16, mi300)  # 16 vs 64 per XCD
+    assert tail_merge_fits(37 * 8, mi300) and not tail_merge_fits(37 * 8 + 1, mi300)  # 37 vs 38 in the fullest
     small = platform_for_arch("gfx942", compute_units=16)  # 2 CUs per XCD
-    assert tail_merge_fits(1, 32, 4, small) and not tail_merge_fits(1, 64, 4, small)  # 1 vs 2 mergers per XCD
+    assert tail_merge_fits(8, small) and not tail_merge_fits(16, small)  # 1 vs 2 mergers per XCD
     rdna = platform_for_arch("gfx1100")  # 96 CUs, dealt as one
-    assert tail_merge_fits(5, 64, 4, rdna) and not tail_merge_fits(6, 64, 4, rdna)  # 80 vs 96 mergers
+    assert tail_merge_fits(95, rdna) and not tail_merge_fits(96, rdna)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -128,10 +128,10 @@ def segmented_config(w: AttentionWorkload) -> tuple[str, AttentionLaunchConfig]:
     block_m, warps = _tile_rows(w, rule)
     segments = segments_for(w, rule, block_m)
     tiles_heads = attention_grid_tiles(w.batch, w.query_len, block_m // w.group) * w.num_kv_heads
+    merge, merge_rows = merge_for(segments, tiles_heads, block_m, w.group, w.platform, rule.last_merges)
     return rule.name, AttentionLaunchConfig(
         block_m=block_m, block_n=rule.block_n, num_segments=segments, num_warps=warps, num_stages=rule.num_stages,
-        min_segment_keys=rule.min_keys_per_segment,
-        merge=merge_for(segments, tiles_heads, block_m, w.group, w.platform, rule.last_merges),
+        min_segment_keys=rule.min_keys_per_segment, merge=merge, merge_rows=merge_rows,
         matrix_instr_nonkdim=rule.matrix_instr_nonkdim)
 
 

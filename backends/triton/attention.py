@@ -17,7 +17,8 @@ from .attention_kernels import draft_attention_kernel, merge_segments_kernel
 from .common import fp32_math, next_pow2, packed_layout
 from .counters import split_scratch
 from .launch import LaunchPlan, PlanMemo, compiler_options
-from .launch_config import AttentionLaunchConfig, default_attention_config, merge_program_rows, tail_merge_fits
+from .launch_config import (AttentionLaunchConfig, default_attention_config, merge_load_segments, merge_program_rows,
+                            tail_merge_fits)
 
 
 def attention_config_for(call: AttentionCall, platform: Platform | None = None) -> AttentionLaunchConfig:
@@ -29,16 +30,10 @@ def attention_config_for(call: AttentionCall, platform: Platform | None = None) 
         head_dim=call.head_dim, fp8=call.is_fp8)
 
 
-# Segments whose partials one load brings in: a merge program (second launch or merger
-# at the grid's end) merges one token's rows, all 64 at once; the last segment of a tile
-# merges the whole tile, as many at once as keep the load under 64 values per thread
-# (see merge_chunk).
-MERGE_KERNEL_CHUNK = 64
-
-
 def merge_chunk(config: AttentionLaunchConfig, block_d: int) -> int:
-    """Segments per load of an in-kernel merge: at most 64 values per thread of a 32-wide
-    warp (a wave64 has room for twice that), a power of two from 1 to 4."""
+    """Segments per load of the last segment's merge (the whole tile): at most 64 values
+    per thread of a 32-wide warp (a wave64 has room for twice that), a power of two from 1
+    to 4. A merge program's: :func:`merge_load_segments`."""
     chunk = 64 * config.num_warps * 32 // (config.block_m * block_d)
     return max(1, min(4, 1 << max(0, chunk.bit_length() - 1)))
 
@@ -120,9 +115,9 @@ def _make_plan(call: AttentionCall, config: AttentionLaunchConfig, merge: str) -
     num_tiles = call.num_seqs if one_tile else call.num_tokens // block_q + call.num_seqs
     segments = config.num_segments
     split = segments > 1
-    rows = merge_program_rows(config.block_m, G)
+    rows = merge_program_rows(config, G)
     if merge == "tail" and (not envs.TAIL_MERGE.setting() or call.device.type == "cuda" and not tail_merge_fits(
-            num_tiles * call.num_kv_heads, config.block_m, G, platform_for(call.device))):
+            num_tiles * call.num_kv_heads * (config.block_m // rows), platform_for(call.device))):
         merge = "launch"  # switched off, or too many mergers to be sure the segments they wait on progress
     # (The interpreter runs programs one at a time in grid order, a tile's segments before
     # its mergers; a captured launch does not run.)
@@ -141,7 +136,7 @@ def _make_plan(call: AttentionCall, config: AttentionLaunchConfig, merge: str) -
          q.stride(0), q.stride(1), q.stride(2), *k_strides, *v_strides,
          call.block_table.stride(0), out.stride(0), out.stride(1), out.stride(2)),
         dict(HQ=call.num_q_heads, BLOCK_SIZE=call.block_size, SPLIT=split, MERGE_IN_KERNEL=split and merge == "last",
-             MERGERS=mergers, MERGE_CHUNK=MERGE_KERNEL_CHUNK if mergers else merge_chunk(config, block_d),
+             MERGERS=mergers, MERGE_CHUNK=merge_load_segments(rows) if mergers else merge_chunk(config, block_d),
              IS_FP8=call.is_fp8, FP32_MATH=fp32_math(q.dtype), **tiles,
              **{f"K_{k}": v for k, v in k_pack.items()}, **{f"V_{k}": v for k, v in v_pack.items()}))
     second = None
@@ -151,7 +146,7 @@ def _make_plan(call: AttentionCall, config: AttentionLaunchConfig, merge: str) -
             compiler_options(config),
             (call.num_seqs, call.num_tokens, window, segments, config.min_segment_keys,
              out.stride(0), out.stride(1), out.stride(2)),
-            dict(HQ=call.num_q_heads, ROWS=rows, MERGE_CHUNK=MERGE_KERNEL_CHUNK, **tiles))
+            dict(HQ=call.num_q_heads, ROWS=rows, MERGE_CHUNK=merge_load_segments(rows), **tiles))
     counters = 0 if not split or merge == "launch" else num_tiles * call.num_kv_heads
     return AttentionPlan(config, main, second, counters,
                          segments * call.num_tokens * call.num_q_heads * call.head_dim if split else 0,

@@ -31,7 +31,9 @@ class AttentionLaunchConfig:
     heads that share one KV head; ``block_n`` keys per loop step; ``num_segments`` splits
     each tile's key range across programs, each segment at least ``min_segment_keys``
     long (the device decides from the real sequence length how many segments have keys);
-    ``merge`` says how a split tile's partials are merged (see :data:`MERGES`).
+    ``merge`` says how a split tile's partials are merged (see :data:`MERGES`); a merge
+    program (merger or second launch) merges ``merge_rows`` rows of a tile (0: one query
+    token's heads).
     """
 
     block_m: int = 64
@@ -42,6 +44,7 @@ class AttentionLaunchConfig:
     waves_per_eu: int = 0  # AMD only; 0 leaves the compiler's choice
     min_segment_keys: int = 0
     merge: str = "last"
+    merge_rows: int = 0
     matrix_instr_nonkdim: int = 0  # AMD only: 16 picks 16x16 MFMA tiles; 0 the compiler's choice
 
     def __post_init__(self) -> None:
@@ -53,6 +56,8 @@ class AttentionLaunchConfig:
             raise ValueError(f"num_segments: expected 1..{MAX_SEGMENTS}, got {self.num_segments}")
         if self.merge not in MERGES:
             raise ValueError(f"merge: expected one of {MERGES}, got {self.merge!r}")
+        if self.merge_rows < 0 or self.merge_rows & (self.merge_rows - 1) or self.merge_rows > self.block_m:
+            raise ValueError(f"merge_rows: expected 0 or a power of two up to block_m, got {self.merge_rows}")
 
     def queries_per_tile(self, queries_per_kv: int) -> int:
         return self.block_m // queries_per_kv
@@ -94,10 +99,17 @@ class PrecomputeLaunchConfig:
         return asdict(self)
 
 
-def merge_program_rows(block_m: int, queries_per_kv: int) -> int:
-    """Rows a merge program merges (second launch or merger at the grid's end): one query
-    token's heads."""
-    return min(block_m, next_pow2(queries_per_kv))
+def merge_program_rows(config: AttentionLaunchConfig, queries_per_kv: int) -> int:
+    """Rows a merge program merges (second launch or merger at the grid's end): the
+    config's ``merge_rows``, else one query token's heads."""
+    return config.merge_rows or min(config.block_m, next_pow2(queries_per_kv))
+
+
+def merge_load_segments(rows: int) -> int:
+    """Segments whose partials a merge program of ``rows`` rows loads at once: 256 rows'
+    worth (64 for one token of a 4-head group), so that the load's registers do not grow
+    with the rows (8-row mergers with 64 segments a load spill on RDNA3)."""
+    return max(1, min(64, 256 // rows))
 
 
 def dispatch_partitions(platform: Platform) -> int:
@@ -107,26 +119,31 @@ def dispatch_partitions(platform: Platform) -> int:
     return 8 if platform.family == "cdna" else 1
 
 
-def tail_merge_fits(tiles_heads: int, block_m: int, queries_per_kv: int, platform: Platform) -> bool:
-    """Whether a split launch of ``tiles_heads`` (tile, KV head) pairs may merge by merger
-    programs at the end of its grid. Mergers wait for segment programs; with fewer mergers
-    dealt to every dispatch partition than it has compute units, some unit of each always
-    has room that no waiting merger holds, so the segments progress whatever order the
-    hardware dispatches programs in."""
-    mergers = tiles_heads * (block_m // merge_program_rows(block_m, queries_per_kv))
+def tail_merge_fits(mergers: int, platform: Platform) -> bool:
+    """Whether a split launch may merge by ``mergers`` merger programs at the end of its
+    grid. Mergers wait for segment programs; with fewer mergers dealt to every dispatch
+    partition than it has compute units, some unit of each always has room that no waiting
+    merger holds, so the segments progress whatever order the hardware dispatches programs
+    in."""
     parts = dispatch_partitions(platform)
     return -(-mergers // parts) < platform.compute_units // parts
 
 
 def merge_for(num_segments: int, tiles_heads: int, block_m: int, queries_per_kv: int, platform: Platform,
-              last_merges: bool = True) -> str:
-    """How the tables merge a split tile: by its last segment when there are few partials
-    (and ``last_merges``: the kernel has the registers for that merge); else by merger
-    programs where they fit (no second launch, and no single program reads every partial:
-    modelled, MI300X batch 1 8k 50 -> 56 % of the floor); else by a second launch."""
+              last_merges: bool = True) -> tuple[str, int]:
+    """(merge, merge_rows) the tables choose for a split tile: its last segment merges when
+    there are few partials (and ``last_merges``: the kernel has the registers for that
+    merge); else merger programs where they fit, each merging one query token's heads, or
+    twice those rows when that halves the mergers enough to fit (no second launch, and no
+    single program reads every partial: modelled, MI300X batch 1 8k 50 -> 56 %, batch 4 8k
+    76 -> 80 %); else a second launch."""
     if num_segments <= IN_KERNEL_MERGE_SEGMENTS and last_merges:
-        return "last"
-    return "tail" if tail_merge_fits(tiles_heads, block_m, queries_per_kv, platform) else "launch"
+        return "last", 0
+    base = min(block_m, next_pow2(queries_per_kv))
+    for rows in (base, 2 * base):
+        if rows <= block_m and tail_merge_fits(tiles_heads * (block_m // rows), platform):
+            return "tail", 0 if rows == base else rows
+    return "launch", 0
 
 
 def attention_grid_tiles(num_seqs: int, query_len: int, queries_per_tile: int) -> int:
@@ -187,10 +204,10 @@ def default_attention_config(platform: Platform, *, num_seqs: int, query_len: in
         block_n = 32
     tiles = attention_grid_tiles(num_seqs, query_len, block_m // G)
     segments = choose_segments(tiles * num_kv_heads, key_span, platform.compute_units, MIN_KEYS_PER_SEGMENT)
+    merge, merge_rows = merge_for(segments, tiles * num_kv_heads, block_m, G, platform)
     return AttentionLaunchConfig(block_m=block_m, block_n=block_n, num_segments=segments,
                                  num_warps=4 if head_dim <= 128 else 8, num_stages=2,
-                                 min_segment_keys=MIN_KEYS_PER_SEGMENT,
-                                 merge=merge_for(segments, tiles * num_kv_heads, block_m, G, platform))
+                                 min_segment_keys=MIN_KEYS_PER_SEGMENT, merge=merge, merge_rows=merge_rows)
 
 
 @functools.lru_cache(maxsize=1024)
