@@ -436,6 +436,7 @@ BAD_ENTRIES = {
     "negative waves": _entry_with(waves_per_eu=-1),
     "unknown merge": _entry_with(merge="spin"),
     "bool merge (the old field's type)": _entry_with(merge=True),
+    "merge_rows 3": _entry_with(merge_rows=3),
     "workload with a string": {**_entry_with(), "workload": {"batch": "1", "query_len": 4, "key_span": 64}},
     "negative speed-up": {**_entry_with(), "speedup": -1.0},
     "entry is a list": [1, 2],
