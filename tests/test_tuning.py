@@ -63,6 +63,10 @@ def test_candidates_are_single_changes_around_the_table_config():
     assert all(c.block_m >= 4 for c in cands)
     assert all(sum(getattr(c, f) != getattr(DEFAULT, f) for f in DEFAULT.__dataclass_fields__) == 1 for c in cands)
     assert all(c.block_m >= 16 for c in tuner.candidates(DEFAULT, group=16))
+    # A table's 32-row mergers (a 16-head group, twice one token's rows): no candidate tile
+    # smaller than a merger's rows (it would not be a valid config).
+    split = AttentionLaunchConfig(block_m=64, num_segments=16, merge="tail", merge_rows=32)
+    assert {c.block_m for c in tuner.candidates(split, group=16)} == {32, 64, 128}
 
 
 def test_a_clear_win_is_promoted():

@@ -67,9 +67,8 @@ def launch_config_from_dict(d: object, group: int, family: str) -> AttentionLaun
     ints (``merge`` one of :data:`MERGES`), power-of-two tiles of 16..256 rows with
     ``block_m >= group`` (each tile holds whole query tokens), segments within the
     family's table limit, a warp count the compiler takes, stages >= 1 and waves per EU
-    >= 0 within sane bounds. ``ValueError``
-    says what is wrong. (What still fails to compile is caught at launch: see
-    ``run_tuned_or_table`` in this package.)"""
+    >= 0 within sane bounds. ``ValueError`` says what is wrong. (What still fails to
+    compile is caught at launch: see ``run_tuned_or_table`` in this package.)"""
     if not isinstance(d, dict):
         raise ValueError(f"config: expected an object, got {type(d).__name__}")
     fields = set(AttentionLaunchConfig.__dataclass_fields__)
@@ -135,7 +134,7 @@ def candidates(default: AttentionLaunchConfig, group: int) -> list[AttentionLaun
     stages, waves per EU and (when split) the merge."""
     s = default.num_segments
     variants = [replace(default, num_segments=n) for n in (s * 2, s // 2, s // 4, 1) if 1 <= n <= 64]
-    variants += [replace(default, block_m=m) for m in (16, 32, 64, 128) if m >= group]
+    variants += [replace(default, block_m=m) for m in (16, 32, 64, 128) if m >= max(group, default.merge_rows)]
     variants += [replace(default, block_n=n) for n in (32, 64, 128)]
     variants += [replace(default, num_warps=8 if default.num_warps == 4 else 4),
                  replace(default, num_stages=2 if default.num_stages == 1 else 1)]
