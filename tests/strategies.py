@@ -318,4 +318,5 @@ def precompute_launch_configs(draw):
     return PrecomputeLaunchConfig(block_t=draw(st.sampled_from([16, 32, 64])), block_k=draw(st.sampled_from([16, 32])),
                                   split_k=draw(st.sampled_from([1, 2, 3])),
                                   whole_tiles=draw(st.sampled_from([0, 1, 5])),  # then the rest split
-                                  num_xcds=draw(st.sampled_from([1, 3, 8])))
+                                  num_xcds=draw(st.sampled_from([1, 3, 8])),
+                                  square_group=draw(st.sampled_from([1, 8])))

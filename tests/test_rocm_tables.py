@@ -173,6 +173,19 @@ def test_precompute_config_splits_a_single_token_tile_or_a_last_partial_round(ar
     assert all(c.num_xcds == (8 if p.family == "cdna" else 1) for c in (small, mid, big))
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_precompute_sums_squares_a_value_at_a_time_only_on_gfx950(arch):
+    """gfx950's loop is bound by its vector work, which per-value squares shrink; the other
+    architectures keep the 8-column groups (fewer registers: RDNA3 would lose waves)."""
+    from dflash_rocm.backends.triton.launch_config import PrecomputeLaunchConfig
+
+    for tokens in (16, 256, 8192):
+        config = tables.precompute_config(arch, num_tokens=tokens, hidden=4096, num_heads_total=80, head_dim=128)
+        assert config.square_group == (1 if arch == "gfx950" else 8)
+    with pytest.raises(ValueError, match="square_group: expected 1 or 8"):
+        PrecomputeLaunchConfig(square_group=4)
+
+
 def test_tail_split_spreads_only_a_short_last_round():
     from dflash_rocm.backends.triton.launch_config import tail_split
 

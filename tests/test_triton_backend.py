@@ -310,6 +310,30 @@ def test_no_write_outside_slots_even_with_duplicate_free_random_slots():
         assert not torch.equal(c.view(12, 2, 16)[written], b.view(12, 2, 16)[written])
 
 
+def test_layers_with_different_block_sizes_each_use_their_own():
+    """The kernel divides slots by the block size all written caches share (a constant);
+    where layers' caches differ, by each layer's own from the cache table."""
+    from dflash_rocm.backends.triton.precompute import shared_block_size
+    from dflash_rocm.ops.precompute import precompute_call
+
+    g = make_generator(9, "cpu")
+    w = make_weights(g, "cpu", L=2, Hk=2, D=16, H=24, R=16, is_neox=True, bias=False, v_scale=None,
+                     dtype=torch.float32)
+    states, positions, slots = torch.randn(5, 24, generator=g), torch.arange(5), torch.tensor([13, 0, -1, 6, 2])
+    results = {}
+    for backend in ("reference", "triton"):
+        caches = [torch.zeros(5, bs, 2, 16) for bs in (4, 3, 4, 3)]  # layer 0 blocks of 4, layer 1 of 3
+        dflash_rocm.precompute_and_store_context_kv(states, positions, w, caches[:2], caches[2:], slots,
+                                                    backend=backend)
+        results[backend] = caches
+    for got, want in zip(results["triton"], results["reference"]):
+        assert want.abs().sum() > 0 and dflash_rocm.contract.relative_error(got, want) < 2e-3
+    assert shared_block_size(precompute_call(states, positions, w, results["triton"][:2], results["triton"][2:],
+                                             slots)) == 0
+    same = [torch.zeros(5, 4, 2, 16) for _ in range(4)]
+    assert shared_block_size(precompute_call(states, positions, w, same[:2], same[2:], slots)) == 4
+
+
 def test_a_plan_kept_for_one_cache_set_never_writes_another():
     """Plans are kept per call structure; two cache sets of one layout are two plans (the
     cache table holds addresses), so each call writes its own caches and only those."""

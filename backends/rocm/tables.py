@@ -162,16 +162,19 @@ def precompute_config(arch: str, *, num_tokens: int, hidden: int, num_heads_tota
     by `dflash-rocm inspect`'s model). No ``waves_per_eu`` cap (it only padded the register
     allocation): every config's registers leave room for >= 4 waves per SIMD (a two-stage
     loop's LDS buffer may hold gfx942 to 3 workgroups per CU). On CDNA the program order
-    keeps a head's tiles on one XCD."""
+    keeps a head's tiles on one XCD. gfx950 sums the hidden RMSNorm's squares a value at a
+    time (its loop was bound by the vector work: modelled N=1024 52 -> 56 %, gfx942 and RDNA3
+    lose a little)."""
     platform = platform_for_arch(arch, compute_units=compute_units)
     cdna = platform.family == "cdna"
     block_k = 64 if head_dim <= 128 else 32
     xcds = dispatch_partitions(platform)
+    squares = 1 if arch == "gfx950" else 8
     if num_tokens <= 64:
         return PrecomputeLaunchConfig(
             block_t=max(16, next_pow2(num_tokens)), block_k=block_k,
             split_k=split_k_for(num_heads_total, hidden, block_k, platform.compute_units), num_warps=8, num_stages=2,
-            num_xcds=xcds)
+            num_xcds=xcds, square_group=squares)
     if cdna and num_tokens <= 512:  # gfx942: 16x16 MFMAs issue this 32-token tile faster (modelled +2 points)
         tiles = -(-num_tokens // 32) * num_heads_total
         whole, split = tail_split(tiles, platform.compute_units)
@@ -180,7 +183,7 @@ def precompute_config(arch: str, *, num_tokens: int, hidden: int, num_heads_tota
         stages = 2 if tiles <= 3 * platform.compute_units else 1
         return PrecomputeLaunchConfig(block_t=32, block_k=block_k, split_k=split, whole_tiles=whole, num_warps=4,
                                       num_stages=stages, num_xcds=xcds,
-                                      matrix_instr_nonkdim=16 if arch == "gfx942" else 0)
+                                      matrix_instr_nonkdim=16 if arch == "gfx942" else 0, square_group=squares)
     # gfx950's 4-warp tiles keep its matrix cores fed at 4 waves/SIMD; gfx942 takes 16x16 MFMAs (with
     # 32x32 ones LLVM unrolls the loop and the registers allow 5 waves, not 7: N = 4096 81 vs 85 %).
     # Both modelled.
@@ -188,5 +191,5 @@ def precompute_config(arch: str, *, num_tokens: int, hidden: int, num_heads_tota
         whole, split = tail_split(-(-num_tokens // 64) * num_heads_total, platform.compute_units)
         return PrecomputeLaunchConfig(block_t=64, block_k=block_k, split_k=split, whole_tiles=whole,
                                       num_warps=4 if arch == "gfx950" else 8, num_stages=1, num_xcds=xcds,
-                                      matrix_instr_nonkdim=16 if arch == "gfx942" else 0)
+                                      matrix_instr_nonkdim=16 if arch == "gfx942" else 0, square_group=squares)
     return PrecomputeLaunchConfig(block_t=64, block_k=block_k, num_warps=8, num_stages=2)

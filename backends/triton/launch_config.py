@@ -73,7 +73,10 @@ class PrecomputeLaunchConfig:
     tile past the first ``whole_tiles`` split ``split_k`` ways (the last part to finish, or a
     second launch, sums the parts): all tiles when the grid is too small to fill the
     device, the last partial round's when it fills it a few times over; ``num_xcds`` > 1
-    renumbers programs so each of that many XCDs (separate L2s) runs neighbouring ones."""
+    renumbers programs so each of that many XCDs (separate L2s) runs neighbouring ones;
+    ``square_group`` columns of ``x`` a lane sums before adding them to its share of the
+    hidden RMSNorm's sums of squares (8: one 16-byte load's worth, fewest registers; 1: one
+    fused multiply-add a value, ``block_t * block_k / threads`` fp32 registers more)."""
 
     block_t: int = 32
     block_k: int = 64
@@ -84,12 +87,15 @@ class PrecomputeLaunchConfig:
     waves_per_eu: int = 0
     matrix_instr_nonkdim: int = 0
     num_xcds: int = 1
+    square_group: int = 8
 
     def __post_init__(self) -> None:
         for name in ("block_t", "block_k"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name}: expected a power of two >= 16, got {value}")
+        if self.square_group not in (1, 8):
+            raise ValueError(f"square_group: expected 1 or 8, got {self.square_group}")
         if self.split_k < 1:
             raise ValueError(f"split_k: expected >= 1, got {self.split_k}")
         if self.whole_tiles < 0:

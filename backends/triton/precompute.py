@@ -147,6 +147,13 @@ def aligned_runs(cache: torch.Tensor | PackedCache) -> bool:
             and all(s * size % 16 == 0 for s in outer))
 
 
+def shared_block_size(call: PrecomputeCall) -> int:
+    """The block size every written cache shares (the kernel then divides by a constant),
+    or 0 when they differ (it reads each layer's from the cache table)."""
+    sizes = {call.key_caches[layer].shape[1] for layer in call.written_layers}
+    return sizes.pop() if len(sizes) == 1 else 0
+
+
 def slots_fit_int32(call: PrecomputeCall) -> bool:
     """Whether every written cache has fewer than 2**31 slots (so slot arithmetic is 32-bit)."""
     return all(c.shape[0] * c.shape[1] < 2 ** 31 for layer in call.written_layers
@@ -231,7 +238,8 @@ def _make_plan(call: PrecomputeCall, config: PrecomputeLaunchConfig, grid_t: int
                     K_ALIGNED=all(aligned_runs(call.key_caches[i]) for i in call.written_layers),
                     V_ALIGNED=all(aligned_runs(call.value_caches[i]) for i in call.written_layers),
                     K_ROW_PACK=k_rows, K_DIM_PACK=k_dims, V_ROW_PACK=v_rows, V_DIM_PACK=v_dims,
-                    SLOTS_I32=slots_fit_int32(call), EXACT_FP8_ROUND=INTERPRETING)
+                    SLOTS_I32=slots_fit_int32(call), CACHE_BLOCK=shared_block_size(call),
+                    EXACT_FP8_ROUND=INTERPRETING)
     _, slot_layer_stride = slot_rows(call)
     v_scale = float(w.v_scale) if w.v_scale is not None else 1.0
     cos_sin_stride = w.rotary_dim  # the fused float32 table is contiguous
@@ -241,7 +249,7 @@ def _make_plan(call: PrecomputeCall, config: PrecomputeLaunchConfig, grid_t: int
         context_kv_kernel, (whole + split_tiles * split_k,), compiler_options(config),
         (slot_layer_stride, N, w.hidden_size, x.stride(0), x.stride(1), cos_sin_stride, v_scale, w.eps, grid_t, whole),
         dict(BLOCK_K=config.block_k, HAS_WHOLE=split_k > 1 and whole > 0, MERGE_IN_KERNEL=merge_in_kernel,
-             NUM_XCDS=config.num_xcds,
+             NUM_XCDS=config.num_xcds, SQUARE_GROUP=config.square_group,
              FP32_MATH=fp32_math(dtype), **epilogue))
     sum_parts = None
     if split_tiles and not merge_in_kernel:

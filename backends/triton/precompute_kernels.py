@@ -83,22 +83,31 @@ def _table_offset(i, strides, PACK: tl.constexpr):
 
 @triton.jit
 def _cache_rows(t, t_ok, layer, kind, kv_head, meta_ptr, slots_ptr, stride_slot_layer, ROW_PACK: tl.constexpr,
-                SLOTS_I32: tl.constexpr):
+                SLOTS_I32: tl.constexpr, CACHE_BLOCK: tl.constexpr):
     """(rows to write, their offsets in the layer's cache of this kind, the kind's strides
     in the table) of the tile's tokens: once per tile, however many column groups it
-    stores (each store then adds only its dims). A layer not written has no rows to write."""
+    stores (each store then adds only its dims). A layer not written has no rows to write.
+    ``CACHE_BLOCK``: the block size every written cache shares, a constant divisor (a shift
+    for a power of two; a division by a runtime value is a few dozen vector instructions
+    on AMD: gfx942's whole-tile epilogue 2456 -> 2332 cycles, compiled); 0: read per layer."""
     meta = meta_ptr + layer * _META_COLS
     slot_row = tl.load(meta + 2)
     written = slot_row + tl.zeros_like(t) >= 0  # per row: the interpreter takes no scalar in a mask
     slots = tl.load(slots_ptr + slot_row * stride_slot_layer + t, mask=t_ok & written, other=-1)
     ok = t_ok & (slots >= 0)
-    block_size = tl.maximum(tl.load(meta + 3), 1)  # 0 in the row of a layer not written
     if SLOTS_I32:  # every cache has under 2**31 slots: 32-bit division
         slots = slots.to(tl.int32)
-        block_size = block_size.to(tl.int32)
-    block = slots // block_size
+    if CACHE_BLOCK != 0:
+        block = slots // CACHE_BLOCK
+        in_block = slots % CACHE_BLOCK
+    else:
+        block_size = tl.maximum(tl.load(meta + 3), 1)  # 0 in the row of a layer not written
+        if SLOTS_I32:
+            block_size = block_size.to(tl.int32)
+        block = slots // block_size
+        in_block = slots - block * block_size
     strides = meta + 4 + 6 * kind  # [block, row, row in pack, head, dim, dim in pack]
-    row_base = block.to(tl.int64) * tl.load(strides) + _table_offset(slots - block * block_size, strides + 1,
+    row_base = block.to(tl.int64) * tl.load(strides) + _table_offset(in_block, strides + 1,
                                                                      ROW_PACK) + kv_head * tl.load(strides + 3)
     return ok, row_base, strides
 
@@ -148,7 +157,7 @@ def _epilogue(acc, inv_rms, pid_t, head_row, N, positions_ptr, bias_ptr, k_norm_
               HAS_BIAS: tl.constexpr, IS_NEOX: tl.constexpr, HAS_V_SCALE: tl.constexpr, IS_FP8: tl.constexpr,
               FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, CACHE_DTYPE: tl.constexpr, RETURN_KV: tl.constexpr,
               K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr, K_ROW_PACK: tl.constexpr, K_DIM_PACK: tl.constexpr,
-              V_ROW_PACK: tl.constexpr, V_DIM_PACK: tl.constexpr, SLOTS_I32: tl.constexpr,
+              V_ROW_PACK: tl.constexpr, V_DIM_PACK: tl.constexpr, SLOTS_I32: tl.constexpr, CACHE_BLOCK: tl.constexpr,
               EXACT_FP8_ROUND: tl.constexpr):
     layer = head_row // (2 * HK)
     kind = (head_row // HK) % 2  # 0: K, 1: V
@@ -179,7 +188,7 @@ def _epilogue(acc, inv_rms, pid_t, head_row, N, positions_ptr, bias_ptr, k_norm_
         o1 = x1 * cos - x2 * sin
         o2 = x2 * cos + x1 * sin
         ok, row_base, strides = _cache_rows(t, t_ok, layer, kind, kv_head, meta_ptr, slots_ptr, stride_slot_layer,
-                                            K_ROW_PACK, SLOTS_I32)
+                                            K_ROW_PACK, SLOTS_I32, CACHE_BLOCK)
         if IS_NEOX and R == D and D == BLOCK_D:  # the halves are dims [0, D/2) and [D/2, D)
             _store_cols(o1, t, t_ok, layer, kind, kv_head, i, i < D // 2, ok, row_base, strides, N, meta_ptr,
                         k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, HK, D, IS_FP8, FP8_MAX, FP8_MIN_EXP,
@@ -196,7 +205,7 @@ def _epilogue(acc, inv_rms, pid_t, head_row, N, positions_ptr, bias_ptr, k_norm_
         if HAS_V_SCALE:
             acc = acc * v_scale
         ok, row_base, strides = _cache_rows(t, t_ok, layer, kind, kv_head, meta_ptr, slots_ptr, stride_slot_layer,
-                                            V_ROW_PACK, SLOTS_I32)
+                                            V_ROW_PACK, SLOTS_I32, CACHE_BLOCK)
         _store_cols(acc, t, t_ok, layer, kind, kv_head, c, c_ok, ok, row_base, strides, N, meta_ptr, k_scales_ptr,
                     v_scales_ptr, out_k_ptr, out_v_ptr, HK, D, IS_FP8, FP8_MAX, FP8_MIN_EXP, CACHE_DTYPE, RETURN_KV,
                     V_ALIGNED, V_DIM_PACK, EXACT_FP8_ROUND)
@@ -254,12 +263,12 @@ def context_kv_kernel(
     stride_slot_layer, N, H, stride_xt, stride_xh, stride_cs, v_scale, eps, grid_t, whole_tiles,
     HK: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_K: tl.constexpr,
-    HAS_WHOLE: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, NUM_XCDS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    IS_NEOX: tl.constexpr, HAS_V_SCALE: tl.constexpr, IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
-    FP8_MIN_EXP: tl.constexpr,
+    HAS_WHOLE: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, NUM_XCDS: tl.constexpr, SQUARE_GROUP: tl.constexpr,
+    HAS_BIAS: tl.constexpr, IS_NEOX: tl.constexpr, HAS_V_SCALE: tl.constexpr, IS_FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr,
     CACHE_DTYPE: tl.constexpr, RETURN_KV: tl.constexpr, K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr,
     K_ROW_PACK: tl.constexpr, K_DIM_PACK: tl.constexpr, V_ROW_PACK: tl.constexpr, V_DIM_PACK: tl.constexpr,
-    SLOTS_I32: tl.constexpr, FP32_MATH: tl.constexpr, EXACT_FP8_ROUND: tl.constexpr,
+    SLOTS_I32: tl.constexpr, CACHE_BLOCK: tl.constexpr, FP32_MATH: tl.constexpr, EXACT_FP8_ROUND: tl.constexpr,
 ):
     tile, pid_k, parts = _program_tile(tl.program_id(0), tl.num_programs(0), whole_tiles, NUM_XCDS, SPLIT_K,
                                        HAS_WHOLE)
@@ -275,11 +284,13 @@ def context_kv_kernel(
     k_lo = pid_k * k_per
     k_hi = tl.minimum(H, k_lo + k_per)
     acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
-    # The hidden RMSNorm's sums of squares: each trip adds the squares of a lane's 8 contiguous
-    # columns (one 16-byte load) in the lane; the sum across lanes waits for the loop's end (per
-    # trip it cost a cross-lane reduction: gfx950's loop 306 -> 288 vector cycles, compiled). A
-    # [BLOCK_T, BLOCK_K] accumulator would save more but halves RDNA3's waves.
-    squares = tl.zeros([BLOCK_T, BLOCK_K // 8], tl.float32)
+    # The hidden RMSNorm's sums of squares: each trip adds the squares of a lane's SQUARE_GROUP
+    # contiguous columns in the lane; the sum across lanes waits for the loop's end (per trip it
+    # cost a cross-lane reduction: gfx950's loop 306 -> 288 vector cycles, compiled). Groups of 8
+    # (one 16-byte load) keep the accumulator small; groups of 1 (an FMA a value, a
+    # [BLOCK_T, BLOCK_K] accumulator) save the in-lane sums where registers allow (gfx950's
+    # loop 327 -> 287 vector cycles, compiled) but halve RDNA3's waves.
+    squares = tl.zeros([BLOCK_T, BLOCK_K // SQUARE_GROUP], tl.float32)
     kk = tl.arange(0, BLOCK_K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + kk
@@ -287,7 +298,10 @@ def context_kv_kernel(
         x = tl.load(x_rows[:, None] + k[None, :] * stride_xh, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_rows[:, None] + k[None, :], mask=c_ok[:, None] & k_ok[None, :], other=0.0)
         xf = x.to(tl.float32)
-        squares += tl.sum(tl.reshape(xf * xf, (BLOCK_T, BLOCK_K // 8, 8)), 2)
+        if SQUARE_GROUP == 1:
+            squares += xf * xf
+        else:
+            squares += tl.sum(tl.reshape(xf * xf, (BLOCK_T, BLOCK_K // SQUARE_GROUP, SQUARE_GROUP)), 2)
         if FP32_MATH:
             x = xf
             w = w.to(tl.float32)
@@ -312,7 +326,7 @@ def context_kv_kernel(
                   cos_sin_ptr, stride_cs, meta_ptr, slots_ptr, stride_slot_layer, k_scales_ptr, v_scales_ptr,
                   out_k_ptr, out_v_ptr, v_scale, eps, HK, D, R, BLOCK_T, BLOCK_D, HAS_BIAS, IS_NEOX, HAS_V_SCALE,
                   IS_FP8, FP8_MAX, FP8_MIN_EXP, CACHE_DTYPE, RETURN_KV, K_ALIGNED, V_ALIGNED, K_ROW_PACK, K_DIM_PACK,
-                  V_ROW_PACK, V_DIM_PACK, SLOTS_I32, EXACT_FP8_ROUND)
+                  V_ROW_PACK, V_DIM_PACK, SLOTS_I32, CACHE_BLOCK, EXACT_FP8_ROUND)
 
 
 @triton.jit
@@ -325,7 +339,7 @@ def context_kv_split_epilogue_kernel(
     HAS_BIAS: tl.constexpr, IS_NEOX: tl.constexpr, HAS_V_SCALE: tl.constexpr, IS_FP8: tl.constexpr,
     FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, CACHE_DTYPE: tl.constexpr, RETURN_KV: tl.constexpr,
     K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr, K_ROW_PACK: tl.constexpr, K_DIM_PACK: tl.constexpr,
-    V_ROW_PACK: tl.constexpr, V_DIM_PACK: tl.constexpr, SLOTS_I32: tl.constexpr,
+    V_ROW_PACK: tl.constexpr, V_DIM_PACK: tl.constexpr, SLOTS_I32: tl.constexpr, CACHE_BLOCK: tl.constexpr,
     EXACT_FP8_ROUND: tl.constexpr,
 ):
     """Second launch when the hidden size was split and the parts could not be summed in
@@ -340,4 +354,4 @@ def context_kv_split_epilogue_kernel(
               cos_sin_ptr, stride_cs, meta_ptr, slots_ptr, stride_slot_layer, k_scales_ptr, v_scales_ptr, out_k_ptr,
               out_v_ptr, v_scale, eps, HK, D, R, BLOCK_T, BLOCK_D, HAS_BIAS, IS_NEOX, HAS_V_SCALE, IS_FP8, FP8_MAX,
               FP8_MIN_EXP, CACHE_DTYPE, RETURN_KV, K_ALIGNED, V_ALIGNED, K_ROW_PACK, K_DIM_PACK, V_ROW_PACK,
-              V_DIM_PACK, SLOTS_I32, EXACT_FP8_ROUND)
+              V_DIM_PACK, SLOTS_I32, CACHE_BLOCK, EXACT_FP8_ROUND)
