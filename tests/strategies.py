@@ -308,7 +308,8 @@ def attention_launch_configs(draw, queries_per_kv: int):
                                  num_segments=draw(st.sampled_from([1, 2, 4, 8])),
                                  min_segment_keys=draw(st.sampled_from([0, 16, 48])),
                                  merge=draw(st.sampled_from(MERGES)),
-                                 merge_rows=draw(st.sampled_from([r for r in (0, 8, 16) if r <= block_m])))
+                                 merge_rows=draw(st.sampled_from([r for r in (0, 8, 16) if r <= block_m])),
+                                 fp16_dots=draw(st.booleans()))
 
 
 @st.composite

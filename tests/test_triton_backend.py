@@ -399,10 +399,12 @@ def test_index_tensors_of_either_int_width():
             assert torch.allclose(a, b, atol=1e-5)
 
 
-@pytest.mark.parametrize("block_n,window", [(16, None), (32, 21)])
-def test_fp8_keys_widened_in_the_operand_layout_match_the_reference(block_n, window):
+@pytest.mark.parametrize("block_n,window,fp16_dots", [(16, None, False), (32, 21, False), (16, None, True),
+                                                      (32, 21, True)])
+def test_fp8_keys_widened_in_the_operand_layout_match_the_reference(block_n, window, fp16_dots):
     """fp8 caches with fp16 queries take the GPU path under the interpreter: K loaded as
-    K^T and widened after the layout change, V as on a GPU; masked last tiles, a window."""
+    K^T and widened after the layout change, V as on a GPU; masked last tiles, a window;
+    with ``fp16_dots`` the query is pre-scaled (the scores then in the exponents' units)."""
     from dflash_rocm.backends.triton.attention import run_draft_attention
     from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig
     from dflash_rocm.launches import capture
@@ -412,14 +414,32 @@ def test_fp8_keys_widened_in_the_operand_layout_match_the_reference(block_n, win
     kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
     args = (q, kc, vc, *rest)
     kwargs = dict(sliding_window=window, k_scale=torch.tensor(0.5), v_scale=torch.tensor(2.0))
-    config = AttentionLaunchConfig(block_m=64, block_n=block_n, num_segments=2)
+    config = AttentionLaunchConfig(block_m=64, block_n=block_n, num_segments=2, fp16_dots=fp16_dots)
     with capture() as launches:
         run_draft_attention(attention_call(*args, **kwargs), config)
     assert launches[0].constexprs["IS_FP8"] and not launches[0].constexprs["FP32_MATH"]
+    assert launches[0].constexprs["FP16_DOTS"] == fp16_dots
     call = attention_call(*args, **kwargs)
     run_draft_attention(call, config)
     ref = dflash_rocm.draft_attention(*args, **kwargs, backend="reference")
     assert dflash_rocm.contract.relative_error(call.out, ref) < 5e-3
+
+
+def test_fp16_dots_only_for_fp8_caches_and_16_bit_queries():
+    """A config's fp16 products apply where they lose nothing: fp8 caches (which fp16
+    holds exactly) and 16-bit queries; fp32 queries and bf16 caches keep their dtypes."""
+    from dflash_rocm.backends.triton.attention import plan_attention
+    from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig
+    from dflash_rocm.ops.attention import attention_call
+
+    config = AttentionLaunchConfig(block_m=32, block_n=16, fp16_dots=True)
+    for dtype, fp8, expected in ((torch.float16, True, True), (torch.float32, True, False),
+                                 (torch.float16, False, False)):
+        q, kc, vc, *rest = paged([20], [4], Hk=1, G=4, D=32, block_size=16, dtype=dtype)
+        if fp8:
+            kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+        plan = plan_attention(attention_call(q, kc, vc, *rest), config)
+        assert plan.main.constexprs["FP16_DOTS"] == expected, (dtype, fp8)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float16, 5e-3), (torch.float32, 2e-3), (torch.bfloat16, 2e-2)])

@@ -79,6 +79,9 @@ def launch_config_from_dict(d: object, group: int, family: str) -> AttentionLaun
         if name == "merge":
             if value not in MERGES:
                 raise ValueError(f"config merge: expected one of {MERGES}, got {value!r}")
+        elif name == "fp16_dots":
+            if not isinstance(value, bool):
+                raise ValueError(f"config fp16_dots: expected a bool, got {value!r}")
         elif isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"config {name}: expected an int, got {value!r}")
     for name in ("block_m", "block_n"):

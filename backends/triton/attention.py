@@ -137,7 +137,9 @@ def _make_plan(call: AttentionCall, config: AttentionLaunchConfig, merge: str) -
          call.block_table.stride(0), out.stride(0), out.stride(1), out.stride(2)),
         dict(HQ=call.num_q_heads, BLOCK_SIZE=call.block_size, SPLIT=split, MERGE_IN_KERNEL=split and merge == "last",
              MERGERS=mergers, MERGE_CHUNK=merge_load_segments(rows) if mergers else merge_chunk(config, block_d),
-             IS_FP8=call.is_fp8, FP32_MATH=fp32_math(q.dtype), **tiles,
+             IS_FP8=call.is_fp8, FP32_MATH=fp32_math(q.dtype),
+             FP16_DOTS=config.fp16_dots and call.is_fp8 and q.dtype in (torch.float16, torch.bfloat16)
+             and not fp32_math(q.dtype), **tiles,
              **{f"K_{k}": v for k, v in k_pack.items()}, **{f"V_{k}": v for k, v in v_pack.items()}))
     second = None
     if split and merge == "launch":

@@ -289,8 +289,9 @@ def draft_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     ONE_TILE: tl.constexpr, SPLIT: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, MERGERS: tl.constexpr,
     MERGE_CHUNK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
-    IS_FP8: tl.constexpr, FP32_MATH: tl.constexpr, K_ROW_PACK: tl.constexpr, K_DIM_PACK: tl.constexpr,
-    V_ROW_PACK: tl.constexpr, V_DIM_PACK: tl.constexpr, K_UNIT: tl.constexpr, V_UNIT: tl.constexpr,
+    IS_FP8: tl.constexpr, FP32_MATH: tl.constexpr, FP16_DOTS: tl.constexpr, K_ROW_PACK: tl.constexpr,
+    K_DIM_PACK: tl.constexpr, V_ROW_PACK: tl.constexpr, V_DIM_PACK: tl.constexpr, K_UNIT: tl.constexpr,
+    V_UNIT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -335,6 +336,12 @@ def draft_attention_kernel(
         k_scale = tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
     qk_scale = scale_log2 * k_scale
+    if FP16_DOTS:
+        # fp16 products (fp8 caches, 16-bit queries): the query is scaled before it is
+        # rounded, so fp16's range holds |q| up to 65504 / qk_scale (beyond, it saturates),
+        # and the scores come out in the exponents' units (the loop scales by 1).
+        q = tl.clamp(q.to(tl.float32) * qk_scale, -65504.0, 65504.0).to(tl.float16)
+        qk_scale = 1.0
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
