@@ -501,10 +501,14 @@ def _case(audit, arch, label, cache=""):
     ("gfx942", "attn b64 4k bf16", ">2G", 85), ("gfx942", "pre N=16 bf16", "", 75),  # issue 10's targets, met
     ("gfx942", "attn b1 8k bf16", ">2G", 55),
     # Below issue 10's targets (65, 50 %), held where the fixes brought them (from ~36, 14 %):
-    ("gfx942", "pre N=256 bf16", "", 63), ("sm_90", "pre N=256 bf16", "", 33)])
+    ("gfx942", "pre N=256 bf16", "", 63), ("sm_90", "pre N=256 bf16", "", 33),
+    # Held where later changes brought them: fp16 products for fp8 caches on NVIDIA (from 76),
+    # gfx950's per-value squares (from 52)
+    ("sm_90", "attn b8 8k fp8", "", 90), ("gfx950", "pre N=1024 bf16", "", 55)])
 def test_modelled_share_of_the_floor(audit, arch, label, cache, floor_pct):
     """The *modelled* share of the hardware floor (assumptions in dflash_rocm.audit.targets)
-    of the cases issue 10 set targets for; a kernel or table change that loses ground fails."""
+    of the cases issue 10 set targets for, and of others a change moved; a kernel or table
+    change that loses ground fails."""
     assert _case(audit, arch, label, cache)["pct_floor"] >= floor_pct
 
 
