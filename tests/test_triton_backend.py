@@ -293,6 +293,25 @@ def test_split_tile_counters_are_left_zero_for_the_next_launch():
         assert counters.numel() >= 4 and not counters.any()
 
 
+def test_an_outgrown_counter_buffer_is_kept_alive():
+    """A graph captured with a counter buffer keeps using its memory on every replay, so a
+    larger launch's new buffer must not free the old one (its memory could then hold some
+    other tensor that replays would corrupt)."""
+    import gc
+    import weakref
+
+    from dflash_rocm.backends.triton import counters
+
+    device = torch.device("cpu")
+    small = counters.arrival_counters(device, 8)
+    gone = weakref.ref(small)
+    big = counters.arrival_counters(device, 2 * small.numel())
+    assert big.numel() > small.numel() and counters.arrival_counters(device, 8) is big
+    del small
+    gc.collect()
+    assert gone() is not None and not gone().any()
+
+
 def test_no_write_outside_slots_even_with_duplicate_free_random_slots():
     """Every byte of every cache outside the mapping stays, for every layer and both caches."""
     g = make_generator(5, "cpu")

@@ -6,7 +6,9 @@ increments the tile's counter (acquire-release). Either the one that sees ``part
 merges the partials and resets the counter to zero, or (attention merger programs) the
 mergers wait for ``parts`` arrivals, merge, count themselves, and the last of them resets
 it. So the counters are zero between launches and no launch pays a memset; they are kept
-per device and stream.
+per device and stream. A buffer outgrown by a larger launch is kept too: a CUDA graph
+captured with it still increments it on every replay, so its memory must never serve
+another tensor.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from .common import next_pow2
 
 _COUNTERS: dict[tuple, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []  # never freed (see the module docstring); a few KiB each
 
 
 def arrival_counters(device: torch.device, count: int) -> torch.Tensor | None:
@@ -28,6 +31,8 @@ def arrival_counters(device: torch.device, count: int) -> torch.Tensor | None:
     if counters is None or counters.numel() < count:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
+        if counters is not None:
+            _OUTGROWN.append(counters)
         counters = torch.zeros(max(next_pow2(count), 4096), dtype=torch.int32, device=device)
         _COUNTERS[(device, stream)] = counters
     return counters
