@@ -110,6 +110,22 @@ def test_real_shape_attention(backend, context, shape, batch):
     assert dflash_rocm.contract.relative_error(out, ref) < 2e-2
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", ["qwen3-8b-dflash-b16", "gemma-swa-sinks"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_real_shape_attention_on_an_fp8_cache(backend, shape, batch):
+    """This GPU's fp8 format at 8k context: the products in fp16 on NVIDIA (the query
+    pre-scaled), in the query's dtype on AMD."""
+    device = torch.device("cuda")
+    inputs = attention_inputs(SHAPES[shape], batch, 8192, torch.bfloat16, fp8_dtype(), device)
+
+    def run(name):
+        return dflash_rocm.draft_attention(*inputs.args(), **inputs.kwargs, backend=name).clone()
+
+    out, ref = _agree(backend, ATTENTION, inputs.args(), inputs.kwargs, run)
+    assert dflash_rocm.contract.relative_error(out, ref) < 2e-2
+
+
 @pytest.mark.rocm
 def test_startup_tuning_end_to_end_on_the_gpu(tmp_path, monkeypatch):
     """Tune a small DFlash space on the real GPU, persist it, and serve from it."""
