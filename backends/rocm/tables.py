@@ -155,16 +155,24 @@ def attention_config(w: AttentionWorkload, query_limit: int | None) -> tuple[str
 @functools.lru_cache(maxsize=1024)
 def precompute_config(arch: str, *, num_tokens: int, hidden: int, num_heads_total: int,
                       head_dim: int, compute_units: int | None = None) -> PrecomputeLaunchConfig:
-    """Up to 64 tokens in one tile with the hidden size split until the heads fill the
-    CUs (the device's own count; None: the flagship's); beyond, 32-token tiles on CDNA up
-    to 512 tokens (enough programs to balance 304 CUs) and 64-token tiles otherwise, a
-    last partial round of tiles split across every CU (:func:`tail_split`; choices judged
-    by `dflash-rocm inspect`'s model). No ``waves_per_eu`` cap (it only padded the register
-    allocation): every config's registers leave room for >= 4 waves per SIMD (a two-stage
-    loop's LDS buffer may hold gfx942 to 3 workgroups per CU). On CDNA the program order
-    keeps a head's tiles on one XCD. gfx950 sums the hidden RMSNorm's squares a value at a
-    time (its loop was bound by the vector work: modelled N=1024 52 -> 56 %, gfx942 and RDNA3
-    lose a little)."""
+    """Up to 64 tokens in one tile of 4 warps (8 warps split 32 rows below the 16 rows of a
+    matrix instruction: modelled gfx942 N = 32 68 -> 80 %, gfx950 45 -> 76 %) with the hidden
+    size split until the heads fill the CUs (the device's own count; None: the flagship's);
+    beyond, 32-token tiles on CDNA up to 384 tokens (224 on gfx950; enough programs to
+    balance the CUs) and 64-token tiles otherwise, a last partial round of tiles split across every CU
+    (:func:`tail_split`). Choices judged by `dflash-rocm inspect`'s model over N = 16..16384,
+    not only the sweep's points: gfx942 takes 16x16 MFMAs and, below 1024 tokens where no
+    tile is split, 4-warp 64-token tiles (the split path's registers would leave 2 waves:
+    N = 416..960 +1 to +9 points, one point 0.6 lower); gfx950's 64-token tiles start at 224
+    tokens, prefetching a step ahead while they fill at most two rounds (N = 256..512:
+    37-48 -> 47-60 %, at 2-3 waves per SIMD). 128-token tiles on gfx950 won where their count
+    filled whole rounds (N = 4096 65 -> 83 %) and lost up to 15 points where it did not
+    (N = 1280), so they are not used. No ``waves_per_eu`` cap (it only padded the register
+    allocation): gfx942's configs leave room for >= 4 waves per SIMD (a two-stage loop's LDS
+    buffer may hold it to 3 workgroups per CU). On CDNA the program order keeps a head's
+    tiles on one XCD. gfx950 sums the hidden
+    RMSNorm's squares a value at a time (its loop was bound by the vector work: modelled
+    N = 1024 52 -> 56 %, gfx942 and RDNA3 lose a little)."""
     platform = platform_for_arch(arch, compute_units=compute_units)
     cdna = platform.family == "cdna"
     block_k = 64 if head_dim <= 128 else 32
@@ -173,23 +181,30 @@ def precompute_config(arch: str, *, num_tokens: int, hidden: int, num_heads_tota
     if num_tokens <= 64:
         return PrecomputeLaunchConfig(
             block_t=max(16, next_pow2(num_tokens)), block_k=block_k,
-            split_k=split_k_for(num_heads_total, hidden, block_k, platform.compute_units), num_warps=8, num_stages=2,
+            split_k=split_k_for(num_heads_total, hidden, block_k, platform.compute_units), num_warps=4, num_stages=2,
             num_xcds=xcds, square_group=squares)
-    if cdna and num_tokens <= 512:  # gfx942: 16x16 MFMAs issue this 32-token tile faster (modelled +2 points)
+    if cdna and num_tokens <= (224 if arch == "gfx950" else 384):  # 16x16 MFMAs issue it faster (+2 points)
         tiles = -(-num_tokens // 32) * num_heads_total
         whole, split = tail_split(tiles, platform.compute_units)
         # With up to ~3 programs per CU a single-stage loop waits on every load: prefetch one
         # step ahead (W's buffer in LDS then limits gfx942 to 3 workgroups per CU, enough).
         stages = 2 if tiles <= 3 * platform.compute_units else 1
         return PrecomputeLaunchConfig(block_t=32, block_k=block_k, split_k=split, whole_tiles=whole, num_warps=4,
-                                      num_stages=stages, num_xcds=xcds,
-                                      matrix_instr_nonkdim=16 if arch == "gfx942" else 0, square_group=squares)
-    # gfx950's 4-warp tiles keep its matrix cores fed at 4 waves/SIMD; gfx942 takes 16x16 MFMAs (with
-    # 32x32 ones LLVM unrolls the loop and the registers allow 5 waves, not 7: N = 4096 81 vs 85 %).
-    # Both modelled.
+                                      num_stages=stages, num_xcds=xcds, matrix_instr_nonkdim=16,
+                                      square_group=squares)
+    # gfx950's 4-warp tiles keep its matrix cores fed at 4 waves/SIMD, prefetching a step ahead
+    # (16x16 MFMAs) while the tiles fill at most two rounds; gfx942's 8-warp tiles take 16x16
+    # MFMAs (with 32x32 ones LLVM unrolls the loop and the registers allow 5 waves, not 7:
+    # N = 4096 81 vs 85 %). All modelled.
     if cdna:
-        whole, split = tail_split(-(-num_tokens // 64) * num_heads_total, platform.compute_units)
+        tiles = -(-num_tokens // 64) * num_heads_total
+        whole, split = tail_split(tiles, platform.compute_units)
+        if arch == "gfx950":
+            warps, stages = 4, 2 if tiles <= 2 * platform.compute_units else 1
+            nonkdim = 16 if stages == 2 else 0
+        else:
+            warps, stages, nonkdim = (4 if split == 1 and num_tokens < 1024 else 8), 1, 16
         return PrecomputeLaunchConfig(block_t=64, block_k=block_k, split_k=split, whole_tiles=whole,
-                                      num_warps=4 if arch == "gfx950" else 8, num_stages=1, num_xcds=xcds,
-                                      matrix_instr_nonkdim=16 if arch == "gfx942" else 0, square_group=squares)
+                                      num_warps=warps, num_stages=stages, num_xcds=xcds,
+                                      matrix_instr_nonkdim=nonkdim, square_group=squares)
     return PrecomputeLaunchConfig(block_t=64, block_k=block_k, num_warps=8, num_stages=2)
