@@ -155,9 +155,11 @@ def attention_config(w: AttentionWorkload, query_limit: int | None) -> tuple[str
 @functools.lru_cache(maxsize=1024)
 def precompute_config(arch: str, *, num_tokens: int, hidden: int, num_heads_total: int,
                       head_dim: int, compute_units: int | None = None) -> PrecomputeLaunchConfig:
-    """Up to 64 tokens in one tile of 4 warps (8 warps split 32 rows below the 16 rows of a
-    matrix instruction: modelled gfx942 N = 32 68 -> 80 %, gfx950 45 -> 76 %) with the hidden
-    size split until the heads fill the CUs (the device's own count; None: the flagship's);
+    """Up to 64 tokens in one tile (on CDNA, a 32-token tile on 4 warps: 8 split its rows
+    below the 16 rows of a matrix instruction, modelled gfx942 N = 32 68 -> 80 %, gfx950
+    45 -> 76 %; 16- and 64-token tiles keep 8, as fast in the model and with more waves, and
+    on RDNA3 a 64-token tile of 4 warps spills) with the hidden size split until the heads fill the CUs (the device's own count;
+    None: the flagship's);
     beyond, 32-token tiles on CDNA up to 384 tokens (224 on gfx950; enough programs to
     balance the CUs) and 64-token tiles otherwise, a last partial round of tiles split across every CU
     (:func:`tail_split`). Choices judged by `dflash-rocm inspect`'s model over N = 16..16384,
@@ -179,10 +181,11 @@ def precompute_config(arch: str, *, num_tokens: int, hidden: int, num_heads_tota
     xcds = dispatch_partitions(platform)
     squares = 1 if arch == "gfx950" else 8
     if num_tokens <= 64:
+        block_t = max(16, next_pow2(num_tokens))
         return PrecomputeLaunchConfig(
-            block_t=max(16, next_pow2(num_tokens)), block_k=block_k,
-            split_k=split_k_for(num_heads_total, hidden, block_k, platform.compute_units), num_warps=4, num_stages=2,
-            num_xcds=xcds, square_group=squares)
+            block_t=block_t, block_k=block_k,
+            split_k=split_k_for(num_heads_total, hidden, block_k, platform.compute_units),
+            num_warps=4 if cdna and block_t == 32 else 8, num_stages=2, num_xcds=xcds, square_group=squares)
     if cdna and num_tokens <= (224 if arch == "gfx950" else 384):  # 16x16 MFMAs issue it faster (+2 points)
         tiles = -(-num_tokens // 32) * num_heads_total
         whole, split = tail_split(tiles, platform.compute_units)
