@@ -29,7 +29,7 @@ TWO_GIB = 2 ** 31 - 1
 
 ATTENTION_BATCHES = (1, 8, 64)
 ATTENTION_CONTEXTS = (1024, 8192, 32768)
-PRECOMPUTE_TOKENS = (16, 64, 256, 1024, 4096)
+PRECOMPUTE_TOKENS = (16, 32, 64, 256, 512, 1024, 4096)
 # Extra attention cases named in issue 10: batch 64 at 4k (a target), and a request whose
 # real context (1k) is far below what its block table spans (32k), as under graph capture
 # or without a max_seq_len hint.
