@@ -155,26 +155,31 @@ def attention_config(w: AttentionWorkload, query_limit: int | None) -> tuple[str
 @functools.lru_cache(maxsize=1024)
 def precompute_config(arch: str, *, num_tokens: int, hidden: int, num_heads_total: int,
                       head_dim: int, compute_units: int | None = None) -> PrecomputeLaunchConfig:
-    """Up to 64 tokens in one tile (on CDNA, a 32-token tile on 4 warps: 8 split its rows
-    below the 16 rows of a matrix instruction, modelled gfx942 N = 32 68 -> 80 %, gfx950
-    45 -> 76 %; 16- and 64-token tiles keep 8, as fast in the model and with more waves, and
-    on RDNA3 a 64-token tile of 4 warps spills) with the hidden size split until the heads fill the CUs (the device's own count;
-    None: the flagship's);
-    beyond, 32-token tiles on CDNA up to 384 tokens (224 on gfx950; enough programs to
-    balance the CUs) and 64-token tiles otherwise, a last partial round of tiles split across every CU
-    (:func:`tail_split`). Choices judged by `dflash-rocm inspect`'s model over N = 16..16384,
-    not only the sweep's points: gfx942 takes 16x16 MFMAs and, below 1024 tokens where no
-    tile is split, 4-warp 64-token tiles (the split path's registers would leave 2 waves:
-    N = 416..960 +1 to +9 points, one point 0.6 lower); gfx950's 64-token tiles start at 224
-    tokens, prefetching a step ahead while they fill at most two rounds (N = 256..512:
-    37-48 -> 47-60 %, at 2-3 waves per SIMD). 128-token tiles on gfx950 won where their count
-    filled whole rounds (N = 4096 65 -> 83 %) and lost up to 15 points where it did not
-    (N = 1280), so they are not used. No ``waves_per_eu`` cap (it only padded the register
-    allocation): gfx942's configs leave room for >= 4 waves per SIMD (a two-stage loop's LDS
-    buffer may hold it to 3 workgroups per CU). On CDNA the program order keeps a head's
-    tiles on one XCD. gfx950 sums the hidden
-    RMSNorm's squares a value at a time (its loop was bound by the vector work: modelled
-    N = 1024 52 -> 56 %, gfx942 and RDNA3 lose a little)."""
+    """Up to 64 tokens in one tile, the hidden size split until the heads fill the CUs (the
+    device's own count; None: the flagship's); beyond, 32-token tiles on CDNA up to 384
+    tokens (224 on gfx950; enough programs to balance the CUs) and 64-token tiles otherwise,
+    a last partial round of tiles split across every CU (:func:`tail_split`).
+
+    Choices judged by `dflash-rocm inspect`'s model over N = 16..16384, not only the sweep's
+    points (all figures modelled):
+
+    - on CDNA a 32-token single tile runs on 4 warps (8 split its rows below the 16 rows of
+      a matrix instruction: gfx942 N = 32 68 -> 80 %, gfx950 45 -> 76 %); 16- and 64-token
+      tiles keep 8 (as fast in the model, more waves; a 64-token tile of 4 warps spills on
+      RDNA3);
+    - gfx942 takes 16x16 MFMAs and, below 1024 tokens where no tile is split, 4-warp
+      64-token tiles (the split path's registers would leave 2 waves): N = 416..960 +1 to +9
+      points, one point 0.6 lower;
+    - gfx950's 64-token tiles start at 224 tokens, prefetching a step ahead while they fill
+      at most two rounds (N = 256..512: 37-48 -> 47-60 %, at 2-3 waves per SIMD); 128-token
+      tiles won where their count filled whole rounds (N = 4096 65 -> 83 %) and lost up to
+      15 points where it did not (N = 1280), so they are not used;
+    - gfx950 sums the hidden RMSNorm's squares a value at a time (its loop was bound by the
+      vector work: N = 1024 52 -> 56 %; gfx942 and RDNA3 lose a little).
+
+    No ``waves_per_eu`` cap (it only padded the register allocation): gfx942's configs leave
+    room for >= 4 waves per SIMD (a two-stage loop's LDS buffer may hold it to 3 workgroups
+    per CU). On CDNA the program order keeps a head's tiles on one XCD."""
     platform = platform_for_arch(arch, compute_units=compute_units)
     cdna = platform.family == "cdna"
     block_k = 64 if head_dim <= 128 else 32
