@@ -337,11 +337,12 @@ def draft_attention_kernel(
         v_scale = tl.load(v_scale_ptr)
     qk_scale = scale_log2 * k_scale
     if FP16_DOTS:
-        # fp16 products (fp8 caches, 16-bit queries): the query is scaled before it is
-        # rounded, so fp16's range holds |q| up to 65504 / qk_scale (beyond, it saturates),
-        # and the scores come out in the exponents' units (the loop scales by 1).
-        q = tl.clamp(q.to(tl.float32) * qk_scale, -65504.0, 65504.0).to(tl.float16)
-        qk_scale = 1.0
+        # fp16 products (fp8 caches, 16-bit queries): the query takes the softmax scale (in
+        # log2 units) before it is rounded, so fp16's range holds |q| up to 65504 over that
+        # scale, ~5e5 for head_dim 128 (beyond, it saturates), whatever the cache's k_scale,
+        # which the loop still applies to the scores.
+        q = tl.clamp(q.to(tl.float32) * scale_log2, -65504.0, 65504.0).to(tl.float16)
+        qk_scale = k_scale
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)

@@ -34,7 +34,7 @@ class AttentionLaunchConfig:
     ``merge`` says how a split tile's partials are merged (see :data:`MERGES`); a merge
     program (merger or second launch) merges ``merge_rows`` rows of a tile (0: one query
     token's heads). ``fp16_dots``: with an fp8 cache and 16-bit queries, both products
-    take fp16 operands (the query pre-scaled into fp16's range, fp8 widened exactly, P
+    take fp16 operands (the query pre-scaled by the softmax scale, fp8 widened exactly, P
     with 3 more bits than bf16) instead of the query's dtype: on NVIDIA an e4m3 pair
     widens to fp16 in one instruction, to bf16 in several; on AMD the opposite holds.
     """
