@@ -4,8 +4,8 @@ and the hardware floor.
 Each case is timed with device events after a warm-up, as the median of many repeats,
 the contenders in turns (one call of each per round, so load that comes and goes on a
 shared machine hits them alike); an L2 flush runs before every timed call and the inputs
-rotate between two sets, so small shapes are not flattered by warm caches. The floor is the time the bytes that
-must move (or the FLOPs that must run) take at the device's peak.
+rotate between two sets, so small shapes are not flattered by warm caches. The floor is the
+time the bytes that must move (or the FLOPs that must run) take at the device's peak.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ MATRIX_INSTR_NONKDIMS = (0, 16, 32)  # 0: the compiler's choice; 16 or 32: MFMA 
 
 def launch_config_from_dict(d: object, group: int, family: str) -> AttentionLaunchConfig:
     """A tuned entry's config, validated like a table entry: exactly the launch fields,
-    ints (``merge`` one of :data:`MERGES`), power-of-two tiles of 16..256 rows with
+    ints (``merge`` one of :data:`MERGES`, ``fp16_dots`` a bool), power-of-two tiles of 16..256 rows with
     ``block_m >= group`` (each tile holds whole query tokens), segments within the
     family's table limit, a warp count the compiler takes, stages >= 1 and waves per EU
     >= 0 within sane bounds. ``ValueError`` says what is wrong. (What still fails to
