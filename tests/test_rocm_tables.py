@@ -167,8 +167,8 @@ def test_precompute_config_splits_a_single_token_tile_or_a_last_partial_round(ar
             assert config.whole_tiles % p.compute_units == 0 and 0 < tiles - config.whole_tiles <= p.compute_units / 2
         else:
             assert config.whole_tiles == 0
-    if arch == "gfx942":  # 640 tiles of 32 tokens on 304 CUs: two rounds whole, 32 tiles split
-        assert (mid.whole_tiles, mid.split_k) == (608, 4)
+    if arch == "gfx942":  # 320 tiles of 64 tokens on 304 CUs: a round whole, 16 tiles split a part per CU
+        assert (mid.block_t, mid.whole_tiles, mid.split_k) == (64, 304, 16)
     assert not any(c.waves_per_eu for c in (small, mid, big))
     assert all(c.num_xcds == (8 if p.family == "cdna" else 1) for c in (small, mid, big))
 
@@ -189,9 +189,12 @@ def test_precompute_sums_squares_a_value_at_a_time_only_on_gfx950(arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_precompute_tiles_follow_the_token_count(arch):
     """A single token tile of 32 takes 4 warps on CDNA (8 would split its rows below a
-    matrix instruction's 16); CDNA moves to 64-token tiles past 384 tokens (224 on gfx950), gfx942's
-    of 4 warps where no tile is split below 1024 tokens (the split path's registers would
-    leave 2 waves), gfx950's prefetching a step ahead while they fill at most two rounds."""
+    matrix instruction's 16); CDNA moves to 64-token tiles past 352 tokens (224 on gfx950),
+    and sooner where they leave a last round of a few tiles split 16 ways (gfx942 N = 256,
+    not N = 224, whose last tile would be half empty); gfx942's of 4 warps where no tile is
+    split below 1024 tokens (the split path's registers would leave 2 waves), prefetching a
+    step ahead while a split grid fills at most two rounds; gfx950's prefetching a step
+    ahead while they fill at most two rounds."""
     def config(tokens):
         return tables.precompute_config(arch, num_tokens=tokens, hidden=4096, num_heads_total=80, head_dim=128)
 
@@ -199,8 +202,11 @@ def test_precompute_tiles_follow_the_token_count(arch):
     assert config(32).block_t == 32 and config(32).num_warps == (4 if cdna else 8)
     assert config(64).num_warps == 8
     if arch == "gfx942":
-        assert config(384).block_t == 32 and config(448).block_t == 64
-        assert (config(448).split_k, config(448).num_warps) == (1, 4)
+        assert config(352).block_t == 32 and config(384).block_t == 64
+        assert config(224).block_t == 32 and config(256).block_t == 64
+        assert (config(256).num_warps, config(256).num_stages) == (8, 2)
+        assert (config(448).split_k, config(448).num_warps, config(448).num_stages) == (1, 4, 1)
+        assert (config(1472).split_k, config(1472).num_stages) == (16, 1)  # six rounds: one stage
         assert config(512).split_k > 1 and config(512).num_warps == 8
         assert config(4096).num_warps == 8
     if arch == "gfx950":
@@ -212,6 +218,8 @@ def test_tail_split_spreads_only_a_short_last_round():
     from dflash_rocm.backends.triton.launch_config import tail_split
 
     assert tail_split(640, 304) == (608, 4)  # 32 tiles left: 128 parts, a share for many CUs
+    assert tail_split(320, 304) == (304, 16)  # 16 left: 256 parts, at most one per CU
+    assert tail_split(324, 304) == (304, 4)  # 20 left: 16 ways would give some CUs two parts
     assert tail_split(640, 256) == (512, 2)  # 128 left: 4 ways would give more than 1.75 parts per CU
     assert tail_split(5120, 304) == (0, 1)  # 256 left: most CUs busy anyway
     assert tail_split(200, 304) == (0, 1)  # no full round

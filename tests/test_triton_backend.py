@@ -281,7 +281,7 @@ def test_tail_merge_can_be_switched_off(monkeypatch):
 
 def test_split_tile_counters_are_left_zero_for_the_next_launch():
     from dflash_rocm.backends.triton.attention import run_draft_attention
-    from dflash_rocm.backends.triton.counters import _COUNTERS
+    from dflash_rocm.backends.triton.counters import _KEPT
     from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig
     from dflash_rocm.ops.attention import attention_call
 
@@ -289,8 +289,57 @@ def test_split_tile_counters_are_left_zero_for_the_next_launch():
     for merge in ("last", "tail"):  # the last merger to finish resets its tile's counter
         run_draft_attention(attention_call(*args), AttentionLaunchConfig(block_m=32, block_n=16, num_segments=4,
                                                                          merge=merge))
-        counters = _COUNTERS[(torch.device("cpu"), None)]
+        counters = _KEPT[(torch.device("cpu"), None, torch.int32)]
         assert counters.numel() >= 4 and not counters.any()
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_split_parts_add_into_one_sum_unless_torch_asks_for_determinism(deterministic):
+    """By default the parts of a split tile add into one float32 sum, which the merging
+    part reads and leaves zero for the next launch (a sum left over would add into the
+    second run below); under ``torch.use_deterministic_algorithms`` each part keeps its
+    own tile and the merge sums them in order."""
+    from dflash_rocm.backends.triton.counters import _KEPT
+    from dflash_rocm.backends.triton.launch_config import PrecomputeLaunchConfig
+    from dflash_rocm.backends.triton.precompute import plan_precompute, run_precompute
+    from dflash_rocm.ops.precompute import precompute_call
+
+    g = make_generator(6, "cpu")
+    w = make_weights(g, "cpu", L=2, Hk=2, D=16, H=48, R=16, is_neox=True, bias=False, v_scale=None,
+                     dtype=torch.float32)
+    states = torch.randn(20, 48, generator=g)
+    rk, rv = dflash_rocm.precompute_and_store_context_kv(states, torch.arange(20), w, None, None, None,
+                                                         return_kv=True, backend="reference")
+    call = precompute_call(states, torch.arange(20), w, None, None, None, return_kv=True)
+    config = PrecomputeLaunchConfig(block_t=16, block_k=16, split_k=3, whole_tiles=2)  # 8 tiles: 6 split
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        assert plan_precompute(call, config).atomic_sum is not deterministic
+        for _ in range(2):
+            k, v = run_precompute(call, config)
+            assert max(dflash_rocm.contract.relative_error(k, rk), dflash_rocm.contract.relative_error(v, rv)) < 1e-5
+    finally:
+        torch.use_deterministic_algorithms(before)
+    if not deterministic:
+        sums = _KEPT[(torch.device("cpu"), None, torch.float32)]
+        assert sums.numel() >= 6 * 16 * 17 and not sums.any()
+
+
+def test_division_by_a_shared_divisor_is_rounded_as_a_division():
+    """The fp8 epilogue divides by the cache scale with a reciprocal and one FMA correction:
+    bitwise the float32 quotient, where the product alone is an ulp off for about a
+    quarter of the values drawn here (40 binades, six divisors; infinities and NaN too)."""
+    from divide_kernel import divide_kernel
+
+    g = make_generator(7, "cpu")
+    x = torch.randn(4096, generator=g) * torch.exp2(torch.randint(-20, 20, (4096,), generator=g).float())
+    x[:4] = torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0])
+    for divisor in (0.37, 1.9, 3.0, 0.5, 1e-3, 7.3e4):
+        d = torch.tensor([divisor], dtype=torch.float32)
+        out = torch.empty_like(x)
+        divide_kernel[(1,)](x, d, out, BLOCK=4096)
+        assert torch.equal(out.view(torch.int32), (x / d).view(torch.int32)), divisor
 
 
 def test_an_outgrown_counter_buffer_is_kept_alive():
@@ -303,10 +352,10 @@ def test_an_outgrown_counter_buffer_is_kept_alive():
     from dflash_rocm.backends.triton import counters
 
     device = torch.device("cpu")
-    small = counters.arrival_counters(device, 8)
+    small = counters.kept_zeroed(device, 8)
     gone = weakref.ref(small)
-    big = counters.arrival_counters(device, 2 * small.numel())
-    assert big.numel() > small.numel() and counters.arrival_counters(device, 8) is big
+    big = counters.kept_zeroed(device, 2 * small.numel())
+    assert big.numel() > small.numel() and counters.kept_zeroed(device, 8) is big
     del small
     gc.collect()
     assert gone() is not None and not gone().any()
@@ -502,7 +551,7 @@ def test_split_work_is_merged_by_a_second_launch_when_no_counters_are_free(monke
     from dflash_rocm.ops.attention import attention_call
     from dflash_rocm.ops.precompute import precompute_call
 
-    monkeypatch.setattr(counters, "arrival_counters", lambda device, count: None)
+    monkeypatch.setattr(counters, "kept_zeroed", lambda device, count, dtype=None: None)
     counter = _CountTritonLaunches(monkeypatch)
     args = paged([70, 33], [16, 9], Hk=2, G=4, D=32, block_size=16)
     call = attention_call(*args)

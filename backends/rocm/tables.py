@@ -156,9 +156,10 @@ def attention_config(w: AttentionWorkload, query_limit: int | None) -> tuple[str
 def precompute_config(arch: str, *, num_tokens: int, hidden: int, num_heads_total: int,
                       head_dim: int, compute_units: int | None = None) -> PrecomputeLaunchConfig:
     """Up to 64 tokens in one tile, the hidden size split until the heads fill the CUs (the
-    device's own count; None: the flagship's); beyond, 32-token tiles on CDNA up to 384
+    device's own count; None: the flagship's); beyond, 32-token tiles on CDNA up to 352
     tokens (224 on gfx950; enough programs to balance the CUs) and 64-token tiles otherwise,
-    a last partial round of tiles split across every CU (:func:`tail_split`).
+    or sooner where their last round is a few tiles split 16 ways; a last partial round of
+    tiles split across every CU (:func:`tail_split`).
 
     Choices judged by `dflash-rocm inspect`'s model over N = 16..16384, not only the sweep's
     points (all figures modelled):
@@ -170,6 +171,11 @@ def precompute_config(arch: str, *, num_tokens: int, hidden: int, num_heads_tota
     - gfx942 takes 16x16 MFMAs and, below 1024 tokens where no tile is split, 4-warp
       64-token tiles (the split path's registers would leave 2 waves): N = 416..960 +1 to +9
       points, one point 0.6 lower;
+    - with split parts adding into one sum (the merge reads one tile, not one per part),
+      a last round of at most CUs / 16 tiles splits 16 ways, and gfx942 takes 64-token
+      tiles where that happens even below 352 tokens, prefetching a step ahead within two
+      rounds: N = 256 64.3 -> 66.3 %, N = 384 62.9 -> 65.7 %, N = 1472 78.6 -> 81.2 %
+      (gfx950 N = 832 59.5 -> 62.4 %); none of 72 points of N = 96..8192 lower (36 on gfx950);
     - gfx950's 64-token tiles start at 224 tokens, prefetching a step ahead while they fill
       at most two rounds (N = 256..512: 37-48 -> 47-60 %, at 2-3 waves per SIMD); 128-token
       tiles won where their count filled whole rounds (N = 4096 65 -> 83 %) and lost up to
@@ -191,7 +197,12 @@ def precompute_config(arch: str, *, num_tokens: int, hidden: int, num_heads_tota
             block_t=block_t, block_k=block_k,
             split_k=split_k_for(num_heads_total, hidden, block_k, platform.compute_units),
             num_warps=4 if cdna and block_t == 32 else 8, num_stages=2, num_xcds=xcds, square_group=squares)
-    if cdna and num_tokens <= (224 if arch == "gfx950" else 384):  # 16x16 MFMAs issue it faster (+2 points)
+    tiles = -(-num_tokens // 64) * num_heads_total
+    whole, split = tail_split(tiles, platform.compute_units)
+    # 64-token tiles whose last round is a few tiles split 16 ways (and none half empty) beat
+    # 32-token ones: they read the weight half as often (MI300X N = 256: 64.3 -> 66.3 %).
+    tiny_tail = split == 16 and num_tokens % 64 == 0
+    if cdna and num_tokens <= (224 if arch == "gfx950" else 352) and not tiny_tail:  # 16x16 MFMAs: +2 points
         tiles = -(-num_tokens // 32) * num_heads_total
         whole, split = tail_split(tiles, platform.compute_units)
         # With up to ~3 programs per CU a single-stage loop waits on every load: prefetch one
@@ -205,13 +216,12 @@ def precompute_config(arch: str, *, num_tokens: int, hidden: int, num_heads_tota
     # MFMAs (with 32x32 ones LLVM unrolls the loop and the registers allow 5 waves, not 7:
     # N = 4096 81 vs 85 %). All modelled.
     if cdna:
-        tiles = -(-num_tokens // 64) * num_heads_total
-        whole, split = tail_split(tiles, platform.compute_units)
         if arch == "gfx950":
             warps, stages = 4, 2 if tiles <= 2 * platform.compute_units else 1
             nonkdim = 16 if stages == 2 else 0
-        else:
-            warps, stages, nonkdim = (4 if split == 1 and num_tokens < 1024 else 8), 1, 16
+        else:  # a split tail within two rounds prefetches a step ahead (N = 256: 52.5 -> 66.3 %, modelled)
+            warps, nonkdim = (4 if split == 1 and num_tokens < 1024 else 8), 16
+            stages = 2 if split > 1 and tiles <= 2 * platform.compute_units else 1
         return PrecomputeLaunchConfig(block_t=64, block_k=block_k, split_k=split, whole_tiles=whole,
                                       num_warps=warps, num_stages=stages, num_xcds=xcds,
                                       matrix_instr_nonkdim=nonkdim, square_group=squares)

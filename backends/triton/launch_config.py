@@ -177,15 +177,17 @@ def tail_split(tiles: int, units: int) -> tuple[int, int]:
     """(whole tiles, split) for a grid of ``tiles`` equal tiles on ``units`` compute units:
     the tiles of the full rounds run whole, and when a last round would leave at most half
     the units busy (each unit then waits on a few that run one tile more), the hidden size
-    of its tiles is split 4 ways (2 when that already gives more than 1.75 parts per unit)
-    so every unit takes a share; ``(0, 1)`` when nothing is split. Chosen by
-    `dflash-rocm inspect`'s model (modelled, not measured: MI300X N = 256 57 -> 64 % of the
-    floor)."""
+    of its tiles is split 4 ways (2 when that already gives more than 1.75 parts per unit;
+    16 when the round holds at most ``units / 16`` tiles: a part per unit at most, and the
+    parts' sum costs the merge one tile's read) so every unit takes a share; ``(0, 1)`` when
+    nothing is split. Chosen by `dflash-rocm inspect`'s model (modelled, not measured:
+    MI300X N = 256 57 -> 64 % of the floor; 16 ways: MI300X N = 1472 78.6 -> 81.2 %,
+    MI355X N = 832 59.5 -> 62.4 %)."""
     whole = tiles // units * units
     tail = tiles - whole
     if not whole or not tail or 2 * tail > units:
         return 0, 1
-    split = 4 if 4 * tail <= 1.75 * units else 2
+    split = 16 if 16 * tail <= units else 4 if 4 * tail <= 1.75 * units else 2
     return whole, split
 
 

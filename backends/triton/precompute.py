@@ -170,6 +170,7 @@ class PrecomputePlan:
     main: LaunchPlan
     epilogue: LaunchPlan | None  # sums a split hidden size, when the last part does not
     merge_in_kernel: bool
+    atomic_sum: bool  # the parts add into one float32 sum per tile (kept zero between launches)
     table: torch.Tensor  # the caches' addresses: a plan serves one cache set
     counters: int
     part_acc: int  # elements of the split parts (0: not split)
@@ -181,8 +182,9 @@ class PrecomputePlan:
         slots, _ = slot_rows(call)
         part_acc, part_ss, counters = split_scratch(
             dummy, ((self.part_acc, torch.float32), (self.part_ss, torch.float32)),
-            self.counters if self.merge_in_kernel else 0)
-        if counters is None:  # none free while a graph is captured: the sum takes its own launch
+            self.counters if self.merge_in_kernel else 0, kept_sums=self.atomic_sum)
+        if any(t is None for t in (part_acc, part_ss, counters)):  # none free while a graph is captured:
+            # the sum takes its own launch
             plan_precompute(call, self.config, merge_in_kernel=False).run(call, out_k, out_v)
             return
         tail = (fused.bias if fused.bias is not None else dummy, fused.k_norm, fused.cos_sin,
@@ -209,19 +211,23 @@ def plan_precompute(call: PrecomputeCall, config: PrecomputeLaunchConfig, merge_
     whole = min(config.whole_tiles, tiles) if config.split_k > 1 else tiles
     split_k = config.split_k if whole < tiles else 1
     merge_in_kernel = split_k > 1 if merge_in_kernel is None else merge_in_kernel
+    # Parts add into one sum unless torch was asked for bitwise-reproducible results (fp32
+    # atomics add in arrival order); the merge then reads one tile instead of split_k.
+    atomic_sum = merge_in_kernel and split_k > 1 and not torch.are_deterministic_algorithms_enabled()
     key = None
     if call.layout is not None:
         written = [s for s in call.slot_mappings if s is not None]
         # the layout holds the caches' addresses (validation judges aliasing with it), so a
         # plan, whose cache table holds them too, serves exactly one cache set
-        key = (call.layout, config, merge_in_kernel,
+        key = (call.layout, config, merge_in_kernel, atomic_sum,
                w.kv_bias is None, w.v_scale, w.is_neox, w.eps, w.rotary_dim,
                tuple(s is None for s in call.slot_mappings), all(s is written[0] for s in written))
-    return _PLANS.get_or_make(key, lambda: _make_plan(call, config, grid_t, whole, split_k, merge_in_kernel))
+    return _PLANS.get_or_make(key, lambda: _make_plan(call, config, grid_t, whole, split_k, merge_in_kernel,
+                                                      atomic_sum))
 
 
 def _make_plan(call: PrecomputeCall, config: PrecomputeLaunchConfig, grid_t: int, whole: int, split_k: int,
-               merge_in_kernel: bool) -> PrecomputePlan:
+               merge_in_kernel: bool, atomic_sum: bool) -> PrecomputePlan:
     w = call.weights
     N, L, Hk, D = call.num_tokens, w.num_layers, w.num_kv_heads, w.head_dim
     dtype = call.dtype
@@ -249,16 +255,16 @@ def _make_plan(call: PrecomputeCall, config: PrecomputeLaunchConfig, grid_t: int
         context_kv_kernel, (whole + split_tiles * split_k,), compiler_options(config),
         (slot_layer_stride, N, w.hidden_size, x.stride(0), x.stride(1), cos_sin_stride, v_scale, w.eps, grid_t, whole),
         dict(BLOCK_K=config.block_k, HAS_WHOLE=split_k > 1 and whole > 0, MERGE_IN_KERNEL=merge_in_kernel,
-             NUM_XCDS=config.num_xcds, SQUARE_GROUP=config.square_group,
+             ATOMIC_SUM=atomic_sum, NUM_XCDS=config.num_xcds, SQUARE_GROUP=config.square_group,
              FP32_MATH=fp32_math(dtype), **epilogue))
     sum_parts = None
     if split_tiles and not merge_in_kernel:
         sum_parts = LaunchPlan(context_kv_split_epilogue_kernel, (split_tiles,), compiler_options(config),
                                (slot_layer_stride, N, w.hidden_size, cos_sin_stride, v_scale, w.eps, grid_t, whole),
                                epilogue)
-    parts = split_tiles * split_k * config.block_t
-    return PrecomputePlan(config, main, sum_parts, merge_in_kernel, cache_table(call), split_tiles, parts * block_d,
-                          parts)
+    parts = split_tiles * (1 if atomic_sum else split_k) * config.block_t  # rows of the partials
+    return PrecomputePlan(config, main, sum_parts, merge_in_kernel, atomic_sum, cache_table(call), split_tiles,
+                          parts * block_d, parts)
 
 
 def run_precompute(call: PrecomputeCall, config: PrecomputeLaunchConfig | None = None):

@@ -205,10 +205,15 @@ def precompute_programs(case: Case, launch: Launch) -> list[Program]:
             extra, written = _epilogue_io(case, c, t, head_row)
             reads += extra
         else:
-            written = block_t * (c["BLOCK_D"] + 1) * 4
+            part_bytes = block_t * (c["BLOCK_D"] + 1) * 4  # a part writes (or adds) whole tiles
+            written = part_bytes
             if c["MERGE_IN_KERNEL"] and k == parts - 1:  # modelled as the last part to arrive
                 extra, cache_written = _epilogue_io(case, c, t, head_row)
-                reads += extra + [(("part", tile, s), rows * (D + 1) * 4) for s in range(parts)]
+                if c["ATOMIC_SUM"]:  # the parts' one sum, read and zeroed
+                    reads += extra + [(("sum", tile), part_bytes)]
+                    written += part_bytes
+                else:
+                    reads += extra + [(("part", tile, s), part_bytes) for s in range(parts)]
                 written += cache_written
                 remote = 1
         role = "whole" if parts == 1 else "part" if c["MERGE_IN_KERNEL"] and k < parts - 1 else ""
