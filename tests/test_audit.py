@@ -461,14 +461,15 @@ def test_compiled_variants_per_kernel_and_architecture_are_bounded(audit):
     sweep a kernel compiles once per KV dtype, page layout, merge mode and the argument
     attributes (cache under/over 2 GiB, a batch of 1, 16-divisible strides): a few, not one
     per segment count (the portable table once picked any of 1..33, each a JIT compile).
-    The precompute compiles once per token regime of its table: one split tile of 16, 32 or
-    64 tokens, 32-token tiles with a split last round, 64-token tiles with and without one."""
+    The precompute compiles once per token regime of its table and split of a last round:
+    one split tile of 16, 32 or 64 tokens, 32-, 64- and (gfx950) 128-token tiles with a split
+    last round or without one."""
     constexprs, variants = defaultdict(set), defaultdict(set)
     for case, launch in _launches(audit, archs=tuple(TARGETS)):
         key = (case["target"], launch["kernel"], case["kv"], case["packing"])
         constexprs[key].add(json.dumps(launch["constexprs"], sort_keys=True))
         variants[(case["target"], launch["kernel"])].add(launch["specialisation"])
-    bound = {"context_kv_kernel": 6}
+    bound = {"context_kv_kernel": 7}
     assert constexprs and all(len(v) <= bound.get(k[1], 5) for k, v in constexprs.items()), {
         k: len(v) for k, v in constexprs.items()}
     assert max(len(v) for v in variants.values()) <= 24, {k: len(v) for k, v in variants.items()}
@@ -511,8 +512,9 @@ def _case(audit, arch, label, cache=""):
     # Split parts adding into one sum (from 73, 66) and fp8's division by a shared scale (from 82)
     ("gfx942", "pre N=64 bf16", "", 76), ("gfx950", "pre N=64 fp8", "", 69), ("gfx942", "pre N=4096 fp8", "", 84),
     # Held where later changes brought them: fp16 products for fp8 caches on NVIDIA (from 76),
-    # gfx950's per-value squares (from 52), the precompute table's cliffs (from 68, 38)
-    ("sm_90", "attn b8 8k fp8", "", 90), ("gfx950", "pre N=1024 bf16", "", 55),
+    # gfx950's per-value squares and 128-token tiles (from 52, 65), the precompute table's
+    # cliffs (from 68, 38)
+    ("sm_90", "attn b8 8k fp8", "", 90), ("gfx950", "pre N=1024 bf16", "", 65), ("gfx950", "pre N=4096 bf16", "", 84),
     ("gfx942", "pre N=32 bf16", "", 78), ("gfx950", "pre N=512 bf16", "", 58)])
 def test_modelled_share_of_the_floor(audit, arch, label, cache, floor_pct):
     """The *modelled* share of the hardware floor (assumptions in dflash_rocm.audit.targets)

@@ -194,7 +194,7 @@ def test_precompute_tiles_follow_the_token_count(arch):
     not N = 224, whose last tile would be half empty); gfx942's of 4 warps where no tile is
     split below 1024 tokens (the split path's registers would leave 2 waves), prefetching a
     step ahead while a split grid fills at most two rounds; gfx950's prefetching a step
-    ahead while they fill at most two rounds."""
+    ahead while they fill at most two rounds, and from 640 tokens 128 tokens deep."""
     def config(tokens):
         return tables.precompute_config(arch, num_tokens=tokens, hidden=4096, num_heads_total=80, head_dim=128)
 
@@ -210,8 +210,10 @@ def test_precompute_tiles_follow_the_token_count(arch):
         assert config(512).split_k > 1 and config(512).num_warps == 8
         assert config(4096).num_warps == 8
     if arch == "gfx950":
-        assert config(224).block_t == 32 and config(256).block_t == 64
-        assert config(256).num_stages == 2 and config(1024).num_stages == 1
+        assert config(224).block_t == 32 and config(256).block_t == 64 and config(576).block_t == 64
+        assert config(256).num_stages == 2 and config(512).num_stages == 1
+        assert (config(640).block_t, config(640).num_warps, config(4096).block_t, config(4096).num_stages) == (
+            128, 4, 128, 1)
 
 
 def test_tail_split_spreads_only_a_short_last_round():

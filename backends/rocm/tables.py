@@ -158,8 +158,8 @@ def precompute_config(arch: str, *, num_tokens: int, hidden: int, num_heads_tota
     """Up to 64 tokens in one tile, the hidden size split until the heads fill the CUs (the
     device's own count; None: the flagship's); beyond, 32-token tiles on CDNA up to 352
     tokens (224 on gfx950; enough programs to balance the CUs) and 64-token tiles otherwise,
-    or sooner where their last round is a few tiles split 16 ways; a last partial round of
-    tiles split across every CU (:func:`tail_split`).
+    or sooner where their last round is a few tiles split 16 ways (128-token tiles on gfx950
+    from 640 tokens); a last partial round of tiles split across every CU (:func:`tail_split`).
 
     Choices judged by `dflash-rocm inspect`'s model over N = 16..16384, not only the sweep's
     points (all figures modelled):
@@ -177,9 +177,12 @@ def precompute_config(arch: str, *, num_tokens: int, hidden: int, num_heads_tota
       rounds: N = 256 64.3 -> 66.3 %, N = 384 62.9 -> 65.7 %, N = 1472 78.6 -> 81.2 %
       (gfx950 N = 832 59.5 -> 62.4 %); none of 72 points of N = 96..8192 lower (36 on gfx950);
     - gfx950's 64-token tiles start at 224 tokens, prefetching a step ahead while they fill
-      at most two rounds (N = 256..512: 37-48 -> 47-60 %, at 2-3 waves per SIMD); 128-token
-      tiles won where their count filled whole rounds (N = 4096 65 -> 83 %) and lost up to
-      15 points where it did not (N = 1280), so they are not used;
+      at most two rounds (N = 256..512: 37-48 -> 47-60 %, at 2-3 waves per SIMD), and its
+      128-token tiles (4 warps, one stage) at 640: they read the weight half as often
+      (N = 1024 56 -> 66 %, N = 4096 65 -> 85 %; mean over 56 points of N = 96..16384
+      60 -> 66 %, the most lost 1.4 points at N = 800). Before the parts of a split tile
+      added into one sum they lost up to 15 points where their count did not fill whole
+      rounds (N = 1280, now +3.5);
     - gfx950 sums the hidden RMSNorm's squares a value at a time (its loop was bound by the
       vector work: N = 1024 52 -> 56 %; gfx942 and RDNA3 lose a little).
 
@@ -216,13 +219,18 @@ def precompute_config(arch: str, *, num_tokens: int, hidden: int, num_heads_tota
     # MFMAs (with 32x32 ones LLVM unrolls the loop and the registers allow 5 waves, not 7:
     # N = 4096 81 vs 85 %). All modelled.
     if cdna:
-        if arch == "gfx950":
+        block_t = 64
+        if arch == "gfx950" and num_tokens >= 640:  # 128-token tiles (its 160 KiB LDS holds them)
+            block_t, warps, stages, nonkdim = 128, 4, 1, 0
+            tiles = -(-num_tokens // 128) * num_heads_total
+            whole, split = tail_split(tiles, platform.compute_units)
+        elif arch == "gfx950":
             warps, stages = 4, 2 if tiles <= 2 * platform.compute_units else 1
             nonkdim = 16 if stages == 2 else 0
         else:  # a split tail within two rounds prefetches a step ahead (N = 256: 52.5 -> 66.3 %, modelled)
             warps, nonkdim = (4 if split == 1 and num_tokens < 1024 else 8), 16
             stages = 2 if split > 1 and tiles <= 2 * platform.compute_units else 1
-        return PrecomputeLaunchConfig(block_t=64, block_k=block_k, split_k=split, whole_tiles=whole,
+        return PrecomputeLaunchConfig(block_t=block_t, block_k=block_k, split_k=split, whole_tiles=whole,
                                       num_warps=warps, num_stages=stages, num_xcds=xcds,
                                       matrix_instr_nonkdim=nonkdim, square_group=squares)
     return PrecomputeLaunchConfig(block_t=64, block_k=block_k, num_warps=8, num_stages=2)
