@@ -111,6 +111,10 @@ def variants():
                 config = PrecomputeLaunchConfig(block_t=32, split_k=split)  # one token tile: split applies
             out.append((f"precompute {dtype} fp8={fp8} neox={neox} split_k={split}", arch,
                         lambda c=call, cfg=config: run_precompute(c, cfg)))
+            if split == 1:  # a KV head's K and V in one program
+                out.append((f"precompute {dtype} fp8={fp8} neox={neox} heads=2", arch,
+                            lambda c=call, cfg=PrecomputeLaunchConfig(**{**config.as_dict(), "heads": 2}):
+                            run_precompute(c, cfg)))
             if split > 1 and not fp8:  # the parts summed by a second launch (no free arrival counters)
                 out.append((f"precompute {dtype} fp8={fp8} neox={neox} split_k={split} second launch", arch,
                             lambda c=call, cfg=config: _without_counters(run_precompute, c, cfg)))

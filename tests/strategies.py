@@ -316,8 +316,10 @@ def attention_launch_configs(draw, queries_per_kv: int):
 def precompute_launch_configs(draw):
     from dflash_rocm.backends.triton.launch_config import PrecomputeLaunchConfig
 
+    split_k = draw(st.sampled_from([1, 2, 3]))
     return PrecomputeLaunchConfig(block_t=draw(st.sampled_from([16, 32, 64])), block_k=draw(st.sampled_from([16, 32])),
-                                  split_k=draw(st.sampled_from([1, 2, 3])),
+                                  split_k=split_k,
                                   whole_tiles=draw(st.sampled_from([0, 1, 5])),  # then the rest split
                                   num_xcds=draw(st.sampled_from([1, 3, 8])),
-                                  square_group=draw(st.sampled_from([1, 8])))
+                                  square_group=draw(st.sampled_from([1, 8])),
+                                  heads=draw(st.sampled_from([1, 2])) if split_k == 1 else 1)

@@ -507,8 +507,9 @@ def _case(audit, arch, label, cache=""):
 @pytest.mark.parametrize("arch,label,cache,floor_pct", [
     ("gfx942", "attn b64 4k bf16", ">2G", 85), ("gfx942", "pre N=16 bf16", "", 75),  # issue 10's targets, met
     ("gfx942", "attn b1 8k bf16", ">2G", 55), ("gfx942", "pre N=256 bf16", "", 65),
-    # Below issue 10's target (50 %), held where the fixes brought it (from ~14 %):
-    ("sm_90", "pre N=256 bf16", "", 33),
+    # Below issue 10's target (50 %), held where the fixes brought it (from ~14 %; a KV head's
+    # K and V in one program: from 34), and RDNA4's likewise (from 85)
+    ("sm_90", "pre N=256 bf16", "", 44), ("gfx1201", "pre N=4096 bf16", "", 91),
     # Split parts adding into one sum (from 73, 66) and fp8's division by a shared scale (from 82)
     ("gfx942", "pre N=64 bf16", "", 76), ("gfx950", "pre N=64 fp8", "", 69), ("gfx942", "pre N=4096 fp8", "", 84),
     # Held where later changes brought them: fp16 products for fp8 caches on NVIDIA (from 76),

@@ -209,6 +209,8 @@ def test_precompute_tiles_follow_the_token_count(arch):
         assert (config(1472).split_k, config(1472).num_stages) == (16, 1)  # six rounds: one stage
         assert config(512).split_k > 1 and config(512).num_warps == 8
         assert config(4096).num_warps == 8
+    assert config(4096).heads == (2 if arch.startswith("gfx12") else 1)  # RDNA4: a KV head's K and V together
+    assert config(512).heads == 1
     if arch == "gfx950":
         assert config(224).block_t == 32 and config(256).block_t == 64 and config(576).block_t == 64
         assert config(256).num_stages == 2 and config(512).num_stages == 1

@@ -46,6 +46,42 @@ def test_precompute_matches_reference_for_every_launch_config(data):
     check_precompute(case, "triton", run=lambda call: run_precompute(call, config))
 
 
+@given(precompute_cases(CPU_SIZES, packings=PACKINGS))
+def test_precompute_with_a_kv_heads_k_and_v_in_one_program_matches_reference(case):
+    """``heads=2``: each program computes one KV head's K and V tiles from the same loads of
+    the states; every layer, cache layout and per-layer mapping as with one head row."""
+    from dflash_rocm.backends.triton.launch_config import PrecomputeLaunchConfig
+    from dflash_rocm.backends.triton.precompute import run_precompute
+
+    config = PrecomputeLaunchConfig(block_t=16, block_k=16, heads=2, num_xcds=3)
+    check_precompute(case, "triton", run=lambda call: run_precompute(call, config))
+
+
+def test_the_portable_table_pairs_k_and_v_on_nvidia_from_two_token_tiles():
+    """On NVIDIA (the L2 bounds the precompute there) a KV head's K and V share a program
+    once there are two token tiles of 128; a single tile keeps one head row a program (its
+    40 programs would leave SMs idle), and other vendors keep it everywhere."""
+    from dflash_rocm.backends.triton.launch_config import default_precompute_config
+    from dflash_rocm.platform import platform_for_arch
+
+    def heads(arch, tokens, head_dim=128):
+        return default_precompute_config(platform_for_arch(arch), num_tokens=tokens, hidden=4096,
+                                         num_heads_total=80, head_dim=head_dim).heads
+
+    assert heads("sm_90", 256) == 2 and heads("sm_90", 4096) == 2
+    assert heads("sm_90", 128) == 1 and heads("sm_90", 32) == 1 and heads("sm_90", 4096, head_dim=256) == 1
+    assert heads("gfx942", 4096) == 1 and heads("gfx1201", 4096) == 1
+
+
+def test_precompute_heads_are_one_or_two_and_two_only_unsplit():
+    from dflash_rocm.backends.triton.launch_config import PrecomputeLaunchConfig
+
+    with pytest.raises(ValueError, match="heads: expected 1 or 2"):
+        PrecomputeLaunchConfig(heads=4)
+    with pytest.raises(ValueError, match="only without a split"):
+        PrecomputeLaunchConfig(heads=2, split_k=2)
+
+
 def paged(seq_lens, q_lens, Hk, G, D, block_size, dtype=torch.float32, seed=0):
     g = make_generator(seed, "cpu")
     blocks = [-(-s // block_size) for s in seq_lens]
@@ -204,10 +240,12 @@ _COMPUTE_OPS = {"mm", "addmm", "bmm", "matmul", "linear", "mul", "add", "div", "
                 "cat", "stack", "index_put", "index", "cos", "sin", "neg", "permute", "clone"}
 
 
-@pytest.mark.parametrize("block_t,split_k,whole_tiles", [(16, 1, 0), (32, 3, 0), (16, 3, 0), (16, 3, 7)])
-def test_precompute_is_one_launch_for_all_layers(monkeypatch, block_t, split_k, whole_tiles):
+@pytest.mark.parametrize("block_t,split_k,whole_tiles,heads", [(16, 1, 0, 1), (32, 3, 0, 1), (16, 3, 0, 1),
+                                                              (16, 3, 7, 1), (16, 1, 0, 2)])
+def test_precompute_is_one_launch_for_all_layers(monkeypatch, block_t, split_k, whole_tiles, heads):
     """All layers in one launch, a split hidden size summed by its last part (N = 20 is
-    two 16-token tiles: all split, or the first seven whole and the rest split)."""
+    two 16-token tiles: all split, or the first seven whole and the rest split), or a KV
+    head's K and V in one program (half the programs)."""
     from dflash_rocm.backends.triton.launch_config import PrecomputeLaunchConfig
     from dflash_rocm.backends.triton.precompute import fused_weights, run_precompute
     from dflash_rocm.ops.precompute import precompute_call
@@ -226,8 +264,11 @@ def test_precompute_is_one_launch_for_all_layers(monkeypatch, block_t, split_k, 
     counter = _CountTritonLaunches(monkeypatch)
     with _AtenOps() as aten:
         run_precompute(call, PrecomputeLaunchConfig(block_t=block_t, block_k=16, split_k=split_k,
-                                                    whole_tiles=whole_tiles))
+                                                    whole_tiles=whole_tiles, heads=heads))
     assert counter.count == 1
+    if heads == 2:  # two token tiles x (5 layers x 2 KV heads): a program per KV head, not per K or V head
+        from dflash_rocm.backends.triton.precompute import plan_precompute
+        assert plan_precompute(call, PrecomputeLaunchConfig(block_t=16, block_k=16, heads=2)).main.grid == (2 * L * 2,)
     assert not (aten.ops & _COMPUTE_OPS), f"unfused torch work in the fused path: {aten.ops & _COMPUTE_OPS}"
 
 

@@ -207,7 +207,7 @@ def plan_precompute(call: PrecomputeCall, config: PrecomputeLaunchConfig, merge_
     outside validation carry no structure and get a fresh plan)."""
     w = call.weights
     grid_t = -(-call.num_tokens // config.block_t)
-    tiles = grid_t * 2 * w.num_layers * w.num_kv_heads
+    tiles = grid_t * 2 * w.num_layers * w.num_kv_heads // config.heads
     whole = min(config.whole_tiles, tiles) if config.split_k > 1 else tiles
     split_k = config.split_k if whole < tiles else 1
     merge_in_kernel = split_k > 1 if merge_in_kernel is None else merge_in_kernel
@@ -233,7 +233,7 @@ def _make_plan(call: PrecomputeCall, config: PrecomputeLaunchConfig, grid_t: int
     dtype = call.dtype
     (k_rows, k_dims), (v_rows, v_dims) = call.packing or ((1, 1), (1, 1))
     cache_dtype = call.cache_dtype or dtype
-    rows = 2 * L * Hk
+    rows = 2 * L * Hk // config.heads  # head rows, or pairs of them
     block_d = max(16, next_pow2(D))
     epilogue = dict(HK=Hk, D=D, R=w.rotary_dim, BLOCK_T=config.block_t, BLOCK_D=block_d,
                     SPLIT_K=split_k, HAS_BIAS=w.kv_bias is not None, IS_NEOX=w.is_neox,
@@ -255,7 +255,7 @@ def _make_plan(call: PrecomputeCall, config: PrecomputeLaunchConfig, grid_t: int
         context_kv_kernel, (whole + split_tiles * split_k,), compiler_options(config),
         (slot_layer_stride, N, w.hidden_size, x.stride(0), x.stride(1), cos_sin_stride, v_scale, w.eps, grid_t, whole),
         dict(BLOCK_K=config.block_k, HAS_WHOLE=split_k > 1 and whole > 0, MERGE_IN_KERNEL=merge_in_kernel,
-             ATOMIC_SUM=atomic_sum, NUM_XCDS=config.num_xcds, SQUARE_GROUP=config.square_group,
+             ATOMIC_SUM=atomic_sum, NUM_XCDS=config.num_xcds, SQUARE_GROUP=config.square_group, HEADS=config.heads,
              FP32_MATH=fp32_math(dtype), **epilogue))
     sum_parts = None
     if split_tiles and not merge_in_kernel:

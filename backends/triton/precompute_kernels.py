@@ -5,7 +5,9 @@ head): the GEMM against the K/V weight rows with the hidden RMSNorm folded in (t
 norm weight is pre-multiplied into the rows; the per-token inverse RMS, accumulated from
 the same loads of ``x``, scales the tile), then the epilogue: bias, the K head's RMSNorm
 and RoPE, the value scale, and the store straight into that layer's paged cache slot.
-Tiles (a token tile of one head row) are numbered token tile fastest, then head rows.
+With ``HEADS = 2`` it computes the K and the V tile of one (layer, KV head) from the same
+loads of ``x`` (the reads of ``x`` through L2 halve; no split then).
+Tiles (a token tile of one head row, or pair) are numbered token tile fastest, then head rows.
 The first ``whole_tiles`` run whole, one program each; the hidden size of every later
 tile is split ``SPLIT_K`` ways, one program per part. Splitting all tiles serves a
 single token tile whose heads alone cannot fill the device; splitting only the tiles
@@ -172,9 +174,14 @@ def _epilogue(acc, inv_rms, pid_t, head_row, N, positions_ptr, bias_ptr, k_norm_
               FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, CACHE_DTYPE: tl.constexpr, RETURN_KV: tl.constexpr,
               K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr, K_ROW_PACK: tl.constexpr, K_DIM_PACK: tl.constexpr,
               V_ROW_PACK: tl.constexpr, V_DIM_PACK: tl.constexpr, SLOTS_I32: tl.constexpr, CACHE_BLOCK: tl.constexpr,
-              EXACT_FP8_ROUND: tl.constexpr):
+              EXACT_FP8_ROUND: tl.constexpr, KIND: tl.constexpr = -1):
+    """``KIND``: 0 (K) or 1 (V) when the caller knows it (only that kind's code is compiled),
+    -1: read from ``head_row``."""
     layer = head_row // (2 * HK)
-    kind = (head_row // HK) % 2  # 0: K, 1: V
+    if KIND == -1:
+        kind = (head_row // HK) % 2  # 0: K, 1: V
+    else:
+        kind = KIND
     kv_head = head_row % HK
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < N
@@ -294,7 +301,7 @@ def context_kv_kernel(
     HK: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_WHOLE: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, ATOMIC_SUM: tl.constexpr, NUM_XCDS: tl.constexpr,
-    SQUARE_GROUP: tl.constexpr,
+    SQUARE_GROUP: tl.constexpr, HEADS: tl.constexpr,
     HAS_BIAS: tl.constexpr, IS_NEOX: tl.constexpr, HAS_V_SCALE: tl.constexpr, IS_FP8: tl.constexpr,
     FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr,
     CACHE_DTYPE: tl.constexpr, RETURN_KV: tl.constexpr, K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr,
@@ -305,6 +312,8 @@ def context_kv_kernel(
                                        HAS_WHOLE)
     pid_t = tile % grid_t
     head_row = tile // grid_t  # (layer * 2 + kind) * HK + kv_head
+    if HEADS == 2:  # tile // grid_t = layer * HK + kv_head: its K head row, the V row HK rows on
+        head_row = head_row // HK * 2 * HK + head_row % HK
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < N
     c = tl.arange(0, BLOCK_D)
@@ -315,6 +324,8 @@ def context_kv_kernel(
     k_lo = pid_k * k_per
     k_hi = tl.minimum(H, k_lo + k_per)
     acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+    if HEADS == 2:  # the V head's tile, from the same loads of x
+        acc_v = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
     # The hidden RMSNorm's sums of squares: each trip adds the squares of a lane's SQUARE_GROUP
     # contiguous columns in the lane; the sum across lanes waits for the loop's end (per trip it
     # cost a cross-lane reduction: gfx950's loop 306 -> 288 vector cycles, compiled). Groups of 8
@@ -337,6 +348,11 @@ def context_kv_kernel(
             x = xf
             w = w.to(tl.float32)
         acc += tl.dot(x, tl.trans(w))
+        if HEADS == 2:
+            w_v = tl.load(w_rows[:, None] + HK * D * H + k[None, :], mask=c_ok[:, None] & k_ok[None, :], other=0.0)
+            if FP32_MATH:
+                w_v = w_v.to(tl.float32)
+            acc_v += tl.dot(x, tl.trans(w_v))
     sum_sq = tl.sum(squares, 1)
     finish = parts == 1  # this program runs the epilogue: a whole tile, or the last part of a split one
     if parts != 1:
@@ -357,11 +373,18 @@ def context_kv_kernel(
                 acc, sum_sq = _sum_parts(part_acc_ptr, part_ss_ptr, slot, BLOCK_T, BLOCK_D, SPLIT_K, ATOMIC_SUM)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # every part arrived: ready for the next launch
     if finish:
-        _epilogue(acc, tl.rsqrt(sum_sq / H + eps), pid_t, head_row, N, positions_ptr, bias_ptr, k_norm_ptr,
-                  cos_sin_ptr, stride_cs, meta_ptr, slots_ptr, stride_slot_layer, k_scales_ptr, v_scales_ptr,
-                  out_k_ptr, out_v_ptr, v_scale, eps, HK, D, R, BLOCK_T, BLOCK_D, HAS_BIAS, IS_NEOX, HAS_V_SCALE,
-                  IS_FP8, FP8_MAX, FP8_MIN_EXP, CACHE_DTYPE, RETURN_KV, K_ALIGNED, V_ALIGNED, K_ROW_PACK, K_DIM_PACK,
-                  V_ROW_PACK, V_DIM_PACK, SLOTS_I32, CACHE_BLOCK, EXACT_FP8_ROUND)
+        inv_rms = tl.rsqrt(sum_sq / H + eps)
+        if HEADS == 2:  # the V head first: its light epilogue runs while the K tile waits in registers
+            _epilogue(acc_v, inv_rms, pid_t, head_row + HK, N, positions_ptr, bias_ptr, k_norm_ptr, cos_sin_ptr,
+                      stride_cs, meta_ptr, slots_ptr, stride_slot_layer, k_scales_ptr, v_scales_ptr, out_k_ptr,
+                      out_v_ptr, v_scale, eps, HK, D, R, BLOCK_T, BLOCK_D, HAS_BIAS, IS_NEOX, HAS_V_SCALE, IS_FP8,
+                      FP8_MAX, FP8_MIN_EXP, CACHE_DTYPE, RETURN_KV, K_ALIGNED, V_ALIGNED, K_ROW_PACK, K_DIM_PACK,
+                      V_ROW_PACK, V_DIM_PACK, SLOTS_I32, CACHE_BLOCK, EXACT_FP8_ROUND, 1)
+        _epilogue(acc, inv_rms, pid_t, head_row, N, positions_ptr, bias_ptr, k_norm_ptr, cos_sin_ptr, stride_cs,
+                  meta_ptr, slots_ptr, stride_slot_layer, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, v_scale,
+                  eps, HK, D, R, BLOCK_T, BLOCK_D, HAS_BIAS, IS_NEOX, HAS_V_SCALE, IS_FP8, FP8_MAX, FP8_MIN_EXP,
+                  CACHE_DTYPE, RETURN_KV, K_ALIGNED, V_ALIGNED, K_ROW_PACK, K_DIM_PACK, V_ROW_PACK, V_DIM_PACK,
+                  SLOTS_I32, CACHE_BLOCK, EXACT_FP8_ROUND, 0 if HEADS == 2 else -1)
 
 
 @triton.jit

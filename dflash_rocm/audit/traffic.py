@@ -193,17 +193,26 @@ def precompute_programs(case: Case, launch: Launch) -> list[Program]:
     H, D, split, block_t, block_k = case.shape.hidden, c["D"], c["SPLIT_K"], c["BLOCK_T"], c["BLOCK_K"]
     grid_t, whole, total = launch.arg("grid_t"), launch.arg("whole_tiles"), launch.grid[0]
     programs = []
+    heads = c.get("HEADS", 1)
     for pid in range(total):  # hardware dispatch order
         tile, k, parts = precompute_tile(pid, total, whole, split, c["NUM_XCDS"])
         t, head_row = tile % grid_t, tile // grid_t
+        rows_of = [head_row]
+        if heads == 2:  # K and V of one KV head
+            head_row = head_row // case.shape.kv_heads * 2 * case.shape.kv_heads + head_row % case.shape.kv_heads
+            rows_of = [head_row, head_row + case.shape.kv_heads]
         k_per = _cdiv(_cdiv(H, parts), block_k) * block_k
         rows = _tokens_in(case, t, block_t)
         k_len = max(0, min(H, (k + 1) * k_per) - k * k_per)
-        reads = [(("x", t, k, parts), rows * k_len * 2), (("w", head_row, k, parts), D * k_len * 2)]
+        reads = [(("x", t, k, parts), rows * k_len * 2)]
+        reads += [(("w", r, k, parts), D * k_len * 2) for r in rows_of]
         remote = 0
         if parts == 1:
-            extra, written = _epilogue_io(case, c, t, head_row)
-            reads += extra
+            written = 0
+            for r in rows_of:
+                extra, cache_written = _epilogue_io(case, c, t, r)
+                reads += extra
+                written += cache_written
         else:
             part_bytes = block_t * (c["BLOCK_D"] + 1) * 4  # a part writes (or adds) whole tiles
             written = part_bytes
@@ -269,11 +278,11 @@ def role_variants(launch: Launch) -> dict[str, Launch]:
 
 def trip_matrix_flops(launch: Launch) -> int:
     """The matrix FLOPs one hot-loop trip of a program does (0: a kernel without matrix
-    work): the precompute's ``[BLOCK_T, BLOCK_K] x [BLOCK_K, BLOCK_D]`` step, the
+    work): the precompute's ``[BLOCK_T, BLOCK_K] x [BLOCK_K, BLOCK_D]`` step per head row, the
     attention's two ``BLOCK_M x BLOCK_N x BLOCK_D`` products."""
     c = launch.constexprs
     if launch.name == "context_kv_kernel":
-        return 2 * c["BLOCK_T"] * c["BLOCK_K"] * c["BLOCK_D"]
+        return 2 * c["BLOCK_T"] * c["BLOCK_K"] * c["BLOCK_D"] * c.get("HEADS", 1)
     if launch.name == "draft_attention_kernel":
         return 2 * 2 * c["BLOCK_M"] * c["BLOCK_N"] * c["BLOCK_D"]
     return 0
