@@ -174,8 +174,9 @@ def precompute_config(arch: str, *, num_tokens: int, hidden: int, num_heads_tota
     - with split parts adding into one sum (the merge reads one tile, not one per part),
       a last round of at most CUs / 16 tiles splits 16 ways, and gfx942 takes 64-token
       tiles where that happens even below 352 tokens, prefetching a step ahead within two
-      rounds: N = 256 64.3 -> 66.3 %, N = 384 62.9 -> 65.7 %, N = 1472 78.6 -> 81.2 %
-      (gfx950 N = 832 59.5 -> 62.4 %); none of 72 points of N = 96..8192 lower (36 on gfx950);
+      rounds: N = 256 64.3 -> 66.3 %, N = 384 62.9 -> 65.7 %, N = 1472 78.6 -> 81.2 %;
+      none of 72 points of N = 96..8192 lower (gfx950 N = 1664 with 128-token tiles: 72.4 ->
+      77.3 %);
     - gfx950's 64-token tiles start at 224 tokens, prefetching a step ahead while they fill
       at most two rounds (N = 256..512: 37-48 -> 47-60 %, at 2-3 waves per SIMD), and its
       128-token tiles (4 warps, one stage) at 640: they read the weight half as often

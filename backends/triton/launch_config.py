@@ -188,8 +188,8 @@ def tail_split(tiles: int, units: int) -> tuple[int, int]:
     16 when the round holds at most ``units / 16`` tiles: a part per unit at most, and the
     parts' sum costs the merge one tile's read) so every unit takes a share; ``(0, 1)`` when
     nothing is split. Chosen by `dflash-rocm inspect`'s model (modelled, not measured:
-    MI300X N = 256 57 -> 64 % of the floor; 16 ways: MI300X N = 1472 78.6 -> 81.2 %,
-    MI355X N = 832 59.5 -> 62.4 %)."""
+    MI300X N = 256 57 -> 64 % of the floor; 16 ways rather than 4: MI300X N = 1472 78.6 ->
+    81.2 %, MI355X N = 1664 72.4 -> 77.3 %)."""
     whole = tiles // units * units
     tail = tiles - whole
     if not whole or not tail or 2 * tail > units:
