@@ -57,10 +57,11 @@ def test_precompute_with_a_kv_heads_k_and_v_in_one_program_matches_reference(cas
     check_precompute(case, "triton", run=lambda call: run_precompute(call, config))
 
 
-def test_the_portable_table_pairs_k_and_v_on_nvidia_from_two_token_tiles():
-    """On NVIDIA (the L2 bounds the precompute there) a KV head's K and V share a program
-    once there are two token tiles of 128; a single tile keeps one head row a program (its
-    40 programs would leave SMs idle), and other vendors keep it everywhere."""
+def test_the_portable_table_pairs_k_and_v_on_hopper_and_blackwell_from_two_token_tiles():
+    """On sm_90/sm_100 (the L2 bounds the precompute there) a KV head's K and V share a
+    program once there are two token tiles of 128; a single tile keeps one head row a program
+    (its 40 programs would leave SMs idle), and so do sm_80/sm_89 (the two accumulators
+    spill there) and other vendors."""
     from dflash_rocm.backends.triton.launch_config import default_precompute_config
     from dflash_rocm.platform import platform_for_arch
 
@@ -70,6 +71,7 @@ def test_the_portable_table_pairs_k_and_v_on_nvidia_from_two_token_tiles():
 
     assert heads("sm_90", 256) == 2 and heads("sm_90", 4096) == 2
     assert heads("sm_90", 128) == 1 and heads("sm_90", 32) == 1 and heads("sm_90", 4096, head_dim=256) == 1
+    assert heads("sm_100", 256) == 2 and heads("sm_80", 4096) == 1 and heads("sm_89", 4096) == 1
     assert heads("gfx942", 4096) == 1 and heads("gfx1201", 4096) == 1
 
 

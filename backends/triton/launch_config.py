@@ -231,14 +231,19 @@ def default_attention_config(platform: Platform, *, num_seqs: int, query_len: in
                                  fp16_dots=fp8 and platform.vendor == "cuda")
 
 
+PAIRED_KV_ARCHS = ("sm_90", "sm_100")  # where the portable table puts a KV head's K and V in one program
+
+
 @functools.lru_cache(maxsize=1024)
 def default_precompute_config(platform: Platform, *, num_tokens: int, hidden: int, num_heads_total: int,
                               head_dim: int) -> PrecomputeLaunchConfig:
     """Up to 64 tokens in one tile, the hidden size split until the heads fill the
-    device; larger N in 128-token tiles (fewer re-reads of the weight through L2), on NVIDIA
-    with a KV head's K and V in one program once there are two token tiles (the states read
-    half as often: sm_90 N = 256 34 -> 45 %, N = 4096 34 -> 45 %, modelled; with one token
-    tile its 40 programs leave SMs idle: N = 128 56 -> 46 %)."""
+    device; larger N in 128-token tiles (fewer re-reads of the weight through L2), on
+    Hopper and Blackwell with a KV head's K and V in one program once there are two token
+    tiles (the states read half as often: sm_90 N = 256 34 -> 45 %, N = 4096 34 -> 45 %,
+    modelled; with one token tile its 40 programs leave SMs idle: N = 128 56 -> 46 %). Its
+    two accumulators fit sm_90's and sm_100's registers (0 spills, compiled) but spill on
+    sm_80 and sm_89 (60 registers, bf16), which keep one head row a program."""
     block_k = 64 if head_dim <= 128 else 32
     if num_tokens <= 64:
         block_t = max(16, next_pow2(num_tokens))
@@ -246,5 +251,5 @@ def default_precompute_config(platform: Platform, *, num_tokens: int, hidden: in
                                       split_k=split_k_for(num_heads_total, hidden, block_k, platform.compute_units),
                                       num_warps=4, num_stages=2)
     block_t = 128 if head_dim <= 128 else 64
-    heads = 2 if platform.vendor == "cuda" and head_dim <= 128 and num_tokens > block_t else 1
+    heads = 2 if platform.arch in PAIRED_KV_ARCHS and head_dim <= 128 and num_tokens > block_t else 1
     return PrecomputeLaunchConfig(block_t=block_t, block_k=block_k, num_warps=8, num_stages=2, heads=heads)
