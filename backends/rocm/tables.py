@@ -195,20 +195,24 @@ def precompute_config(arch: str, *, num_tokens: int, hidden: int, num_heads_tota
     block_k = 64 if head_dim <= 128 else 32
     xcds = dispatch_partitions(platform)
     squares = 1 if arch == "gfx950" else 8
+
+    def grid(block_t: int) -> tuple[int, int, int]:
+        """(tiles, whole tiles, split) of ``block_t``-token tiles (:func:`tail_split`)."""
+        tiles = -(-num_tokens // block_t) * num_heads_total
+        return (tiles, *tail_split(tiles, platform.compute_units))
+
     if num_tokens <= 64:
         block_t = max(16, next_pow2(num_tokens))
         return PrecomputeLaunchConfig(
             block_t=block_t, block_k=block_k,
             split_k=split_k_for(num_heads_total, hidden, block_k, platform.compute_units),
             num_warps=4 if cdna and block_t == 32 else 8, num_stages=2, num_xcds=xcds, square_group=squares)
-    tiles = -(-num_tokens // 64) * num_heads_total
-    whole, split = tail_split(tiles, platform.compute_units)
+    tiles, whole, split = grid(64)
     # 64-token tiles whose last round is a few tiles split 16 ways (and none half empty) beat
     # 32-token ones: they read the weight half as often (MI300X N = 256: 64.3 -> 66.3 %).
     tiny_tail = split == 16 and num_tokens % 64 == 0
     if cdna and num_tokens <= (224 if arch == "gfx950" else 352) and not tiny_tail:  # 16x16 MFMAs: +2 points
-        tiles = -(-num_tokens // 32) * num_heads_total
-        whole, split = tail_split(tiles, platform.compute_units)
+        tiles, whole, split = grid(32)
         # With up to ~3 programs per CU a single-stage loop waits on every load: prefetch one
         # step ahead (W's buffer in LDS then limits gfx942 to 3 workgroups per CU, enough).
         stages = 2 if tiles <= 3 * platform.compute_units else 1
@@ -223,8 +227,7 @@ def precompute_config(arch: str, *, num_tokens: int, hidden: int, num_heads_tota
         block_t = 64
         if arch == "gfx950" and num_tokens >= 640:  # 128-token tiles (its 160 KiB LDS holds them)
             block_t, warps, stages, nonkdim = 128, 4, 1, 0
-            tiles = -(-num_tokens // 128) * num_heads_total
-            whole, split = tail_split(tiles, platform.compute_units)
+            tiles, whole, split = grid(128)
         elif arch == "gfx950":
             warps, stages = 4, 2 if tiles <= 2 * platform.compute_units else 1
             nonkdim = 16 if stages == 2 else 0

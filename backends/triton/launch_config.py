@@ -243,7 +243,7 @@ def default_precompute_config(platform: Platform, *, num_tokens: int, hidden: in
     tiles (the states read half as often: sm_90 N = 256 34 -> 45 %, N = 4096 34 -> 45 %,
     modelled; with one token tile its 40 programs leave SMs idle: N = 128 56 -> 46 %). Its
     two accumulators fit sm_90's and sm_100's registers (0 spills, compiled) but spill on
-    sm_80 and sm_89 (60 registers, bf16), which keep one head row a program."""
+    sm_80 and sm_89 (60 spill stores, bf16), which keep one head row a program."""
     block_k = 64 if head_dim <= 128 else 32
     if num_tokens <= 64:
         block_t = max(16, next_pow2(num_tokens))

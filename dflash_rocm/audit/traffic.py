@@ -193,7 +193,7 @@ def precompute_programs(case: Case, launch: Launch) -> list[Program]:
     H, D, split, block_t, block_k = case.shape.hidden, c["D"], c["SPLIT_K"], c["BLOCK_T"], c["BLOCK_K"]
     grid_t, whole, total = launch.arg("grid_t"), launch.arg("whole_tiles"), launch.grid[0]
     programs = []
-    heads = c.get("HEADS", 1)
+    heads = c["HEADS"]
     for pid in range(total):  # hardware dispatch order
         tile, k, parts = precompute_tile(pid, total, whole, split, c["NUM_XCDS"])
         t, head_row = tile % grid_t, tile // grid_t
@@ -282,7 +282,7 @@ def trip_matrix_flops(launch: Launch) -> int:
     attention's two ``BLOCK_M x BLOCK_N x BLOCK_D`` products."""
     c = launch.constexprs
     if launch.name == "context_kv_kernel":
-        return 2 * c["BLOCK_T"] * c["BLOCK_K"] * c["BLOCK_D"] * c.get("HEADS", 1)
+        return 2 * c["BLOCK_T"] * c["BLOCK_K"] * c["BLOCK_D"] * c["HEADS"]
     if launch.name == "draft_attention_kernel":
         return 2 * 2 * c["BLOCK_M"] * c["BLOCK_N"] * c["BLOCK_D"]
     return 0
