@@ -24,6 +24,30 @@ def test_a_cached_value_is_rebuilt_when_a_source_changes_in_place():
     assert cache.get((a, b, None), "other tag", build) == 8.0 and len(builds) == 3
 
 
+def test_an_in_place_update_refills_the_derived_tensors_at_their_addresses():
+    """A CUDA graph captured with a derived buffer reads that address on every replay:
+    an in-place update of the sources must land there, not in a new tensor."""
+    cache = DerivedCache()
+    a = torch.ones(4)
+    first = cache.get((a,), "t", lambda: (a * 2, a.sum().reshape(1), 3))
+    a.mul_(5)
+    second = cache.get((a,), "t", lambda: (a * 2, a.sum().reshape(1), 3))
+    assert second is first
+    assert torch.equal(second[0], torch.full((4,), 10.0)) and second[1].item() == 20.0
+
+
+def test_a_derived_value_whose_structure_changed_is_replaced_not_refilled():
+    cache = DerivedCache()
+    a = torch.ones(4)
+    first = cache.get((a,), "t", lambda: a[: int(a[0])].clone())
+    a.fill_(2.0)
+    second = cache.get((a,), "t", lambda: a[: int(a[0])].clone())
+    assert second is not first and second.shape == (2,) and first.shape == (1,)
+    rebound = torch.ones(4)  # another tensor: never refills the first one's value
+    third = cache.get((rebound,), "t", lambda: rebound[:1].clone())
+    assert third is not second and torch.equal(second, torch.full((2,), 2.0))
+
+
 def test_a_dead_sources_address_is_never_mistaken_for_a_new_tensor(monkeypatch):
     """CPython reuses ids and the allocator reuses addresses: a new tensor can carry a dead
     one's (id, address, version). Simulate exactly that collision; the weak reference
@@ -68,3 +92,19 @@ def test_triton_precompute_follows_weights_updated_in_place():
     k, v = run("triton")
     rk, rv = run("reference")
     assert rel_err(k, rk) < 2e-3 and rel_err(v, rv) < 2e-3
+
+
+@needs_interpreter
+def test_triton_fused_weights_keep_their_addresses_across_an_in_place_update():
+    from dflash_rocm.backends.triton.precompute import _fuse, fused_weights
+    g = make_generator(4, "cpu")
+    w = make_weights(g, "cpu", L=2, Hk=1, D=16, H=24, R=16, is_neox=False, bias=True, v_scale=None,
+                     dtype=torch.float32, max_position=64)
+    before = fused_weights(w)
+    addresses = (before.weight.data_ptr(), before.bias.data_ptr(), before.k_norm.data_ptr())
+    with torch.no_grad():
+        w.kv_weight.mul_(-2.0)
+    after = fused_weights(w)
+    assert (after.weight.data_ptr(), after.bias.data_ptr(), after.k_norm.data_ptr()) == addresses
+    fresh = _fuse(w)
+    assert torch.equal(after.weight, fresh.weight) and torch.equal(after.bias, fresh.bias)
