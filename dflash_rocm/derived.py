@@ -72,10 +72,12 @@ def refill_in_place(old: Any, new: Any) -> bool:
                 return False
         elif isinstance(b, torch.Tensor) or a != b:
             return False
-    with torch.no_grad():
-        for a, b in zip(before, after):
-            if isinstance(a, torch.Tensor) and a is not b:
-                a.copy_(b)
+    targets = [(a, b) for a, b in zip(before, after) if isinstance(a, torch.Tensor) and a is not b]
+    # A value built inside a serving engine's inference mode holds inference tensors,
+    # which only accept in-place writes there.
+    with torch.no_grad(), torch.inference_mode(any(a.is_inference() for a, _ in targets)):
+        for a, b in targets:
+            a.copy_(b)
     return True
 
 

@@ -211,9 +211,11 @@ def make_draft(out, g, m, n, AB, leak=0.1, same_k_norm=False):
         json.dump(cfg, f, indent=2)
 
 
-def write_models(out, *, seed=0, leak=0.1, same_k_norm=False, dflash_config=None):
+def write_models(out, *, seed=0, leak=0.1, same_k_norm=False, dflash_config=None, draft_config=None):
     """Write ``out/target`` and ``out/draft``; ``dflash_config`` entries are merged into
-    the draft's (e.g. ``{"causal": True}`` or ``{"use_swa": True, "swa_window_size": 8}``)."""
+    the draft's (e.g. ``{"causal": True}`` or ``{"use_swa": True, "swa_window_size": 8}``),
+    ``draft_config`` entries into its top level (e.g. ``architectures`` for another member
+    of the DFlash family, or per-layer ``layer_types``)."""
     g = torch.Generator().manual_seed(seed)
     m = torch.randn(64, generator=g)
     low = list(range(8, 16)) + list(range(24, 32))
@@ -230,11 +232,12 @@ def write_models(out, *, seed=0, leak=0.1, same_k_norm=False, dflash_config=None
     n = n / n.norm() * m.norm()
     make_target(os.path.join(out, "target"), g, m, n)
     make_draft(os.path.join(out, "draft"), g, m, n, (A, B), leak, same_k_norm)
-    if dflash_config:
+    if dflash_config or draft_config:
         path = os.path.join(out, "draft", "config.json")
         with open(path) as f:
             cfg = json.load(f)
-        cfg["dflash_config"].update(dflash_config)
+        cfg["dflash_config"].update(dflash_config or {})
+        cfg.update(draft_config or {})
         with open(path, "w") as f:
             json.dump(cfg, f, indent=2)
     return os.path.join(out, "target"), os.path.join(out, "draft")

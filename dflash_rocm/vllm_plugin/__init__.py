@@ -1,11 +1,13 @@
-"""Drop-in for vLLM: DFlash's context-KV precompute and draft attention through dflash_rocm.
+"""Drop-in for vLLM: DFlash-family drafts' context-KV precompute and draft attention through dflash_rocm.
 
 Installed, the package exposes :func:`register` as a ``vllm.general_plugins`` entry
-point; vLLM calls it in every process (user, engine core, workers). It replaces the
-model class of the ``DFlashDraftModel`` architecture with a subclass of vLLM's
-``DFlashQwen3ForCausalLM`` (the proposer checks ``isinstance``) whose precompute and
-draft-layer attention dispatch through dflash_rocm, so ``DFLASH_ROCM_BACKEND`` picks the
-backend. ``DFLASH_ROCM_VLLM=0`` leaves vLLM untouched.
+point; vLLM calls it in every process (user, engine core, workers). It points every
+speculative architecture whose vLLM module builds on ``qwen3_dflash`` at
+:mod:`.family`, which hands vLLM a subclass of vLLM's own class (the proposers check
+``isinstance``) whose precompute and draft-layer attention dispatch through dflash_rocm
+where the draft's structure is DFlash's, so ``DFLASH_ROCM_BACKEND`` picks the backend.
+``DFLASH_ROCM_VLLM=0`` leaves vLLM untouched; so does a vLLM the plugin does not know
+(:mod:`.compat`), with one warning saying why.
 """
 
 from __future__ import annotations
@@ -20,41 +22,52 @@ from .compat import incompatibility, vllm_version
 
 logger = logging.getLogger("dflash_rocm")
 
-ARCHITECTURE = "DFlashDraftModel"
 PLUGIN_NAME = "dflash_rocm"
-MODEL_CLASS = "dflash_rocm.vllm_plugin.model:DFlashRocmQwen3ForCausalLM"
-VLLM_MODEL_CLASS = "vllm.model_executor.models.qwen3_dflash:DFlashQwen3ForCausalLM"
 
 _lock = threading.Lock()
-_registered = False
+_originals: dict[str, object] = {}  # architecture -> vLLM's registry entry, while ours is in place
 
 
 def register() -> None:
-    """The entry point: idempotent, and a no-op when ``DFLASH_ROCM_VLLM=0``."""
-    global _registered
+    """The entry point: idempotent; a no-op when ``DFLASH_ROCM_VLLM=0`` or when this vLLM's
+    internals are not known (then vLLM's own classes serve, and one warning says why)."""
     if not envs.VLLM.value():
         logger.info("%s=%s: vLLM's own DFlash path stays in place", envs.VLLM.name, envs.VLLM.get())
         return
-    with _lock:
-        if _registered:
-            return
-        from vllm import ModelRegistry
+    if why := incompatibility():
+        logger.warning("dflash_rocm steps aside, vLLM's own DFlash path serves: %s", why)
+        return
+    from vllm import ModelRegistry
 
-        ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)
+    from . import family
+
+    with _lock:
+        if _originals:
+            return
+        try:
+            candidates = family.candidate_architectures()
+        except Exception as exc:  # noqa: BLE001 - a registry laid out otherwise: step aside
+            logger.warning("dflash_rocm steps aside, vLLM's own DFlash path serves: cannot read vLLM's "
+                           "speculative registry (%s: %s)", type(exc).__name__, exc)
+            return
+        for arch in candidates:
+            _originals[arch] = ModelRegistry.models.get(arch)
+            ModelRegistry.register_model(arch, f"{family.MODULE}:{arch}")
         _forget_resolved_drafts()
-        _registered = True
-    logger.info("dflash_rocm serves vLLM's %s drafts (%s)", ARCHITECTURE, MODEL_CLASS)
+    logger.info("dflash_rocm serves vLLM's DFlash-family drafts where their structure is DFlash's (%s)",
+                ", ".join(sorted(candidates)))
 
 
 def unregister() -> None:
-    """Give ``DFlashDraftModel`` back to vLLM's own class (tests compare both paths)."""
-    global _registered
+    """Give every architecture back to vLLM's own class (tests compare both paths)."""
     from vllm import ModelRegistry
 
     with _lock:
-        ModelRegistry.register_model(ARCHITECTURE, VLLM_MODEL_CLASS)
+        for arch, entry in _originals.items():
+            if entry is not None:
+                ModelRegistry.models[arch] = entry
+        _originals.clear()
         _forget_resolved_drafts()
-        _registered = False
 
 
 def _forget_resolved_drafts() -> None:
@@ -62,11 +75,10 @@ def _forget_resolved_drafts() -> None:
     so a registration change takes effect in this process (a no-op at start-up)."""
     try:
         from vllm.model_executor.model_loader import utils
-        from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
     except Exception:  # another layout of vLLM: nothing memoised where we look
         return
     cache = getattr(utils, "_MODEL_ARCH_BY_HASH", {})
-    for key in [k for k, (cls, _) in cache.items() if issubclass(cls, DFlashQwen3ForCausalLM)]:
+    for key in [k for k, (cls, _) in cache.items() if hasattr(cls, "precompute_and_store_context_kv")]:
         del cache[key]
 
 

@@ -28,7 +28,7 @@ logger = logging.getLogger("dflash_rocm")
 _warned: set[str] = set()
 
 
-def _warn_once(key: str, message: str, *args) -> None:
+def warn_once(key: str, message: str, *args) -> None:
     if key not in _warned:
         _warned.add(key)
         logger.warning(message, *args)
@@ -50,7 +50,7 @@ def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *a
     if isinstance(views, str):
         reason = views
     if reason:
-        _warn_once(f"{base.__name__}:{reason}", "draft attention stays on vLLM's %s: %s", base.__name__, reason)
+        warn_once(f"{base.__name__}:{reason}", "draft attention stays on vLLM's %s: %s", base.__name__, reason)
         return base.forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
     key_cache, value_cache = views
     n = attn_metadata.num_actual_tokens
@@ -73,8 +73,8 @@ def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *a
             plan.run(q, key_cache, value_cache, out=out, sinks=sinks, k_scale=layer._k_scale, v_scale=layer._v_scale)
         except PlanMismatch:  # this layer's caches are laid out unlike the first layer's: its own plan
             plan_this_layer().run(q, key_cache, value_cache, out=out)
-    except BackendUnavailable as exc:  # raised before anything is written: vLLM's own path is safe
-        _warn_once(f"{base.__name__}:unavailable", "draft attention stays on vLLM's %s: %s", base.__name__, exc)
+    except (BackendUnavailable, ValueError, TypeError) as exc:  # refused before anything is written
+        warn_once(f"{base.__name__}:{type(exc).__name__}", "draft attention stays on vLLM's %s: %s", base.__name__, exc)
         return base.forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
     return output
 
@@ -129,6 +129,15 @@ def handed_back_to_vllm(impl) -> bool:
             and dispatch.resolve_name(None) == "auto")
 
 
+def restore(draft_model) -> None:
+    """Give every draft layer vLLM's own attention back (the plugin steps aside)."""
+    for decoder_layer in getattr(getattr(draft_model, "model", None), "layers", ()):
+        impl = decoder_layer.self_attn.attn.impl
+        base = getattr(type(impl), "_dflash_base", None)
+        if base is not None:
+            impl.__class__ = base
+
+
 def install(draft_model) -> list[str]:
     """Route every draft layer's attention through dflash_rocm; returns the layer names.
     Logs one line saying which vLLM backend the layers got and whether dflash_rocm serves it."""
@@ -141,7 +150,7 @@ def install(draft_model) -> list[str]:
         # vLLM keeps the flag on the backend class (v1/attention/backend.py), not on the impl.
         vllm_backend = getattr(module.attn, "attn_backend", None)
         if getattr(vllm_backend, "forward_includes_kv_cache_update", False):
-            _warn_once(type(impl).__name__, "draft attention stays on vLLM's %s: its forward writes the cache",
+            warn_once(type(impl).__name__, "draft attention stays on vLLM's %s: its forward writes the cache",
                        type(impl).__name__)
             continue
         if handed_back_to_vllm(impl):

@@ -1,4 +1,12 @@
-"""Which vLLM versions the plugin knows the internals of, checked without importing vLLM."""
+"""Which vLLM versions the plugin knows the internals of.
+
+Two gates, both of which make the plugin step aside (vLLM's own code serves, one warning
+says why) rather than fail anything: the version range, checked at registration without
+importing vLLM; and :func:`missing_internals`, checked when a draft is built, for the
+classes and hooks the plugin relies on (a build whose internals moved within a known
+version range is caught there). How the weights are read is itself checked on every
+load (:mod:`.draft_weights` returns a reason for what it cannot read).
+"""
 
 from __future__ import annotations
 
@@ -39,10 +47,13 @@ def incompatibility() -> str | None:
 
 
 REQUIRED_INTERNALS = {
-    "vllm.model_executor.models.qwen3_dflash.DFlashQwen3Model": (
-        "_build_fused_kv_buffers", "precompute_and_store_context_kv"),
+    # the precompute the plugin replaces, and the structure it compares family members with
+    "vllm.model_executor.models.qwen3_dflash.DFlashQwen3Model": ("precompute_and_store_context_kv",),
     "vllm.model_executor.models.qwen3_dflash.DFlashQwen3ForCausalLM": (
         "precompute_and_store_context_kv", "get_draft_attn_causal", "load_weights"),
+    "vllm.model_executor.models.qwen3_dflash.DFlashQwen3Attention": ("forward",),
+    # the loader calls the top-level model's hook after the per-layer post-processing
+    "vllm.model_executor.model_loader.utils.process_weights_after_loading": (),
 }
 
 
@@ -52,9 +63,9 @@ def missing_internals() -> list[str]:
 
     missing = []
     for path, attrs in REQUIRED_INTERNALS.items():
-        module_name, _, cls_name = path.rpartition(".")
+        module_name, _, name = path.rpartition(".")
         try:
-            cls = getattr(importlib.import_module(module_name), cls_name)
+            cls = getattr(importlib.import_module(module_name), name)
         except Exception as exc:  # a build without the module: everything is missing
             missing.append(f"{path} ({type(exc).__name__})")
             continue

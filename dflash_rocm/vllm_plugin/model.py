@@ -1,81 +1,116 @@
-"""The DFlash draft model class the plugin registers for ``DFlashDraftModel``.
+"""The draft model classes the plugin gives vLLM: its own classes, both hot operations
+dispatched through dflash_rocm where the draft's structure is DFlash's.
 
-A subclass of vLLM's ``DFlashQwen3ForCausalLM`` (the proposer checks ``isinstance``):
-vLLM builds and loads it as usual; afterwards its context-KV precompute and its draft
-layers' attention go through dflash_rocm. Everything vLLM already knows (the fused K/V
-weight it stacks at load time, cache scales, per-layer causality, the query limit) is
-taken from the loaded model, never recomputed.
+:func:`served_class` derives from whichever class vLLM resolves for a draft a subclass
+(vLLM's proposers check ``isinstance``) that vLLM builds and loads as usual; afterwards
+its context-KV precompute and its draft layers' attention go through dflash_rocm, each
+where :mod:`.family` finds it to be ``DFlashQwen3Model``'s.
+
+The rule that shapes this class: it never fails a model load that vLLM's own class
+would have completed. vLLM's ``__init__``, ``load_weights`` and post-load hook run
+first and unchanged; whatever the plugin then cannot read or set up makes it step aside
+for that operation with one warning saying why, and vLLM's code serves it.
+
+Where the weights come from: :mod:`.draft_weights` reads them from the layers right
+after the first ``load_weights`` (vLLM 0.34 builds its own fused buffers only in
+``process_weights_after_loading``, and on CPU never), and on a weight reload takes the
+new values from the checkpoint stream and writes them into the same tensors, so plans
+and captured CUDA graphs stay valid.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
-from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
 
 from .. import dispatch
-from ..plan import ContextKVPlan, plan_context_kv
 from ..contract import FP8_DTYPES
+from ..dispatch import BackendUnavailable
 from ..ops import ATTENTION
 from ..ops.attention import AttentionSpec
+from ..plan import ContextKVPlan, plan_context_kv
 from ..platform import platform_for
 from ..weights import ContextKVWeights
-from . import attention
+from . import attention, draft_weights, family
 from .cache_views import kv_cache_views
-from .compat import incompatibility, missing_internals, vllm_version
+from .compat import missing_internals, vllm_version
 
 logger = logging.getLogger("dflash_rocm")
 
 
-def context_kv_weights(model) -> ContextKVWeights | str:
-    """vLLM's loaded draft tensors as ContextKVWeights, or why they cannot be used."""
-    if getattr(model, "_fused_kv_weight", None) is None:
-        methods = {type(p.quant_method).__name__ for p in getattr(model, "_context_qkv_projs", [])}
-        return f"the draft's K/V projections are quantised ({', '.join(sorted(methods)) or 'unknown'})"
-    return ContextKVWeights(
-        hidden_norm_weight=model._hidden_norm_weight, kv_weight=model._fused_kv_weight,
-        kv_bias=model._fused_kv_bias, k_norm_weight=model._k_norm_weights,
-        cos_sin_cache=model._rope_cos_sin_cache, is_neox=bool(model._rope_is_neox),
-        eps=float(model._rms_norm_eps), v_scale=model.layers[0].self_attn.v_scale,
-        num_layers=model._num_attn_layers, num_kv_heads=model._num_kv_heads, head_dim=model._head_dim)
+class ServedDraft:
+    """Placed before vLLM's draft class in the MRO (see :func:`served_class`)."""
 
-
-def _layer_cache(attn_layer) -> torch.Tensor:
-    cache = attn_layer.kv_cache
-    return cache[0] if isinstance(cache, (list, tuple)) else cache
-
-
-class DFlashRocmQwen3ForCausalLM(DFlashQwen3ForCausalLM):
-    """vLLM's DFlash draft with both hot operations dispatched through dflash_rocm."""
+    _dflash_rocm_served = True
+    _dflash_vllm_class: type  # set by served_class
 
     def __init__(self, *, vllm_config, prefix: str = ""):
-        problem = incompatibility()
-        if problem is None and (missing := missing_internals()):
-            problem = f"vLLM {vllm_version()} lacks {', '.join(missing)}"
-        if problem:
-            raise RuntimeError(f"dflash_rocm cannot serve this DFlash draft: {problem}. "
-                               "Set DFLASH_ROCM_VLLM=0 to run vLLM's own DFlash path.")
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self._dflash_weights: ContextKVWeights | None = None
+        self._dflash_precompute_off: str | None = None  # why the precompute stays on vLLM
         self._dflash_views_key: tuple | None = None
         self._dflash_plans: dict[bool, ContextKVPlan | str] = {}  # writes caches -> plan (or why not)
         self._dflash_vllm_config = vllm_config
-        self._dflash_attention_layers = attention.install(self)
-        _configure_backends(vllm_config, self.get_draft_attn_causal(), _model_device(vllm_config))
+        self._dflash_attention_layers: list[str] = []
+        name = self._dflash_vllm_class.__name__
+        try:
+            if missing := missing_internals():
+                self._step_aside(f"vLLM {vllm_version()} lacks {', '.join(missing)}")
+                return
+            self._dflash_precompute_off = family.precompute_support(self)
+            attention_off = family.attention_support(self)
+            if attention_off is None:
+                self._dflash_attention_layers = attention.install(self)
+            else:
+                logger.warning("%s: draft attention stays on vLLM: %s", name, attention_off)
+            if self._dflash_precompute_off is not None:
+                logger.warning("%s: context-KV precompute stays on vLLM: %s", name, self._dflash_precompute_off)
+            _configure_backends(vllm_config, self.get_draft_attn_causal(), _model_device(vllm_config))
+        except Exception as exc:  # noqa: BLE001 - never fail a load vLLM's own class completes
+            self._step_aside(f"setting up failed ({type(exc).__name__}: {exc})")
+
+    def _step_aside(self, why: str) -> None:
+        """vLLM's own code for everything of this draft, said once."""
+        attention.restore(self)
+        self._dflash_attention_layers = []
+        self._dflash_precompute_off = why
+        logger.warning("dflash_rocm steps aside for this %s draft: %s", self._dflash_vllm_class.__name__, why)
 
     def load_weights(self, weights):
+        tee = None
+        if self._dflash_weights is not None:  # a reload: the new values as they stream by
+            tee = draft_weights.ReloadTee(self.model)
+            weights = tee.watch(weights)
         loaded = super().load_weights(weights)
-        found = context_kv_weights(self.model)
+        if self._dflash_precompute_off is None:
+            if tee is None:
+                self._take_weights()
+            elif (why := tee.refill(self._dflash_weights)) is not None:
+                self._dflash_weights = None
+                logger.warning("context-KV precompute goes back to vLLM's path after a weight reload: %s", why)
+        return loaded
+
+    def _take_weights(self) -> None:
+        found = draft_weights.read(self.model)
         if isinstance(found, str):
             logger.warning("context-KV precompute stays on vLLM's path: %s", found)
-        else:
-            self._dflash_weights = found
-            self._dflash_plans = {}  # new weights: new plans
-            logger.info("context-KV precompute of this draft runs through dflash_rocm (%d layers)",
-                        found.num_layers)
-        _warm_up(self, self._dflash_vllm_config)
-        return loaded
+            return
+        self._dflash_weights, self._dflash_plans, self._dflash_views_key = found, {}, None
+        logger.info("context-KV precompute of this draft runs through dflash_rocm (%d layers)", found.num_layers)
+
+    def process_weights_after_loading(self) -> None:
+        parent = getattr(super(), "process_weights_after_loading", None)
+        if parent is not None:
+            parent()
+        if self._dflash_weights is None and self._dflash_precompute_off is None:
+            logger.warning("context-KV precompute stays on vLLM's path: the draft's weights did not come "
+                           "through load_weights (dummy weights?)")
+        try:
+            _warm_up(self, self._dflash_vllm_config)
+        except Exception as exc:  # noqa: BLE001 - startup tuning is an optimisation, never a failed load
+            logger.warning("dflash_rocm start-up tuning skipped: %s: %s", type(exc).__name__, exc)
 
     def _context_kv_plan(self, writes: bool) -> ContextKVPlan | str:
         """The precompute's plan (weights, every layer's cache views, fp8 scales taken once),
@@ -85,7 +120,7 @@ class DFlashRocmQwen3ForCausalLM(DFlashQwen3ForCausalLM):
             if plan is None:
                 plan = self._dflash_plans[False] = plan_context_kv(self._dflash_weights, None, None)
             return plan
-        layers = self.model._attn_layers
+        layers = [layer.self_attn.attn for layer in self.model.layers]
         caches = [_layer_cache(a) for a in layers]
         key = tuple((c.data_ptr(), tuple(c.shape), c.stride()) for c in caches)
         if self._dflash_views_key != key or True not in self._dflash_plans:
@@ -105,14 +140,36 @@ class DFlashRocmQwen3ForCausalLM(DFlashQwen3ForCausalLM):
         return self._dflash_plans[True]
 
     def precompute_and_store_context_kv(self, context_states, context_positions, context_slot_mapping=None):
-        if self._dflash_weights is None:
+        if self._dflash_weights is None or self._dflash_precompute_off is not None:
             return super().precompute_and_store_context_kv(context_states, context_positions, context_slot_mapping)
-        plan = self._context_kv_plan(context_slot_mapping is not None)
-        if isinstance(plan, str):
-            attention._warn_once("precompute:" + plan, "context-KV precompute stays on vLLM's path: %s", plan)
-            return super().precompute_and_store_context_kv(context_states, context_positions, context_slot_mapping)
-        # vLLM built the positions and slots; checking them would sync with the device.
-        plan.run(context_states, context_positions, context_slot_mapping, validate=False)
+        slots = context_slot_mapping
+        if isinstance(slots, (list, tuple)) and all(s is None for s in slots):
+            slots = None  # vLLM's dummy run: compute only
+        try:
+            plan = self._context_kv_plan(slots is not None)
+            if not isinstance(plan, str):
+                # vLLM built the positions and slots; checking them would sync with the device.
+                plan.run(context_states, context_positions, slots, validate=False)
+                return None
+        except (ValueError, TypeError, BackendUnavailable) as exc:  # refused before any write
+            plan = f"{type(exc).__name__}: {exc}"
+            self._dflash_plans[slots is not None] = plan
+        attention.warn_once("precompute:" + plan, "context-KV precompute stays on vLLM's path: %s", plan)
+        return super().precompute_and_store_context_kv(context_states, context_positions, context_slot_mapping)
+
+
+@functools.lru_cache(maxsize=None)
+def served_class(vllm_cls: type) -> type:
+    """vLLM's draft class with both operations dispatched through dflash_rocm where its
+    structure allows (one class per vLLM class, so ``isinstance`` and pickling by name hold)."""
+    return type(f"DFlashRocm{vllm_cls.__name__}", (ServedDraft, vllm_cls),
+                {"__module__": __name__, "__qualname__": f"DFlashRocm{vllm_cls.__name__}",
+                 "_dflash_vllm_class": vllm_cls})
+
+
+def _layer_cache(attn_layer) -> torch.Tensor:
+    cache = attn_layer.kv_cache
+    return cache[0] if isinstance(cache, (list, tuple)) else cache
 
 
 def _model_device(vllm_config) -> torch.device:
@@ -152,7 +209,9 @@ def attention_specs(draft_model, vllm_config, device: torch.device) -> set[Atten
 
 def _warm_up(draft_model, vllm_config) -> None:
     """Backends' startup work (ROCm: tuning, on by default for RDNA) for exactly what this
-    draft runs, before serving starts. A failure costs the optimisation, never the server."""
-    device = draft_model.model._hidden_norm_weight.device
+    draft runs, before serving starts."""
+    if not draft_model._dflash_attention_layers:
+        return
+    device = _model_device(vllm_config)
     for spec in attention_specs(draft_model, vllm_config, device):
         dispatch.warm_up(ATTENTION, spec, device)

@@ -127,9 +127,11 @@ def _weights_signature(weights) -> tuple:
 
 
 def _sequence(value) -> tuple:
-    """The signature of an argument that may be a sequence (per-layer slots or scales)."""
+    """The signature of an argument that may be a sequence (per-layer slots or scales),
+    with which entries are the same object (layers sharing a mapping may not share a cache)."""
     if isinstance(value, (list, tuple)):
-        return type(value), tuple(map(signature, value))
+        firsts = {}
+        return type(value), tuple(map(signature, value)), tuple(firsts.setdefault(id(v), i) for i, v in enumerate(value))
     return signature(value)
 
 
@@ -206,9 +208,7 @@ def _check_structure(context_states, positions, weights, key_caches, value_cache
     if len(packings) > 1:
         raise ValueError(f"key_caches/value_caches: every written layer must use one page layout; got "
                          f"(row pack, dim pack) of (K, V) per layer {[cache_packing(kcs[i], vcs[i]) for i in written]}")
-    caches = [kcs[i] for i in written] + [vcs[i] for i in written]
-    names = [f"key_caches[{i}]" for i in written] + [f"value_caches[{i}]" for i in written]
-    _check_caches_apart(caches, names)
+    _check_caches_apart([kcs[i] for i in written], [vcs[i] for i in written], written, slots)
     if cache_dtype not in FP8_DTYPES:
         return _Derived(None, None)
     scales = []
@@ -238,13 +238,29 @@ def _check_indices(checks: IndexChecks, positions, max_position, slots, caches) 
                            f"(-1 skips a token); got {int(s[i])} at [{i[0]}]"))
 
 
-def _check_caches_apart(caches: list, names: list[str]) -> None:
-    """No written cache aliases itself or another."""
+def _check_caches_apart(key_caches: list, value_caches: list, layers: list[int], slots) -> None:
+    """No written cache aliases itself or another, except that layers with their own slot
+    mappings may share one K cache and one V cache (the very same views): vLLM's hybrid
+    KV-cache groups give layers of different groups one pool, each layer writing the slots
+    of its own group's blocks. Layers sharing one mapping and one cache would write every
+    slot twice: refused."""
+    caches = key_caches + value_caches
+    names = [f"key_caches[{i}]" for i in layers] + [f"value_caches[{i}]" for i in layers]
+    owners = layers + layers
+    kinds = [0] * len(key_caches) + [1] * len(value_caches)
     for name, c in zip(names, caches):
         check_writable(name, c)
     for i in range(len(caches)):
         for j in range(i + 1, len(caches)):
+            if (kinds[i] == kinds[j] and slots[owners[i]] is not slots[owners[j]]
+                    and _same_view(caches[i], caches[j])):
+                continue
             check_disjoint(names[i], caches[i], names[j], caches[j])
+
+
+def _same_view(a, b) -> bool:
+    a, b = memory_of(a), memory_of(b)
+    return a.data_ptr() == b.data_ptr() and signature(a) == signature(b)
 
 
 def _check_states_apart(states: torch.Tensor, caches: list) -> None:

@@ -1,0 +1,127 @@
+"""The precompute's weights, read from a loaded vLLM draft's own modules.
+
+They are taken right after the draft's ``load_weights``, the one point where every vLLM
+release (0.32-0.34) has them plain: vLLM 0.34 builds its own fused buffers only later,
+in ``process_weights_after_loading`` and only off CPU, and on CPU post-load processing
+repacks ``qkv_proj.weight`` for its GEMM library. So nothing here reads vLLM's derived
+buffers (``_fused_kv_weight``, ``_hidden_norm_weight``, ...): each layer's
+``qkv_proj``, ``k_norm`` and rotary embedding, and the model's ``hidden_norm``.
+
+The tensors a :class:`ContextKVWeights` holds here are the plugin's own copies. A weight
+reload writes the new values into them in place (:class:`ReloadTee`), which the
+backends' derived layouts follow at the same addresses (:mod:`dflash_rocm.derived`), so
+a CUDA graph captured before the reload replays with the new weights.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ..weights import ContextKVWeights
+
+
+def _unquantised(linear) -> bool:
+    method = getattr(linear, "quant_method", None)
+    return method is None or type(method).__name__ == "UnquantizedLinearMethod"
+
+
+def read(inner) -> ContextKVWeights | str:
+    """``inner`` (a ``DFlashQwen3Model``)'s precompute weights, or why they cannot be read.
+    Never raises for a model vLLM built: an attribute it lacks is a reason."""
+    try:
+        attns = [layer.self_attn for layer in inner.layers]
+        quantised = sorted({type(a.qkv_proj.quant_method).__name__ for a in attns if not _unquantised(a.qkv_proj)})
+        if quantised:
+            return f"the draft's K/V projections are quantised ({', '.join(quantised)})"
+        first = attns[0]
+        rope = first.rotary_emb
+        for a in attns[1:]:
+            if (a.rotary_emb.is_neox_style != rope.is_neox_style or a.rotary_emb.head_size != rope.head_size
+                    or not torch.equal(a.rotary_emb.cos_sin_cache, rope.cos_sin_cache)):
+                return "the draft's layers use different RoPE tables"
+            if (a.num_kv_heads, a.head_dim, a.q_norm.variance_epsilon) != (
+                    first.num_kv_heads, first.head_dim, first.q_norm.variance_epsilon):
+                return "the draft's layers differ in KV heads, head size or norm epsilon"
+        with torch.no_grad():
+            kv_weight = torch.cat([a.qkv_proj.weight[a.q_size:] for a in attns])
+            has_bias = getattr(first.qkv_proj, "bias", None) is not None
+            kv_bias = torch.cat([a.qkv_proj.bias[a.q_size:] for a in attns]) if has_bias else None
+            k_norm = torch.stack([a.k_norm.weight for a in attns])
+            hidden_norm = inner.hidden_norm.weight.detach().clone()
+        v_scale = getattr(first, "v_scale", None)
+        return ContextKVWeights(
+            hidden_norm_weight=hidden_norm, kv_weight=kv_weight, kv_bias=kv_bias, k_norm_weight=k_norm,
+            cos_sin_cache=rope.cos_sin_cache, is_neox=bool(rope.is_neox_style),
+            eps=float(first.q_norm.variance_epsilon), v_scale=None if v_scale is None else float(v_scale),
+            num_layers=len(attns), num_kv_heads=int(first.num_kv_heads), head_dim=int(first.head_dim))
+    except (AttributeError, TypeError, ValueError, IndexError, RuntimeError) as exc:
+        return f"cannot read the draft's K/V weights ({type(exc).__name__}: {exc})"
+
+
+_QKV_PARAM = re.compile(r"^layers\.(\d+)\.self_attn\.qkv_proj\.(weight|bias)$")
+_K_NORM_PARAM = re.compile(r"^layers\.(\d+)\.self_attn\.k_norm\.weight$")
+
+
+class ReloadTee:
+    """The new values of a weight reload, taken from the checkpoint stream as vLLM loads it.
+
+    A reload cannot be read from the layers afterwards: vLLM reloads layer by layer and
+    processes each as it completes (on CPU, repacking ``qkv_proj.weight`` for its GEMM
+    library), and some of its buffers are placeholders until the end. The stream itself
+    holds the checkpoint's tensors: names are mapped as the draft's own loader maps them
+    (``hf_to_vllm_mapper``) and each layer's K/V rows narrowed to this rank's heads as its
+    ``qkv_proj`` loads them. What the stream does not name keeps its value.
+    """
+
+    def __init__(self, inner):
+        self._inner = inner
+        self._mapper = getattr(type(inner), "hf_to_vllm_mapper", None)
+        self._seen: list[tuple[str, int, str | None, torch.Tensor]] = []  # (param, layer, shard, tensor)
+
+    def watch(self, weights):
+        for name, tensor in weights:
+            self._see(name, tensor)
+            yield name, tensor
+
+    def _see(self, name: str, tensor: torch.Tensor) -> None:
+        mapped = self._mapper._map_name_with_shard(name) if self._mapper is not None else (name, None)
+        if mapped is None:
+            return
+        param, shard = mapped
+        if param == "hidden_norm.weight":
+            self._seen.append(("hidden_norm", 0, None, tensor))
+        elif (m := _K_NORM_PARAM.match(param)) is not None:
+            self._seen.append(("k_norm", int(m[1]), None, tensor))
+        elif (m := _QKV_PARAM.match(param)) is not None and shard in ("k", "v"):
+            self._seen.append((m[2], int(m[1]), shard, tensor))
+
+    def refill(self, held: ContextKVWeights) -> str | None:
+        """Write what the stream held into ``held``'s tensors in place; why not (nothing
+        written) if a tensor does not fit."""
+        rows = held.num_kv_heads * held.head_dim
+        writes = []
+        for kind, layer, shard, tensor in self._seen:
+            if kind == "hidden_norm":
+                writes.append((held.hidden_norm_weight, tensor))
+                continue
+            if layer >= held.num_layers:
+                return f"the reload names draft layer {layer} of {held.num_layers}"
+            if kind == "k_norm":
+                writes.append((held.k_norm_weight[layer], tensor))
+                continue
+            target = held.kv_weight if kind == "weight" else held.kv_bias
+            if target is None:
+                return "the reload brings a K/V bias the loaded draft did not have"
+            qkv = self._inner.layers[layer].self_attn.qkv_proj
+            rank = getattr(qkv, "tp_rank", 0) // getattr(qkv, "num_kv_head_replicas", 1)
+            start = (2 * layer + (shard == "v")) * rows
+            writes.append((target[start:start + rows], tensor.narrow(0, rank * rows, rows)))
+        for dst, src in writes:
+            if dst.shape != src.shape:
+                return f"a reloaded tensor of shape {list(src.shape)} does not fit {list(dst.shape)}"
+        with torch.no_grad():
+            for dst, src in writes:
+                dst.copy_(src)
+        return None
