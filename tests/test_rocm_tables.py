@@ -15,6 +15,20 @@ def workload(arch, batch=1, query_len=16, key_span=8192, hq=32, hk=8, d=128, fp8
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_gfx12_loops_are_single_stage(arch):
+    """Triton's pipelined loops over buffer loads gave wrong decode output on gfx12 (vLLM
+    #62697): every attention and precompute config there takes one stage."""
+    limit = tables.stage_limit(arch)
+    assert limit == (1 if arch.startswith("gfx12") else 2)
+    for tokens in (16, 64, 256, 1024, 4096):
+        cfg = tables.precompute_config(arch, num_tokens=tokens, hidden=4096, num_heads_total=80, head_dim=128)
+        assert cfg.num_stages <= limit
+    for fp8 in (False, True):
+        for span in (1024, 131072):
+            assert tables.attention_config(workload(arch, 8, 16, span, fp8=fp8), 16)[1].num_stages <= limit
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_every_arch_has_a_table_whose_last_rule_always_applies(arch):
     rules = tables.rules_for(arch)
     assert rules[-1].applies(workload(arch))

@@ -3,6 +3,7 @@ persistence, locking and corrupt files; then its use by the rocm backend and the
 
 import contextlib
 import json
+from dataclasses import replace
 import logging
 import threading
 import time
@@ -585,3 +586,30 @@ def test_tuned_candidates_stay_within_what_the_entry_check_accepts(monkeypatch):
     assert offered and max(c.num_segments for c in offered) == 32
     for c in offered:
         assert tuner.launch_config_from_dict(c.as_dict(), 16, "rdna") == c
+
+
+def test_gfx12_pipelined_candidates_are_neither_tuned_nor_loaded(monkeypatch):
+    """gfx12 keeps loops single-stage (Triton's pipelined buffer loads gave wrong results
+    there on hardware, vLLM #62697): the tuner offers no two-stage candidate on gfx1201, and
+    a two-stage entry in a cached table is refused by the entry check (RDNA3 may take it)."""
+    default = AttentionLaunchConfig(block_m=64, block_n=32, num_segments=8, num_warps=4, num_stages=1)
+    offered = []
+
+    def fake_tune(identity, workloads, default_for, candidates_for, runner_for, check, **kwargs):
+        offered.append((candidates_for(workloads[0], default), check))
+        return tuning.TunedTable(identity, [])
+
+    monkeypatch.setattr(tuning, "tune", fake_tune)
+    spec = AttentionSpec(32, 8, 128, 16, torch.bfloat16, torch.bfloat16, False, None, False)
+    piped = replace(default, num_stages=2)
+    entry = tuning.TunedEntry(tuning.Workload(1, 16, 8192), default.as_dict(), piped.as_dict(), 12.0, 10.0, 1.2)
+    for arch, allowed in (("gfx1201", False), ("gfx1100", True)):
+        offered.clear()
+        tuner.tune_attention(platform_for_arch(arch), spec, torch.device("cpu"))
+        (candidates, check), = offered
+        assert (piped in candidates) == allowed
+        if allowed:
+            check(entry)
+        else:
+            with pytest.raises(ValueError, match="num_stages"):
+                check(entry)

@@ -206,7 +206,8 @@ def precompute_config(arch: str, *, num_tokens: int, hidden: int, num_heads_tota
         return PrecomputeLaunchConfig(
             block_t=block_t, block_k=block_k,
             split_k=split_k_for(num_heads_total, hidden, block_k, platform.compute_units),
-            num_warps=4 if cdna and block_t == 32 else 8, num_stages=2, num_xcds=xcds, square_group=squares)
+            num_warps=4 if cdna and block_t == 32 else 8, num_stages=2 if cdna else stage_limit(arch),
+            num_xcds=xcds, square_group=squares)
     tiles, whole, split = grid(64)
     # 64-token tiles whose last round is a few tiles split 16 ways (and none half empty) beat
     # 32-token ones: they read the weight half as often (MI300X N = 256: 64.3 -> 66.3 %).
@@ -241,4 +242,14 @@ def precompute_config(arch: str, *, num_tokens: int, hidden: int, num_heads_tota
     # (R9700 N = 1024 85 -> 92 %, N = 4096 86 -> 92 %, modelled; below, the rounds of its 64
     # CUs make it bumpy: N = 512 +6, N = 640 -3). RDNA3 would spill (54 VGPRs, gfx1100).
     heads = 2 if arch.startswith("gfx12") and num_tokens >= 1024 and head_dim <= 128 else 1
-    return PrecomputeLaunchConfig(block_t=64, block_k=block_k, num_warps=8, num_stages=2, heads=heads)
+    return PrecomputeLaunchConfig(block_t=64, block_k=block_k, num_warps=8, num_stages=stage_limit(arch),
+                                  heads=heads)
+
+
+def stage_limit(arch: str) -> int:
+    """The most pipeline stages a loop may take on ``arch``: one on gfx12, where Triton's
+    pipelined loops over buffer loads gave wrong results on hardware (vLLM sets
+    ``num_stages=1`` on gfx12 for that reason, vLLM #62697; a cache under 2 GiB gets buffer
+    loads, and no gfx12 run of this package has cleared it); tables, tuning candidates and
+    tuned entries keep to it. Elsewhere the tables' own choice (at most 2)."""
+    return 1 if arch.startswith("gfx12") else 2

@@ -112,7 +112,10 @@ def entry_check(spec: AttentionSpec, platform: Platform) -> tuning.EntryCheck:
     group = spec.num_q_heads // spec.num_kv_heads
 
     def check(entry: tuning.TunedEntry) -> None:
-        launch_config_from_dict(entry.best, group, platform.family)
+        config = launch_config_from_dict(entry.best, group, platform.family)
+        if config.num_stages > tables.stage_limit(platform.arch):
+            raise ValueError(f"config num_stages: at most {tables.stage_limit(platform.arch)} on {platform.arch}, "
+                             f"got {config.num_stages}")
 
     return check
 
@@ -235,7 +238,8 @@ def _tuned_configs(platform: Platform, spec: AttentionSpec, device: torch.device
 
     def candidates_for(w, default):  # only what a loaded entry may hold (launch_config_from_dict)
         return [c for c in candidates(default, spec.num_q_heads // spec.num_kv_heads)
-                if c.num_segments <= tables.MAX_SEGMENTS[platform.family]]
+                if c.num_segments <= tables.MAX_SEGMENTS[platform.family]
+                and c.num_stages <= tables.stage_limit(platform.arch)]
 
     table = tuning.tune(ident, todo, default_for, candidates_for,
                         runner_for or (lambda w: gpu_runner(spec, w, device)), path=path, progress=progress,
