@@ -134,7 +134,7 @@ def test_auto_runs_the_precompute_on_cpu_and_leaves_attention_to_vllms_cpu_kerne
     assert any("draft attention stays on vLLM's CPUAttentionBackendImpl" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ["cpu"])  # the load path is the backend's; triton serves the same weights
 def test_vllm_034_load_order_loads_and_serves(backend, models, run):
     """vLLM 0.34 builds the draft's derived buffers in process_weights_after_loading (and
     on CPU without the fused K/V weight); the plugin reads the layers itself, so it loads,
