@@ -90,6 +90,29 @@ def pack_caches(key: torch.Tensor, value: torch.Tensor, packing: str):
     return PackedCache.x_packed_key(k), value.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
 
 
+INVISIBLE_FILLS = (None, "nan", "inf", "-inf", "huge")
+
+
+def unseen_rows(block_table: torch.Tensor, q_lens: list[int], seq_lens: list[int], block_size: int,
+                window: int | None, num_blocks: int) -> torch.Tensor:
+    """Bool ``[num_blocks, block_size]``: the cache rows no query of the batch sees. A
+    request's rows past its ``seq_len`` or before its first query's window, every row of a
+    request without queries, and every block none of the requests' pages names (where
+    stale block-table entries point)."""
+    unseen = torch.ones(num_blocks, block_size, dtype=torch.bool)
+    for b, (q, s) in enumerate(zip(q_lens, seq_lens)):
+        if q:
+            keys = torch.arange(0 if window is None else max(0, s - q - window + 1), s)
+            unseen[block_table[b, keys // block_size].long().cpu(), keys % block_size] = False
+    return unseen
+
+
+def fill_value(kind: str, dtype: torch.dtype) -> float:
+    """``huge`` is the cache dtype's largest finite value: a score or a product over it
+    overflows like an Inf would."""
+    return torch.finfo(dtype).max if kind == "huge" else float(kind)
+
+
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
     if dtype in FP8_DTYPES:
         return (x.float() / scale).to(dtype)
@@ -134,6 +157,8 @@ def seq_layouts(draw, sizes: Sizes, block_size: int):
 def attention_cases(draw, sizes: Sizes = CPU_SIZES, dtypes=(torch.float32, torch.float16, torch.bfloat16),
                     cache_dtypes=CACHE_DTYPE_CHOICES, allow_out: bool = True,
                     packings=("plain",)) -> AttentionCase:
+    """One call; the cache rows no query sees hold NaN, +-Inf or the dtype's largest value
+    when ``invisible`` is drawn (they must never reach the output)."""
     device = sizes.device
     block_size = draw(st.sampled_from(sizes.block_sizes))
     layout = draw(seq_layouts(sizes, block_size))
@@ -150,6 +175,7 @@ def attention_cases(draw, sizes: Sizes = CPU_SIZES, dtypes=(torch.float32, torch
     scale = draw(st.none() | st.floats(0.05, 0.5))
     memory = draw(st.sampled_from(LAYOUTS))
     packing = draw(st.sampled_from(packings))
+    invisible = draw(st.sampled_from(INVISIBLE_FILLS))
     seed = draw(st.integers(0, 2**31 - 1))
 
     g = make_generator(seed, device)
@@ -166,6 +192,11 @@ def attention_cases(draw, sizes: Sizes = CPU_SIZES, dtypes=(torch.float32, torch
     for b, n in enumerate(blocks_per_seq):
         block_table[b, :n] = perm[used:used + n].to(torch.int32)
         used += n
+    # Entries past a request's pages are stale: they name blocks no request owns.
+    free = perm[used:]
+    stale = torch.randint(len(free), (B, max_blocks), generator=g, device=device)
+    for b, n in enumerate(blocks_per_seq):
+        block_table[b, n:] = free[stale[b, n:]].to(torch.int32)
     T = sum(q_lens)
     qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32, device=device)
     k_scale = v_scale = None
@@ -173,8 +204,12 @@ def attention_cases(draw, sizes: Sizes = CPU_SIZES, dtypes=(torch.float32, torch
         k_scale = draw(st.sampled_from([0.25, 0.5, 1.0]))
         v_scale = draw(st.sampled_from([0.25, 0.5, 1.0]))
     query = randn((T, Hk * G, D), g, device, dtype)
-    key_cache = to_cache_dtype(randn((num_blocks, block_size, Hk, D), g, device), cache_dtype, k_scale or 1.0)
-    value_cache = to_cache_dtype(randn((num_blocks, block_size, Hk, D), g, device), cache_dtype, v_scale or 1.0)
+    keys, values = randn((num_blocks, block_size, Hk, D), g, device), randn((num_blocks, block_size, Hk, D), g, device)
+    if invisible is not None:
+        unseen = unseen_rows(block_table, q_lens, seq_lens, block_size, window, num_blocks).to(device)
+        keys[unseen] = values[unseen] = fill_value(invisible, cache_dtype)
+    key_cache = to_cache_dtype(keys, cache_dtype, k_scale or 1.0)
+    value_cache = to_cache_dtype(values, cache_dtype, v_scale or 1.0)
     sinks = None
     if sinks_kind is not None:
         offset = {"normal": 0.0, "very_negative": -30.0, "very_positive": 30.0}[sinks_kind]
@@ -188,7 +223,7 @@ def attention_cases(draw, sizes: Sizes = CPU_SIZES, dtypes=(torch.float32, torch
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     description = (f"B={B} q_lens={q_lens} seq_lens={seq_lens} bs={block_size} Hk={Hk} G={G} D={D} "
                    f"{dtype} cache={cache_dtype} causal={causal} window={window} sinks={sinks_kind} memory={memory} "
-                   f"packing={packing}")
+                   f"packing={packing} invisible={invisible}")
     args = [relayout(t, memory) for t in (query, key_cache, value_cache, block_table, qsl, seq_lens_t)]
     args[1], args[2] = pack_caches(args[1], args[2], packing)
     return AttentionCase(args=tuple(args),

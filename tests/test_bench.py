@@ -118,10 +118,43 @@ def test_bench_times_the_cpu_backend_against_vllms_own_cpu_ops(tmp_path):
     assert rows[("draft_attention", "cpu")]["speedup_vs_unfused"] > 0
 
 
+def plugin_reads_the_smoke_drafts_vllm_cpu_pages() -> bool:
+    """Whether the plugin reads the pages vLLM's CPU attention binds for the bench's smoke
+    draft here: vLLM picks their ISA (``_get_attn_isa``: ``amx``, packed for AMX tiles, for
+    bf16 with head dims and block sizes multiples of 32 on CPUs with AMX; else plain
+    ``vec``/``vec16``) and binds it to each layer, where the plugin's cache views read it.
+    vLLM's CPU block sizes are multiples of 32 (``MultipleOf(32)``): 32 stands for any."""
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from dflash_rocm.tiny_models import HEAD_DIM, KV_HEADS
+    from dflash_rocm.vllm_bench import SMOKE
+    from dflash_rocm.vllm_plugin.cache_views import kv_cache_views
+
+    class CPUAttentionBackendImpl:
+        num_kv_heads, head_size, kv_cache_dtype = KV_HEADS, HEAD_DIM, "auto"
+
+    dtype = getattr(torch, SMOKE.dtype)
+    layer = SimpleNamespace(isa=_get_attn_isa(dtype, 32, HEAD_DIM, "auto"))
+    kv_cache = torch.zeros(3, KV_HEADS, 32, 2 * HEAD_DIM, dtype=dtype)
+    return not isinstance(kv_cache_views(CPUAttentionBackendImpl(), layer, kv_cache), str)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("amx", [False, True])
+def test_the_plugin_reads_the_smoke_drafts_cpu_pages_exactly_where_vllm_does_not_pack_them_for_amx(amx, monkeypatch):
+    """Both ISAs on this machine: vLLM's choice with AMX tiles present or absent."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    assert plugin_reads_the_smoke_drafts_vllm_cpu_pages() != amx
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_bench_vllm_smoke_reports_the_ratios_and_identical_output(tmp_path, capsys):
-    """One short pair end to end (the ratio is reported, not asserted: this is a smoke test)."""
+    """One short pair end to end (the ratio is reported, not asserted: this is a smoke test).
+    The plugin serves the precompute where it reads vLLM's CPU pages; on AMX CPUs vLLM packs
+    the bf16 pages and the plugin leaves both operations to it (README, "On CPU")."""
     path = tmp_path / "e2e.json"
     rc = cli.main(["bench", "--vllm", "--quick", "--quiet", "--json", str(path)])
     out = capsys.readouterr().out
@@ -131,5 +164,6 @@ def test_bench_vllm_smoke_reports_the_ratios_and_identical_output(tmp_path, caps
     assert summary["pairs"] == 1 and summary["generate_ratio"] > 0 and summary["outputs_match"]
     vllm_run, plugin_run = sorted(report["runs"], key=lambda r: r["plugin"])
     assert vllm_run["served_by"] == {}
-    assert plugin_run["served_by"] == {"precompute_and_store_context_kv/cpu": plugin_run["precompute_calls"]}
+    served = {"precompute_and_store_context_kv/cpu": plugin_run["precompute_calls"]}
+    assert plugin_run["served_by"] == (served if plugin_reads_the_smoke_drafts_vllm_cpu_pages() else {})
     assert plugin_run["precompute_calls"] > 0 and plugin_run["attention_calls"] > 0

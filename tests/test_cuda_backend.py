@@ -50,7 +50,8 @@ def fake_flash_attn_varlen_func(*, q, k, v, max_seqlen_q, cu_seqlens_q, max_seql
     """FlashAttention's semantics (paged varlen), written from its documentation:
     causal is bottom-right aligned; window (left, right) keeps keys in
     [i + sk - sq - left, i + sk - sq + right] (-1: unbounded); s_aux adds one logit per
-    head to the softmax denominator."""
+    head to the softmax denominator. Keys before the first query's window are not read
+    (what the real kernel does with a NaN there needs a GPU to check)."""
     bs = k.shape[1]
     group = q.shape[1] // k.shape[2]
     for b in range(seqused_k.shape[0]):
@@ -59,13 +60,13 @@ def fake_flash_attn_varlen_func(*, q, k, v, max_seqlen_q, cu_seqlens_q, max_seql
         if sq == 0:
             continue
         assert sq <= max_seqlen_q and sk <= max_seqlen_k
-        j = torch.arange(sk)
+        left, right = window_size
+        j = torch.arange(max(0, sk - sq - left) if left >= 0 else 0, sk)
         keys = k[block_table[b, j // bs].long(), j % bs].float().repeat_interleave(group, dim=1)
         vals = v[block_table[b, j // bs].long(), j % bs].float().repeat_interleave(group, dim=1)
         logits = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), keys) * softmax_scale
         i = torch.arange(sq)[:, None] + sk - sq
-        keep = torch.ones(sq, sk, dtype=torch.bool)
-        left, right = window_size
+        keep = torch.ones(sq, len(j), dtype=torch.bool)
         if causal:
             right = 0 if right < 0 else min(right, 0)
         if left >= 0:
@@ -75,7 +76,7 @@ def fake_flash_attn_varlen_func(*, q, k, v, max_seqlen_q, cu_seqlens_q, max_seql
         logits = logits.masked_fill(~keep, float("-inf"))
         if s_aux is not None:
             logits = torch.cat([logits, s_aux.float().view(-1, 1, 1).expand(-1, sq, 1)], dim=-1)
-        probs = torch.softmax(logits, dim=-1)[..., :sk]
+        probs = torch.softmax(logits, dim=-1)[..., :len(j)]
         out[q0:q1] = torch.einsum("hqk,khd->qhd", probs, vals).to(out.dtype)
 
 

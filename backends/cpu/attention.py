@@ -5,12 +5,13 @@ and run torch's CPU flash-attention kernel (float32 accumulation) over the whole
   length (``[B, Hk, G*Q, D]``), so every KV head is read by one attention head.
 * Only the pages a request can see are gathered: with a sliding window, the pages before
   the window of the request's first query are skipped.
-* Visibility (sequence end, causality, window) is an additive mask, left out when every
-  gathered key is visible to every query, and built once per batch layout (the draft's
-  layers of one step share it, as they share vLLM's metadata).
-* Sinks use the kernel's log-sum-exp: a sink logit ``s`` scales a row by
-  ``sigmoid(lse - s)``. fp8 pages are widened exactly to the query dtype; ``k_scale``
-  joins the softmax scale and ``v_scale`` multiplies the output.
+* The kernel adds its mask, so it reads only keys every query of the request sees, and
+  the other gathered rows are zeroed in the copy; keys only some queries see (causality,
+  the window's edge) are scored on the side and merged by log-sum-exp (see ``keys``).
+  Rows no query can see never reach the output, whatever they hold.
+* Sinks use the log-sum-exp: a sink logit ``s`` scales a row by ``sigmoid(lse - s)``.
+  fp8 pages are widened exactly to the query dtype; ``k_scale`` joins the softmax scale
+  and ``v_scale`` multiplies the output.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import functools
 import torch
 
 from dflash_rocm.ops.attention import AttentionCall
+
+from .keys import KeySplit, split_keys
 
 _flash_attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -62,7 +65,6 @@ class _Layout:
         self.key_len = max(spans, default=0)
         self.pages = -(-self.key_len // bs)
         self.padded = not (self.all_active and all(q == self.q_max for q in self.q_lens))
-        self.needs_mask = call.causal or window is not None or any(s != self.key_len for s in spans)
 
 
 def _block_ids(call: AttentionCall, layout: _Layout) -> torch.Tensor:
@@ -73,30 +75,8 @@ def _block_ids(call: AttentionCall, layout: _Layout) -> torch.Tensor:
         rows = table.index_select(0, torch.tensor(layout.requests))
         cols = torch.arange(layout.pages)[None, :] + torch.tensor(layout.first_page)[:, None]
         ids = rows.gather(1, cols.clamp_(max=table.shape[1] - 1))
-    # Columns past a request's own pages are masked out; any id in range will do there.
+    # Columns past a request's own pages are zeroed after the gather; any id in range will do there.
     return ids.clamp(0, call.num_blocks - 1).view(-1)
-
-
-@functools.lru_cache(maxsize=8)
-def _mask(seq_lens: tuple, q_lens: tuple, first_page: tuple, key_len: int, block_size: int, causal: bool,
-          window: int | None, groups: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive ``[B, 1, G*Q or 1, S]`` mask: 0 where a key is visible, -inf elsewhere."""
-    S, Q = key_len, max(q_lens)
-    seq = torch.tensor(seq_lens)[:, None]
-    key_pos = torch.tensor(first_page)[:, None] * block_size + torch.arange(S)[None, :]  # [B, S]
-    visible = key_pos < seq
-    if causal or window is not None:
-        pos = (seq - torch.tensor(q_lens)[:, None] + torch.arange(Q)[None, :])[:, :, None]  # [B, Q, 1]
-        visible = visible[:, None, :].expand(-1, Q, -1)
-        if causal:
-            visible = visible & (key_pos[:, None, :] <= pos)
-        if window is not None:
-            visible = visible & (key_pos[:, None, :] > pos - window)
-        B = visible.shape[0]
-        visible = visible[:, None].expand(B, groups, Q, S).reshape(B, 1, groups * Q, S)
-    else:
-        visible = visible[:, None, None, :]
-    return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
 
 
 @functools.lru_cache(maxsize=8)
@@ -110,12 +90,37 @@ def _padding(starts: tuple, q_lens: tuple) -> tuple[torch.Tensor, torch.Tensor, 
     return read, rows, tokens
 
 
+def _side_scores(q: torch.Tensor, k: torch.Tensor, split: KeySplit, scale: float) -> torch.Tensor:
+    """float32 ``[B, Hk, G, Q, K]`` scores of the band keys, -inf (selected) where a query
+    cannot see the key."""
+    B, Hk, _, D = q.shape
+    Q = split.band_visible.shape[-2]
+    request, key = split.band
+    band = k[request, :, key].float()  # [B, K, Hk, D]
+    scores = torch.einsum("bhgqd,bkhd->bhgqk", q.view(B, Hk, -1, Q, D).float(), band) * scale
+    return scores.masked_fill_(~split.band_visible, float("-inf"))
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, scores: torch.Tensor, band_v: torch.Tensor, split: KeySplit):
+    """The kernel's ``out``/``lse`` over the shared keys merged with the band's scores and
+    values: float32 ``[B, Hk, G*Q, D]`` and the whole log-sum-exp ``[B, Hk, G*Q]``."""
+    B, Hk, G, Q, _ = scores.shape
+    lse = lse.view(B, Hk, G, Q)
+    if split.no_shared is not None:  # the kernel saw no key of these requests: its 0 is no log-sum-exp
+        lse = lse.masked_fill(split.no_shared, float("-inf"))
+    total = torch.logaddexp(lse, torch.logsumexp(scores, dim=-1))
+    side = torch.einsum("bhgqk,bkhd->bhgqd", torch.exp(scores - total[..., None]), band_v.float())
+    merged = out.view(B, Hk, G, Q, -1).float() * torch.exp(lse - total)[..., None] + side
+    return merged.view(B, Hk, G * Q, -1), total.view(B, Hk, G * Q)
+
+
 def run_draft_attention(call: AttentionCall) -> None:
     layout = _Layout(call)
     if layout.q_max == 0:
         return
     B, Q, Hk, G, D = len(layout.requests), layout.q_max, call.num_kv_heads, call.num_queries_per_kv, call.head_dim
     ids = _block_ids(call, layout)
+    # Fresh copies of the pages (index_select copies): the hidden rows are zeroed in them.
     k = _gather_pages(call.key_cache, ids, B)[:, :, : layout.key_len]
     v = _gather_pages(call.value_cache, ids, B)[:, :, : layout.key_len]
     scale = call.scale
@@ -129,11 +134,19 @@ def run_draft_attention(call: AttentionCall) -> None:
     q = query.view(B, Q, Hk, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hk, G * Q, D)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    mask = None
-    if layout.needs_mask:
-        mask = _mask(layout.seq_lens, layout.q_lens, layout.first_page, layout.key_len, call.block_size,
-                     call.causal, call.sliding_window, G, call.dtype)
-    out, lse = _flash_attention(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+    split = split_keys(layout.seq_lens, layout.q_lens, layout.first_page, layout.key_len, call.block_size,
+                       call.causal, call.sliding_window, call.dtype)
+    if split.band is not None:
+        request, key = split.band
+        # An empty slot's 0 weight must not meet whatever key 0 holds.
+        scores, band_v = _side_scores(q, k, split, scale), v[request, :, key].masked_fill_(~split.band_valid, 0)
+    if split.hidden is not None:
+        request, key = split.hidden
+        k[request, :, key] = 0
+        v[request, :, key] = 0
+    out, lse = _flash_attention(q, k, v, 0.0, False, attn_mask=split.mask, scale=scale)
+    if split.band is not None:
+        out, lse = _merge(out, lse, scores, band_v, split)
     factor = None
     if call.sinks is not None:
         sinks = call.sinks.float().view(1, Hk, G, 1).expand(1, Hk, G, Q).reshape(1, Hk, G * Q)

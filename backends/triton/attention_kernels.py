@@ -222,7 +222,7 @@ def _dim_offset(d, stride_d, stride_d_in, DIM_PACK: tl.constexpr, UNIT: tl.const
 
 
 @triton.jit
-def _attend(acc, m_i, l_i, q, qk_scale, pos, k_head, v_head, table, start, seg_hi, window, d, d_ok,
+def _attend(acc, m_i, l_i, q, qk_scale, pos, k_head, v_head, table, start, seg_hi, window, first_key, d, d_ok,
             stride_kb, stride_ks, stride_ks_in, stride_kd, stride_kd_in,
             stride_vb, stride_vs, stride_vs_in, stride_vd, stride_vd_in, BLOCK_N: tl.constexpr,
             BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
@@ -230,7 +230,9 @@ def _attend(acc, m_i, l_i, q, qk_scale, pos, k_head, v_head, table, start, seg_h
             V_ROW_PACK: tl.constexpr, V_DIM_PACK: tl.constexpr, K_UNIT: tl.constexpr,
             V_UNIT: tl.constexpr):
     """One key tile: load K/V through the block table, online-softmax update. ``MASKED``
-    only for a tile that reaches past the segment's end (the last one)."""
+    only for a tile that reaches past the segment's end (the last one). With a window, the
+    value rows before ``first_key`` (no row of the tile sees them) load as zeros: their
+    weight is 0, and 0 times a NaN or Inf stored there would still reach the sum."""
     j = start + tl.arange(0, BLOCK_N)
     j_ok = j < seg_hi
     block, row = _key_blocks(table, start, seg_hi, BLOCK_N, BLOCK_SIZE, MASKED)
@@ -239,7 +241,8 @@ def _attend(acc, m_i, l_i, q, qk_scale, pos, k_head, v_head, table, start, seg_h
     v_rows = _row_base(v_head, block, j, row, stride_vb, stride_vs, stride_vs_in, BLOCK_SIZE, V_ROW_PACK, V_UNIT)
     v_ptrs = v_rows[:, None] + _dim_offset(d, stride_vd, stride_vd_in, V_DIM_PACK, V_UNIT)[None, :]
     key_ok = j_ok if MASKED else tl.full([BLOCK_N], 1, tl.int1)
-    v = tl.load(v_ptrs, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+    v_ok = key_ok & (j >= first_key) if HAS_WINDOW else key_ok
+    v = tl.load(v_ptrs, mask=v_ok[:, None] & d_ok[None, :], other=0.0)
     if IS_FP8 and not FP32_MATH:
         # K loaded as K^T ([dims, keys]): the fp8 tile then goes to the dot like V, through
         # LDS as whole words, and is widened in the operand layout (loaded as [keys, dims]
@@ -349,19 +352,20 @@ def draft_attention_kernel(
     k_head = k_cache_ptr + kv_head * stride_kh
     v_head = v_cache_ptr + kv_head * stride_vh
     table = block_table_ptr + b * stride_bt
+    first_key = context + tile_q0 - window + 1  # the first key a row of the tile sees (with a window)
     full_hi = seg_lo + (seg_hi - seg_lo) // BLOCK_N * BLOCK_N
     for start in range(seg_lo, full_hi, BLOCK_N):
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, qk_scale, pos, k_head, v_head, table, start, seg_hi, window, d,
-                                d_ok, stride_kb, stride_ks, stride_ks_in, stride_kd, stride_kd_in, stride_vb, stride_vs,
-                                stride_vs_in, stride_vd, stride_vd_in, BLOCK_N, BLOCK_SIZE, False, CAUSAL, HAS_WINDOW,
-                                IS_FP8, FP32_MATH, K_ROW_PACK, K_DIM_PACK, V_ROW_PACK, V_DIM_PACK, K_UNIT,
-                                V_UNIT)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, qk_scale, pos, k_head, v_head, table, start, seg_hi, window,
+                                first_key, d, d_ok, stride_kb, stride_ks, stride_ks_in, stride_kd, stride_kd_in,
+                                stride_vb, stride_vs, stride_vs_in, stride_vd, stride_vd_in, BLOCK_N, BLOCK_SIZE, False,
+                                CAUSAL, HAS_WINDOW, IS_FP8, FP32_MATH, K_ROW_PACK, K_DIM_PACK, V_ROW_PACK, V_DIM_PACK,
+                                K_UNIT, V_UNIT)
     if full_hi < seg_hi:
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, qk_scale, pos, k_head, v_head, table, full_hi, seg_hi, window, d,
-                                d_ok, stride_kb, stride_ks, stride_ks_in, stride_kd, stride_kd_in, stride_vb, stride_vs,
-                                stride_vs_in, stride_vd, stride_vd_in, BLOCK_N, BLOCK_SIZE, True, CAUSAL, HAS_WINDOW,
-                                IS_FP8, FP32_MATH, K_ROW_PACK, K_DIM_PACK, V_ROW_PACK, V_DIM_PACK, K_UNIT,
-                                V_UNIT)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, qk_scale, pos, k_head, v_head, table, full_hi, seg_hi, window,
+                                first_key, d, d_ok, stride_kb, stride_ks, stride_ks_in, stride_kd, stride_kd_in,
+                                stride_vb, stride_vs, stride_vs_in, stride_vd, stride_vd_in, BLOCK_N, BLOCK_SIZE, True,
+                                CAUSAL, HAS_WINDOW, IS_FP8, FP32_MATH, K_ROW_PACK, K_DIM_PACK, V_ROW_PACK, V_DIM_PACK,
+                                K_UNIT, V_UNIT)
 
     m_i = m_i * qk_scale  # the running max in the exponents' (log2) units
     mask = row_ok[:, None] & d_ok[None, :]

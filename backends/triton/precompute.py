@@ -29,6 +29,7 @@ class FusedKVWeights:
     so RoPE pairs are adjacent; bias permuted alike; float32 norm weight and cos/sin."""
 
     weight: torch.Tensor  # [L*2*Hk*D, H], states dtype, contiguous
+    row_scale: torch.Tensor  # [L*2*Hk*D] float32: the power of two each folded row was divided by
     bias: torch.Tensor | None  # [L*2*Hk*D] float32
     k_norm: torch.Tensor  # [L, D] float32, original dim order
     cos_sin: torch.Tensor  # [max_position, R] float32, contiguous
@@ -65,8 +66,22 @@ def _fuse(w: ContextKVWeights) -> FusedKVWeights:
         bias = w.kv_bias.float().view(L, 2, Hk, D).clone()
         bias[:, 0] = bias[:, 0, :, order]
         bias = bias.reshape(-1).contiguous()
-    return FusedKVWeights(weight=rows.reshape(L * 2 * Hk * D, -1).to(w.dtype).contiguous(), bias=bias,
-                          k_norm=w.k_norm_weight.float().contiguous(), cos_sin=w.cos_sin_cache.float().contiguous())
+    rows = rows.reshape(L * 2 * Hk * D, -1)
+    row_scale = fold_row_scale(rows, w.dtype)
+    return FusedKVWeights(weight=(rows / row_scale[:, None]).to(w.dtype).contiguous(), row_scale=row_scale,
+                          bias=bias, k_norm=w.k_norm_weight.float().contiguous(),
+                          cos_sin=w.cos_sin_cache.float().contiguous())
+
+
+def fold_row_scale(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Per float32 folded row, the smallest power of two (at least 1) that brings its
+    largest magnitude within ``dtype``'s range: a norm weight times a weight can pass
+    float16's 65504 where ``rms_norm(x) @ W`` does not. The kernel multiplies each output
+    column by it after the GEMM; a power of two divides and multiplies back exactly (1, and
+    the rows unchanged, whenever the fold fits)."""
+    peak = rows.abs().amax(dim=1)
+    over = torch.isfinite(peak) & (peak > torch.finfo(dtype).max)
+    return torch.where(over, torch.exp2(torch.ceil(torch.log2(peak / torch.finfo(dtype).max))), 1.0).contiguous()
 
 
 # Smallest normal exponent of each fp8 cache format (e4m3fn bias 7, e4m3fnuz bias 8).
@@ -193,9 +208,9 @@ class PrecomputePlan:
                 call.k_scales if call.k_scales is not None else dummy,
                 call.v_scales if call.v_scales is not None else dummy,
                 out_k if out_k is not None else dummy, out_v if out_v is not None else dummy)
-        self.main(call.states, fused.weight, part_acc, part_ss, counters, call.positions, *tail)
+        self.main(call.states, fused.weight, fused.row_scale, part_acc, part_ss, counters, call.positions, *tail)
         if self.epilogue is not None:
-            self.epilogue(part_acc, part_ss, call.positions, *tail)
+            self.epilogue(part_acc, part_ss, fused.row_scale, call.positions, *tail)
 
 
 _PLANS = PlanMemo(64)

@@ -169,6 +169,15 @@ def _store_cols(value, t, t_ok, layer, kind, kv_head, dim, dim_ok, ok, row_base,
 
 
 @triton.jit
+def _row_scale(row_scale_ptr, head_row, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``[1, BLOCK_D]``: the power of two each weight row of ``head_row`` was divided by
+    when the hidden norm was folded in (``precompute.fold_row_scale``); the accumulator
+    takes it back before the epilogue."""
+    c = tl.arange(0, BLOCK_D)
+    return tl.load(row_scale_ptr + head_row * D + c, mask=c < D, other=1.0)[None, :]
+
+
+@triton.jit
 def _epilogue(acc, inv_rms, pid_t, head_row, N, positions_ptr, bias_ptr, k_norm_ptr, cos_sin_ptr, stride_cs,
               meta_ptr, slots_ptr, stride_slot_layer, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, v_scale, eps,
               HK: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -297,8 +306,8 @@ def _program_tile(pid, num_programs, whole_tiles, NUM_XCDS: tl.constexpr, SPLIT_
 
 @triton.jit
 def context_kv_kernel(
-    x_ptr, w_ptr, part_acc_ptr, part_ss_ptr, counters_ptr, positions_ptr, bias_ptr, k_norm_ptr, cos_sin_ptr,
-    meta_ptr, slots_ptr, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr,
+    x_ptr, w_ptr, row_scale_ptr, part_acc_ptr, part_ss_ptr, counters_ptr, positions_ptr, bias_ptr, k_norm_ptr,
+    cos_sin_ptr, meta_ptr, slots_ptr, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr,
     stride_slot_layer, N, H, stride_xt, stride_xh, stride_cs, v_scale, eps, grid_t, whole_tiles,
     HK: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -377,11 +386,13 @@ def context_kv_kernel(
     if finish:
         inv_rms = tl.rsqrt(sum_sq / H + eps)
         if HEADS == 2:  # the V head first: its light epilogue runs while the K tile waits in registers
+            acc_v = acc_v * _row_scale(row_scale_ptr, head_row + HK, D, BLOCK_D)
             _epilogue(acc_v, inv_rms, pid_t, head_row + HK, N, positions_ptr, bias_ptr, k_norm_ptr, cos_sin_ptr,
                       stride_cs, meta_ptr, slots_ptr, stride_slot_layer, k_scales_ptr, v_scales_ptr, out_k_ptr,
                       out_v_ptr, v_scale, eps, HK, D, R, BLOCK_T, BLOCK_D, HAS_BIAS, IS_NEOX, HAS_V_SCALE, IS_FP8,
                       FP8_MAX, FP8_MIN_EXP, CACHE_DTYPE, RETURN_KV, K_ALIGNED, V_ALIGNED, K_ROW_PACK, K_DIM_PACK,
                       V_ROW_PACK, V_DIM_PACK, SLOTS_I32, CACHE_BLOCK, EXACT_FP8_ROUND, 1)
+        acc = acc * _row_scale(row_scale_ptr, head_row, D, BLOCK_D)
         _epilogue(acc, inv_rms, pid_t, head_row, N, positions_ptr, bias_ptr, k_norm_ptr, cos_sin_ptr, stride_cs,
                   meta_ptr, slots_ptr, stride_slot_layer, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, v_scale,
                   eps, HK, D, R, BLOCK_T, BLOCK_D, HAS_BIAS, IS_NEOX, HAS_V_SCALE, IS_FP8, FP8_MAX, FP8_MIN_EXP,
@@ -391,7 +402,7 @@ def context_kv_kernel(
 
 @triton.jit
 def context_kv_split_epilogue_kernel(
-    part_acc_ptr, part_ss_ptr, positions_ptr, bias_ptr, k_norm_ptr, cos_sin_ptr,
+    part_acc_ptr, part_ss_ptr, row_scale_ptr, positions_ptr, bias_ptr, k_norm_ptr, cos_sin_ptr,
     meta_ptr, slots_ptr, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr,
     stride_slot_layer, N, H, stride_cs, v_scale, eps, grid_t, whole_tiles,
     HK: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
@@ -410,6 +421,7 @@ def context_kv_split_epilogue_kernel(
     pid_t = tile % grid_t
     head_row = tile // grid_t
     acc, sum_sq = _sum_parts(part_acc_ptr, part_ss_ptr, slot, BLOCK_T, BLOCK_D, SPLIT_K, False)
+    acc = acc * _row_scale(row_scale_ptr, head_row, D, BLOCK_D)
     _epilogue(acc, tl.rsqrt(sum_sq / H + eps), pid_t, head_row, N, positions_ptr, bias_ptr, k_norm_ptr,
               cos_sin_ptr, stride_cs, meta_ptr, slots_ptr, stride_slot_layer, k_scales_ptr, v_scales_ptr, out_k_ptr,
               out_v_ptr, v_scale, eps, HK, D, R, BLOCK_T, BLOCK_D, HAS_BIAS, IS_NEOX, HAS_V_SCALE, IS_FP8, FP8_MAX,

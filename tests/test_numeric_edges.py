@@ -1,0 +1,149 @@
+"""Numeric edges of the inputs: a hidden-norm weight that overflows float16 once folded
+into the K/V weight, and bfloat16 values at and below the smallest normal (SPEC.md,
+"Subnormal bfloat16 inputs")."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+import dflash_rocm
+from dflash_rocm.contract import TOLERANCES, relative_error
+from dflash_rocm.ops.precompute import precompute_call
+from dflash_rocm.platform import simulate_platform
+from strategies import make_generator, make_weights
+from support import needs_interpreter
+
+BACKENDS = ["reference", "cpu", pytest.param("triton", marks=needs_interpreter),
+            pytest.param("rocm", marks=needs_interpreter)]
+SMALLEST_NORMAL = torch.finfo(torch.bfloat16).tiny  # 2**-126
+
+
+def serve(fn, backend, *args, **kwargs):
+    if backend == "rocm":
+        with simulate_platform("gfx942"):
+            return fn(*args, **kwargs, backend=backend)
+    return fn(*args, **kwargs, backend=backend)
+
+
+def large_norm_case(seed=3):
+    """float16 weights whose hidden-norm column 3 (3e4) times its weight column (4) is
+    1.2e5, past float16's 65504, while the states carry little in that column: the
+    projected K/V stay in range (|v| about 10^2)."""
+    g = make_generator(seed, "cpu")
+    H = 64
+    w = make_weights(g, "cpu", L=2, Hk=2, D=32, H=H, R=16, is_neox=True, bias=True, v_scale=None,
+                     dtype=torch.float16)
+    norm, kv = w.hidden_norm_weight.clone(), w.kv_weight.clone()
+    norm[3], kv[:, 3] = 3e4, 4.0
+    states = torch.randn(9, H, generator=g).half()
+    states[:, 3] = 1e-3
+    return replace(w, hidden_norm_weight=norm, kv_weight=kv), states, torch.randint(0, 4096, (9,), generator=g)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_norm_weight_that_overflows_float16_once_folded_gives_finite_keys(backend):
+    w, states, positions = large_norm_case()
+    ref_k, ref_v = dflash_rocm.precompute_and_store_context_kv(states, positions, w, None, None, None,
+                                                               return_kv=True, backend="reference")
+    k, v = serve(dflash_rocm.precompute_and_store_context_kv, backend, states, positions, w, None, None, None,
+                 return_kv=True)
+    assert torch.isfinite(ref_k).all() and torch.isfinite(ref_v).all()
+    assert relative_error(k, ref_k) < TOLERANCES[torch.float16]
+    assert relative_error(v, ref_v) < TOLERANCES[torch.float16]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("split_k,heads,merge_in_kernel", [(1, 2, None), (2, 1, True), (2, 1, False)])
+def test_the_folded_rows_scale_returns_in_every_epilogue(split_k, heads, merge_in_kernel):
+    """Whole tiles (K and V heads together), split tiles merged by their last part, and
+    split tiles summed by the second launch all take the rows' scale back."""
+    from dflash_rocm.backends.triton.launch_config import PrecomputeLaunchConfig
+    from dflash_rocm.backends.triton.precompute import fused_weights, plan_precompute
+
+    w, states, positions = large_norm_case()
+    assert fused_weights(w).row_scale.max() > 1, "the case folds past float16's range"
+    config = PrecomputeLaunchConfig(block_t=16, block_k=16, split_k=split_k, heads=heads)
+    call = precompute_call(states, positions, w, None, None, None, return_kv=True)
+    k, v = (torch.empty(2, 9, 2, 32, dtype=torch.float16) for _ in range(2))
+    plan_precompute(call, config, merge_in_kernel=merge_in_kernel).run(call, k, v)
+    ref_k, ref_v = dflash_rocm.precompute_and_store_context_kv(states, positions, w, None, None, None,
+                                                               return_kv=True, backend="reference")
+    assert relative_error(k, ref_k) < TOLERANCES[torch.float16]
+    assert relative_error(v, ref_v) < TOLERANCES[torch.float16]
+
+
+def test_rows_that_fit_are_folded_unscaled():
+    from dflash_rocm.backends.triton.precompute import fold_row_scale
+
+    limit = torch.finfo(torch.float16).max
+    rows = torch.tensor([[1.0, -limit], [3 * limit, 0.5], [-5 * limit, 1.0]])
+    scale = fold_row_scale(rows, torch.float16)
+    assert scale.tolist() == [1.0, 4.0, 8.0]
+    assert (rows / scale[:, None]).abs().max() <= limit
+    assert fold_row_scale(rows, torch.float32).tolist() == [1.0, 1.0, 1.0]
+
+
+def bf16_values(shape, g, magnitude):
+    """bfloat16 values of ``magnitude`` times a factor in [1, 2): positive, so an average
+    of them (attention's output) stays as large."""
+    return ((1 + torch.rand(shape, generator=g)) * magnitude).to(torch.bfloat16)
+
+
+def attention_inputs(magnitude, which):
+    g = make_generator(5, "cpu")
+    Hk, G, D, bs = 2, 2, 16, 4
+    tensors = {"query": torch.randn(6, Hk * G, D, generator=g), "key": torch.randn(5, bs, Hk, D, generator=g),
+               "value": torch.randn(5, bs, Hk, D, generator=g)}
+    tensors = {name: t.to(torch.bfloat16) for name, t in tensors.items()}
+    tensors[which] = bf16_values(tensors[which].shape, g, magnitude)
+    table = torch.tensor([[0, 1, 2], [3, 4, 0]], dtype=torch.int32)
+    return (tensors["query"], tensors["key"], tensors["value"], table, torch.tensor([0, 4, 6], dtype=torch.int32),
+            torch.tensor([10, 7], dtype=torch.int32))
+
+
+def precompute_inputs(magnitude):
+    g = make_generator(6, "cpu")
+    w = make_weights(g, "cpu", L=2, Hk=2, D=32, H=64, R=16, is_neox=False, bias=False, v_scale=None,
+                     dtype=torch.bfloat16)
+    return bf16_values((7, 64), g, magnitude), torch.randint(0, 4096, (7,), generator=g), w
+
+
+def outputs(backend, op, magnitude, which):
+    if op == "attention":
+        return (serve(dflash_rocm.draft_attention, backend, *attention_inputs(magnitude, which)),)
+    states, positions, w = precompute_inputs(magnitude)
+    return serve(dflash_rocm.precompute_and_store_context_kv, backend, states, positions, w, None, None, None,
+                 return_kv=True)
+
+
+CASES = [("attention", "query"), ("attention", "key"), ("attention", "value"), ("precompute", "states")]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op,which", CASES)
+def test_bf16_inputs_from_the_smallest_normal_up_are_served_within_tolerance(backend, op, which):
+    got = outputs(backend, op, SMALLEST_NORMAL, which)
+    want = outputs("reference", op, SMALLEST_NORMAL, which)
+    for g, w in zip(got, want):
+        assert relative_error(g, w) < TOLERANCES[torch.bfloat16]
+
+
+def widens_bf16_exactly(backend: str) -> bool:
+    """Whether ``backend`` computes on subnormal bf16 operands widened to float32 exactly
+    here: the reference always; the cpu backend unless oneDNN's bf16 kernels run (CPUs
+    with AVX512-BF16/AMX, whose bf16 dot products read subnormal inputs as zero; this
+    CI machine is AVX2); not the Triton interpreter, whose bf16 casts misread them."""
+    return backend == "reference" or (backend == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op,which", CASES)
+def test_subnormal_bf16_inputs_give_finite_results_and_exact_ones_where_widened_exactly(backend, op, which):
+    """Outside the tolerance in general (SPEC.md), never NaN or Inf."""
+    got = outputs(backend, op, SMALLEST_NORMAL / 16, which)
+    want = outputs("reference", op, SMALLEST_NORMAL / 16, which)
+    for g, w in zip(got, want):
+        assert torch.isfinite(g).all()
+        if widens_bf16_exactly(backend):
+            assert relative_error(g, w) < TOLERANCES[torch.bfloat16]
