@@ -131,15 +131,13 @@ MAX_NOPE_LAYER = 62
 
 
 def variant_constexprs(call: PrecomputeCall) -> dict:
-    """The DFlash family variants' switches, passed only where a variant is on, so the
-    default specialisation is the kernel without them."""
+    """The DFlash family variants' switches: off (the kernels' defaults, which compile to the
+    kernel without them) unless the weights ask for a variant. Passed always: the compiled
+    launcher takes every constexpr."""
     w = call.weights
-    switches = {}
-    if w.nope_layers:
-        switches["NOPE_LAYERS"] = sum(1 << layer for layer in w.nope_layers)
-    if w.round_k_before_rope and call.dtype != torch.float32:  # rounding to float32 changes nothing
-        switches["K_ROUND_DTYPE"] = TL_DTYPES[call.dtype]
-    return switches
+    rounds = w.round_k_before_rope and call.dtype != torch.float32  # rounding to float32 changes nothing
+    return dict(NOPE_LAYERS=sum(1 << layer for layer in w.nope_layers),
+                K_ROUND_DTYPE=TL_DTYPES[call.dtype] if rounds else None)
 
 
 def precompute_config_for(call: PrecomputeCall, platform: Platform | None = None) -> PrecomputeLaunchConfig:
