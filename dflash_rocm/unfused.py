@@ -22,6 +22,7 @@ from .contract import FP8_DTYPES
 from .derived import DerivedCache
 from .ops.precompute import PrecomputeCall
 from .ops.precompute.reference import apply_rope, quantize_for_cache
+from .weights import ContextKVWeights
 
 
 class TorchOps:
@@ -102,7 +103,7 @@ _COS_SIN = DerivedCache()
 _FOLDED = DerivedCache()
 
 
-def _projection(w) -> tuple[torch.Tensor, torch.Tensor]:
+def _projection(w: ContextKVWeights) -> tuple[torch.Tensor, torch.Tensor]:
     """(hidden norm weight, K/V rows) of the GEMM: the weights' own, or, for per-layer norm
     weights, ones and the rows with each layer's weight folded in (rounded once)."""
     if not w.per_layer_hidden_norm:

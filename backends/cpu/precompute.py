@@ -9,11 +9,11 @@ twin: AVX512-BF16/AMX CPUs), where it runs in the states' dtype.
 Values are rounded to the states' dtype where vLLM's own sequence rounds them (the
 normed states, the GEMM's output, the normed keys, RoPE's cos/sin table and output; norm
 statistics and every product in float32), so they track vLLM's to a unit in the last
-place. The normed keys are rounded before RoPE in every case, which is what
-``round_k_before_rope`` asks for. Per-layer hidden norm weights are folded into the GEMM
-operand (in float32, rounded once to the GEMM dtype); the states are then normalised
-without a weight. (Not bit for bit: vLLM's AVX2 CPU kernels truncate float32 to bf16 where torch
-rounds to nearest, so a random draft's near-tied proposals can still differ.)
+place. (Not bit for bit: vLLM's AVX2 CPU kernels truncate float32 to bf16 where torch
+rounds to nearest, so a random draft's near-tied proposals can still differ.) The normed
+keys are rounded before RoPE in every case, which is what ``round_k_before_rope`` asks
+for. Per-layer hidden norm weights are folded into the GEMM operand (in float32, rounded
+once to the GEMM dtype); the states are then normalised without a weight.
 
 The epilogue works on all layers at once: K-norm, RoPE written straight into the output
 dtype, then one indexed copy per layer and cache. ``torch.compile`` was measured as an

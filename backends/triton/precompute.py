@@ -25,8 +25,8 @@ from .precompute_kernels import META_COLS, context_kv_kernel, context_kv_split_e
 
 @dataclass(frozen=True)
 class FusedKVWeights:
-    """The K/V rows with the hidden norm weight (each layer's row of it) folded in and each K head's rows permuted
-    so RoPE pairs are adjacent; bias permuted alike; float32 norm weight and cos/sin."""
+    """The K/V rows with their layer's hidden norm weight folded in and each K head's rows
+    permuted so RoPE pairs are adjacent; bias permuted alike; float32 norm weight and cos/sin."""
 
     weight: torch.Tensor  # [L*2*Hk*D, H], states dtype, contiguous
     bias: torch.Tensor | None  # [L*2*Hk*D] float32

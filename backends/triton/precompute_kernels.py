@@ -5,6 +5,9 @@ head): the GEMM against the K/V weight rows with the hidden RMSNorm folded in (t
 norm weight is pre-multiplied into the rows; the per-token inverse RMS, accumulated from
 the same loads of ``x``, scales the tile), then the epilogue: bias, the K head's RMSNorm
 and RoPE, the value scale, and the store straight into that layer's paged cache slot.
+The DFlash family's variants cost no other kernel: per-layer hidden norm weights are
+folded into the rows too, ``NOPE_LAYERS`` leaves the K of its layers unrotated and
+``K_ROUND_DTYPE`` rounds the normed K before RoPE (both off by default: the kernel without them).
 With ``HEADS = 2`` it computes the K and the V tile of one (layer, KV head) from the same
 loads of ``x`` (the reads of ``x`` through L2 halve; no split then).
 Tiles (a token tile of one head row, or pair) are numbered token tile fastest, then head rows.
