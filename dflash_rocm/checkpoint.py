@@ -3,7 +3,10 @@
 Tensor names and config keys follow vLLM's ``qwen3_dflash.py``: per-layer
 ``layers.{i}.self_attn.{k_proj,v_proj,k_norm}``, the ``hidden_norm`` applied to the
 context states, and the renames vLLM applies to older drafts (``midlayer.`` is layer 0,
-``encoder.output_norm_enc.`` is ``hidden_norm.``).
+``encoder.output_norm_enc.`` is ``hidden_norm.``). Two variants of the family read from
+the config: ``no_rope_layers`` (Ricursive DFlash2 drafts: the indices of layers whose K is
+not rotated) and the Beam DFlash2 architecture, whose precompute rounds the normed K
+before RoPE.
 
 What cannot be served is refused with a ``ValueError`` naming the file (and the tensor
 or config key) *before* anything large is allocated: the config is checked first (a
@@ -39,6 +42,8 @@ MAX_CONFIG_BYTES = 1 << 20
 MAX_DRAFT_LAYERS = 1024  # drafts have a handful; the bound keeps a broken config from listing 1e9 names
 # safetensors dtype names of the weights the precompute can take.
 FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
+# vLLM 0.34's models/beam: the K RMSNorm's output is rounded to bf16 before RoPE.
+ROUNDS_K_BEFORE_ROPE = ("DFlash2BeamDraftModel",)
 
 
 def _read_json(file: Path, what: str) -> Any:
@@ -164,6 +169,17 @@ def rope_setup(config: dict[str, Any], dims: DraftDims, path: Path) -> RopeSetup
         raise ValueError(f"config {str(where)!r}: rotary dim {rotary_dim} (head_dim {dims.head_dim} times "
                          "partial_rotary_factor) must be even and >= 2")
     return RopeSetup(rotary_dim, max_position, params)
+
+
+def rope_layers_of(config: dict[str, Any], layers: int, where: Path) -> tuple[bool, ...] | None:
+    """Per layer, whether its K is rotated: False for the indices in ``no_rope_layers`` (vLLM
+    serves a DFlash2 draft that lists any as ``DFlash2RicursiveDraftModel``); None: all are."""
+    nope = config.get("no_rope_layers") or []
+    if not isinstance(nope, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in nope):
+        raise ValueError(f"config {str(where)!r}: no_rope_layers must be a list of layer indices in "
+                         f"[0, num_hidden_layers={layers}), got {nope!r}")
+    return tuple(i not in nope for i in range(layers)) if nope else None
 
 
 def _canonical(name: str) -> str:
@@ -293,6 +309,7 @@ def load_context_kv_weights(path: str | os.PathLike, *, device: torch.device | s
     v_scale = (config.get("dflash_config") or {}).get("attention_value_scale")
     if v_scale is not None:
         v_scale = _number(v_scale, "dflash_config.attention_value_scale", where)
+    rope_layers = rope_layers_of(config, dims.layers, where)
     if dtype is not None and dtype not in FLOAT_DTYPES.values():
         raise TypeError(f"dtype: expected float16, bfloat16 or float32, got {dtype}")
 
@@ -311,6 +328,8 @@ def load_context_kv_weights(path: str | os.PathLike, *, device: torch.device | s
         v_proj_biases=[layer(i, "v_proj.bias") for i in range(L)] if dims.bias else None,
         cos_sin_cache=build_cos_sin_cache(rope.rotary_dim, rope.max_position, rope.params),
         is_neox=is_neox, eps=eps, num_kv_heads=dims.kv_heads, head_dim=dims.head_dim, v_scale=v_scale,
+        rope_layers=rope_layers,
+        round_k_before_rope=any(a in ROUNDS_K_BEFORE_ROPE for a in config.get("architectures") or []),
     )
     if dtype is None:
         dtype = weights.kv_weight.dtype

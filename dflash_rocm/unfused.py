@@ -4,6 +4,12 @@ hidden RMSNorm -> one GEMM for every layer's K/V -> permute copy -> grouped K RM
 -> in-place RoPE over all layers -> value scale -> one cache write per layer. The cuda
 backend runs it with vLLM's own ops (vLLM's fast path behind SPEC.md); ``bench`` also
 runs it with plain torch ops, as the baseline the fused kernel has to beat.
+
+The DFlash family's variants: NoPE layers keep their K as ``ricursive_dflash2.py`` does
+(saved before the one RoPE call, restored after); per-layer hidden norm weights are
+folded into the GEMM's rows (the states are then normalised with a weight of ones); the
+normed K is stored in the states' dtype before RoPE in every case, which is what
+``round_k_before_rope`` asks for.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from .contract import FP8_DTYPES
 from .derived import DerivedCache
 from .ops.precompute import PrecomputeCall
 from .ops.precompute.reference import apply_rope, quantize_for_cache
+from .weights import ContextKVWeights
 
 
 class TorchOps:
@@ -93,6 +100,16 @@ def _has_op(namespace: str, name: str) -> bool:
 
 
 _COS_SIN = DerivedCache()
+_FOLDED = DerivedCache()
+
+
+def _projection(w: ContextKVWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden norm weight, K/V rows) of the GEMM: the weights' own, or, for per-layer norm
+    weights, ones and the rows with each layer's weight folded in (rounded once)."""
+    if not w.per_layer_hidden_norm:
+        return w.hidden_norm_weight, w.kv_weight
+    return _FOLDED.get((w.kv_weight, w.hidden_norm_weight), "folded", lambda: (
+        torch.ones(w.hidden_size, dtype=w.dtype, device=w.device), w.folded_kv_weight().to(w.dtype)))
 
 
 def unfused_precompute(call: PrecomputeCall, ops: TorchOps):
@@ -101,15 +118,19 @@ def unfused_precompute(call: PrecomputeCall, ops: TorchOps):
     N, L, Hk, D = call.num_tokens, w.num_layers, w.num_kv_heads, w.head_dim
     states = call.states.contiguous()  # vLLM's kernels index rows densely (no copy when already so)
     normed = torch.empty_like(states)
-    ops.rms_norm(normed, states, w.hidden_norm_weight, w.eps)
-    kv = F.linear(normed, w.kv_weight, w.kv_bias).view(N, L, 2, Hk, D)
+    norm_weight, kv_weight = _projection(w)
+    ops.rms_norm(normed, states, norm_weight, w.eps)
+    kv = F.linear(normed, kv_weight, w.kv_bias).view(N, L, 2, Hk, D)
     kv = kv.permute(2, 1, 0, 3, 4).contiguous()  # [2, L, N, Hk, D]: K and V layer-major
     k_raw, v = kv[0], kv[1]
     k = torch.empty_like(k_raw)
     ops.grouped_rms_norm(k, k_raw, w.k_norm_weight, w.eps)
     # vLLM's rotary kernel reads the table in the activations' dtype.
     cos_sin = _COS_SIN.get((w.cos_sin_cache,), call.dtype, lambda: w.cos_sin_cache.to(call.dtype))
+    unrotated = [k[layer].clone() for layer in w.nope_layers]
     ops.rotary(call.positions.long().repeat(L), k.view(L * N, Hk * D), D, cos_sin, w.is_neox)
+    for layer, saved in zip(w.nope_layers, unrotated):
+        k[layer].copy_(saved)
     if w.v_scale is not None:
         v.mul_(w.v_scale)
     for layer in call.written_layers:

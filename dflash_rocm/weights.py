@@ -12,8 +12,6 @@ import torch
 from .contract import QUERY_DTYPES
 
 
-
-
 @dataclass(frozen=True, eq=False, kw_only=True)
 class ContextKVWeights:
     """K/V projection, norms and RoPE table of every draft layer (SPEC.md section 2).
@@ -23,6 +21,18 @@ class ContextKVWeights:
     their own layouts from these tensors and rebuild them when a tensor changes in place
     (:mod:`dflash_rocm.derived`). Load one from a checkpoint with
     :func:`dflash_rocm.load_context_kv_weights`.
+
+    The variants of vLLM's DFlash family are data, not other kernels:
+
+    - ``hidden_norm_weight`` is ``[H]`` (one norm before the fused GEMM) or ``[L, H]``
+      (each layer normalises the states with its own weight, as Laguna's drafts do). The
+      RMS statistic is shared, so a backend may fold row ``l`` into layer ``l``'s K/V rows
+      (:meth:`folded_kv_weight`). A Gemma-style norm ``x * (1 + w)`` is this norm with the
+      weight ``1 + w``.
+    - ``rope_layers``: per layer, whether its K is rotated (None: every layer). Layers
+      listed in a Ricursive draft's ``no_rope_layers`` are False: their K stays un-rotated.
+    - ``round_k_before_rope``: the normed K is rounded to the states' dtype before RoPE
+      (DFlash2 Beam's precompute rounds there).
     """
 
     hidden_norm_weight: torch.Tensor
@@ -36,6 +46,8 @@ class ContextKVWeights:
     head_dim: int
     kv_bias: torch.Tensor | None = None
     v_scale: float | None = None
+    rope_layers: tuple[bool, ...] | None = None
+    round_k_before_rope: bool = False
 
     def __post_init__(self) -> None:
         L, Hk, D = self.num_layers, self.num_kv_heads, self.head_dim
@@ -59,7 +71,10 @@ class ContextKVWeights:
                 f"ContextKVWeights.kv_weight: expected [num_layers*2*num_kv_heads*head_dim, hidden] = "
                 f"[{L * 2 * Hk * D}, H], got {tuple(self.kv_weight.shape)}")
         H = self.kv_weight.shape[1]
-        _expect_shape("hidden_norm_weight", self.hidden_norm_weight, (H,), "[hidden]")
+        if self.hidden_norm_weight.dim() == 2:
+            _expect_shape("hidden_norm_weight", self.hidden_norm_weight, (L, H), "[num_layers, hidden]")
+        else:
+            _expect_shape("hidden_norm_weight", self.hidden_norm_weight, (H,), "[hidden] or [num_layers, hidden]")
         _expect_shape("k_norm_weight", self.k_norm_weight, (L, D), "[num_layers, head_dim]")
         if self.kv_bias is not None:
             _expect_shape("kv_bias", self.kv_bias, (L * 2 * Hk * D,), "[num_layers*2*num_kv_heads*head_dim]")
@@ -77,6 +92,18 @@ class ContextKVWeights:
                 raise TypeError(f"ContextKVWeights.v_scale: expected a float or None, got {self.v_scale!r}")
             if not math.isfinite(self.v_scale):
                 raise ValueError(f"ContextKVWeights.v_scale: expected a finite float, got {self.v_scale!r}")
+        if self.rope_layers is not None:
+            if not isinstance(self.rope_layers, (tuple, list)) or not all(
+                    isinstance(r, bool) for r in self.rope_layers):
+                raise TypeError(f"ContextKVWeights.rope_layers: expected None or a sequence of num_layers={L} "
+                                f"bools, got {self.rope_layers!r}")
+            if len(self.rope_layers) != L:
+                raise ValueError(f"ContextKVWeights.rope_layers: expected num_layers={L} entries, got "
+                                 f"{len(self.rope_layers)}")
+            object.__setattr__(self, "rope_layers", tuple(self.rope_layers))
+        if not isinstance(self.round_k_before_rope, bool):
+            raise TypeError(f"ContextKVWeights.round_k_before_rope: expected bool, got "
+                            f"{type(self.round_k_before_rope).__name__}")
 
     # Shapes the kernels and validation read.
     @property
@@ -90,6 +117,27 @@ class ContextKVWeights:
     @property
     def max_position(self) -> int:
         return self.cos_sin_cache.shape[0]
+
+    @property
+    def per_layer_hidden_norm(self) -> bool:
+        """Whether each layer normalises the states with its own ``hidden_norm_weight`` row."""
+        return self.hidden_norm_weight.dim() == 2
+
+    @property
+    def nope_layers(self) -> tuple[int, ...]:
+        """The layers whose K is not rotated (``rope_layers[l]`` False)."""
+        return () if self.rope_layers is None else tuple(i for i, r in enumerate(self.rope_layers) if not r)
+
+    def folded_kv_weight(self) -> torch.Tensor:
+        """float32 ``[L*2*Hk*D, H]``: every K/V row times its layer's hidden norm weight.
+
+        ``rms_norm(x, w_l) @ W_l.T == (x / rms(x)) @ (W_l * w_l).T``: the statistic does not
+        depend on the weight, so a backend runs one GEMM for every layer with these rows and
+        scales each token's row by ``1 / rms(x)``. Folded in float32; the caller rounds once.
+        """
+        H = self.hidden_size
+        rows = self.kv_weight.float().view(self.num_layers, -1, H)
+        return (rows * self.hidden_norm_weight.float().view(-1, 1, H)).view(-1, H)
 
     @property
     def device(self) -> torch.device:
@@ -113,13 +161,15 @@ class ContextKVWeights:
         return ContextKVWeights(**kwargs)
 
     @classmethod
-    def from_layers(cls, *, hidden_norm_weight: torch.Tensor, k_proj_weights: Sequence[torch.Tensor],
-                    v_proj_weights: Sequence[torch.Tensor], k_norm_weights: Sequence[torch.Tensor],
-                    cos_sin_cache: torch.Tensor, is_neox: bool, eps: float, num_kv_heads: int,
-                    head_dim: int, k_proj_biases: Sequence[torch.Tensor] | None = None,
-                    v_proj_biases: Sequence[torch.Tensor] | None = None,
-                    v_scale: float | None = None) -> "ContextKVWeights":
-        """Stack per-layer ``k_proj``/``v_proj``/``k_norm`` tensors into the fused layout."""
+    def from_layers(cls, *, hidden_norm_weight: torch.Tensor | Sequence[torch.Tensor],
+                    k_proj_weights: Sequence[torch.Tensor], v_proj_weights: Sequence[torch.Tensor],
+                    k_norm_weights: Sequence[torch.Tensor], cos_sin_cache: torch.Tensor, is_neox: bool, eps: float,
+                    num_kv_heads: int, head_dim: int, k_proj_biases: Sequence[torch.Tensor] | None = None,
+                    v_proj_biases: Sequence[torch.Tensor] | None = None, v_scale: float | None = None,
+                    rope_layers: Sequence[bool] | None = None,
+                    round_k_before_rope: bool = False) -> "ContextKVWeights":
+        """Stack per-layer ``k_proj``/``v_proj``/``k_norm`` tensors into the fused layout; a
+        sequence of per-layer ``hidden_norm_weight`` tensors is stacked to ``[L, H]``."""
         n = len(k_proj_weights)
         if n == 0 or len(v_proj_weights) != n or len(k_norm_weights) != n:
             raise ValueError(
@@ -131,10 +181,14 @@ class ContextKVWeights:
             raise ValueError("from_layers: give both k_proj_biases and v_proj_biases, or neither")
         if k_proj_biases is not None:
             bias = torch.cat([b for pair in zip(k_proj_biases, v_proj_biases) for b in pair])
+        if not isinstance(hidden_norm_weight, torch.Tensor):
+            hidden_norm_weight = torch.stack(list(hidden_norm_weight))
         return cls(hidden_norm_weight=hidden_norm_weight, kv_weight=torch.cat(rows, dim=0),
                    kv_bias=bias, k_norm_weight=torch.stack(list(k_norm_weights)),
                    cos_sin_cache=cos_sin_cache, is_neox=is_neox, eps=float(eps), v_scale=v_scale,
-                   num_layers=n, num_kv_heads=num_kv_heads, head_dim=head_dim)
+                   rope_layers=rope_layers,
+                   round_k_before_rope=round_k_before_rope, num_layers=n, num_kv_heads=num_kv_heads,
+                   head_dim=head_dim)
 
 
 def _expect_shape(name: str, t: torch.Tensor, shape: tuple[int, ...], words: str) -> None:

@@ -14,6 +14,7 @@ be in interpreter mode):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -101,9 +102,13 @@ def variants():
                              dtype=dtype)
             cache_dtype = fp8_of[arch] if fp8 else dtype
             caches = [torch.zeros(4, 16, 2, 128, dtype=cache_dtype) for _ in range(4)]
-            call = precompute_call(torch.randn(20, 256).to(dtype), torch.arange(20), w, caches[:2], caches[2:],
-                                   torch.arange(20), k_scales=[1.0, 1.0] if fp8 else None,
-                                   v_scales=[1.0, 1.0] if fp8 else None, return_kv=True)
+            states = torch.randn(20, 256).to(dtype)
+
+            def call_with(weights):
+                return precompute_call(states, torch.arange(20), weights, caches[:2], caches[2:], torch.arange(20),
+                                       k_scales=[1.0, 1.0] if fp8 else None, v_scales=[1.0, 1.0] if fp8 else None,
+                                       return_kv=True)
+            call = call_with(w)
             if arch.startswith("gfx"):
                 config = tables.precompute_config(arch, num_tokens=20, hidden=256, num_heads_total=8, head_dim=128)
                 config = PrecomputeLaunchConfig(**{**config.as_dict(), "split_k": split})
@@ -111,6 +116,10 @@ def variants():
                 config = PrecomputeLaunchConfig(block_t=32, split_k=split)  # one token tile: split applies
             out.append((f"precompute {dtype} fp8={fp8} neox={neox} split_k={split}", arch,
                         lambda c=call, cfg=config: run_precompute(c, cfg)))
+            if not fp8:  # the DFlash family's variants: a NoPE layer, the normed K rounded before RoPE
+                variant = call_with(dataclasses.replace(w, rope_layers=(False, True), round_k_before_rope=True))
+                out.append((f"precompute {dtype} neox={neox} split_k={split} nope+round_k", arch,
+                            lambda c=variant, cfg=config: run_precompute(c, cfg)))
             if split == 1:  # a KV head's K and V in one program
                 out.append((f"precompute {dtype} fp8={fp8} neox={neox} heads=2", arch,
                             lambda c=call, cfg=PrecomputeLaunchConfig(**{**config.as_dict(), "heads": 2}):

@@ -256,14 +256,17 @@ class PrecomputeCase:
 
 def make_weights(g: torch.Generator, device: str, *, L: int, Hk: int, D: int, H: int, R: int,
                  is_neox: bool, bias: bool, v_scale: float | None, dtype: torch.dtype,
-                 max_position: int = 4096) -> ContextKVWeights:
+                 max_position: int = 4096, per_layer_norm: bool = False, rope_layers: tuple[bool, ...] | None = None,
+                 round_k_before_rope: bool = False) -> ContextKVWeights:
+    """Random weights; ``per_layer_norm``: a hidden norm weight per layer (``[L, H]``)."""
     return ContextKVWeights(
-        hidden_norm_weight=(1 + randn((H,), g, device, std=0.2)).to(dtype),
+        hidden_norm_weight=(1 + randn((L, H) if per_layer_norm else (H,), g, device, std=0.2)).to(dtype),
         kv_weight=randn((L * 2 * Hk * D, H), g, device, dtype, std=H ** -0.5),
         kv_bias=randn((L * 2 * Hk * D,), g, device, dtype, std=0.1) if bias else None,
         k_norm_weight=(1 + randn((L, D), g, device, std=0.3)).to(dtype),
         cos_sin_cache=build_cos_sin_cache(R, max_position, {"rope_theta": 10000.0}).to(device),
-        is_neox=is_neox, eps=1e-6, v_scale=v_scale, num_layers=L, num_kv_heads=Hk, head_dim=D)
+        is_neox=is_neox, eps=1e-6, v_scale=v_scale, num_layers=L, num_kv_heads=Hk, head_dim=D,
+        rope_layers=rope_layers, round_k_before_rope=round_k_before_rope)
 
 
 @st.composite
@@ -279,6 +282,11 @@ def precompute_cases(draw, sizes: Sizes = CPU_SIZES, dtypes=(torch.float32, torc
     is_neox = draw(st.booleans())
     bias = draw(st.booleans())
     v_scale = draw(st.none() | st.sampled_from([0.5, 2.0]))
+    # the DFlash family's variants: per-layer hidden norms (Laguna), NoPE layers (Ricursive),
+    # the normed K rounded before RoPE (Beam)
+    per_layer_norm = draw(st.booleans())
+    rope_layers = draw(st.none() | st.lists(st.booleans(), min_size=L, max_size=L).map(tuple))
+    round_k = draw(st.booleans())
     dtype = draw(st.sampled_from(dtypes))
     cache_choice = draw(st.sampled_from(cache_dtypes))
     cache_dtype = dtype if cache_choice == "same" else cache_choice
@@ -291,7 +299,8 @@ def precompute_cases(draw, sizes: Sizes = CPU_SIZES, dtypes=(torch.float32, torc
 
     g = make_generator(seed, device)
     weights = make_weights(g, device, L=L, Hk=Hk, D=D, H=H, R=R, is_neox=is_neox, bias=bias,
-                           v_scale=v_scale, dtype=dtype)
+                           v_scale=v_scale, dtype=dtype, per_layer_norm=per_layer_norm, rope_layers=rope_layers,
+                           round_k_before_rope=round_k)
     states = randn((N, H), g, device, dtype, std=2.0)
     positions = torch.randint(0, weights.max_position, (N,), generator=g, device=device)
     num_blocks = -(-N // block_size) + 2
@@ -319,6 +328,7 @@ def precompute_cases(draw, sizes: Sizes = CPU_SIZES, dtypes=(torch.float32, torc
     value_caches = [to_cache_dtype(randn((num_blocks, block_size, Hk, D), g, device), cache_dtype, 1.0)
                     for _ in range(L)]
     description = (f"N={N} L={L} Hk={Hk} D={D} H={H} R={R} neox={is_neox} bias={bias} v_scale={v_scale} "
+                   f"per_layer_norm={per_layer_norm} rope_layers={rope_layers} round_k={round_k} "
                    f"{dtype} cache={cache_dtype} bs={block_size} mapping={mapping_kind} return_kv={return_kv} "
                    f"layout={layout} packing={packing}")
     if isinstance(slot_mapping, list):

@@ -59,6 +59,33 @@ def test_from_checkpoint_reads_partial_rotary_value_scale_and_dtype(tmp_path):
     assert w.kv_weight.dtype == torch.bfloat16 and w.cos_sin_cache.dtype == torch.float32
 
 
+def test_from_checkpoint_reads_nope_layers_and_beams_rounding(tmp_path):
+    """A DFlash2 draft's ``no_rope_layers`` (vLLM serves it as Ricursive) are the layers whose
+    K is not rotated; a Beam DFlash2 draft rounds the normed K before RoPE; a plain draft
+    neither."""
+    write_draft(tmp_path / "plain", layers=3)
+    w = dflash_rocm.load_context_kv_weights(tmp_path / "plain")
+    assert w.rope_layers is None and not w.round_k_before_rope
+    write_draft(tmp_path / "ricursive", layers=3,
+                config={"architectures": ["DFlash2DraftModel"], "no_rope_layers": [0, 2]})
+    assert dflash_rocm.load_context_kv_weights(tmp_path / "ricursive").rope_layers == (False, True, False)
+    write_draft(tmp_path / "beam", layers=3, config={"architectures": ["DFlash2BeamDraftModel"]})
+    assert dflash_rocm.load_context_kv_weights(tmp_path / "beam").round_k_before_rope
+
+
+def test_from_layers_stacks_per_layer_hidden_norms_and_keeps_the_variants():
+    """Laguna's per-layer input norms stack to ``[L, H]``; the variant flags pass through."""
+    g = torch.Generator().manual_seed(1)
+    norms = [torch.randn(16, generator=g) for _ in range(2)]
+    w = dflash_rocm.ContextKVWeights.from_layers(
+        hidden_norm_weight=norms, k_proj_weights=[torch.randn(8, 16, generator=g) for _ in range(2)],
+        v_proj_weights=[torch.randn(8, 16, generator=g) for _ in range(2)],
+        k_norm_weights=[torch.ones(8), torch.ones(8)], cos_sin_cache=build_cos_sin_cache(8, 32, {"rope_theta": 1e4}),
+        is_neox=True, eps=1e-6, num_kv_heads=1, head_dim=8, rope_layers=[True, False], round_k_before_rope=True)
+    assert torch.equal(w.hidden_norm_weight, torch.stack(norms)) and w.per_layer_hidden_norm
+    assert w.rope_layers == (True, False) and w.nope_layers == (1,) and w.round_k_before_rope
+
+
 def test_midlayer_prefix_of_older_drafts_is_layer_zero(tmp_path):
     tensors = write_draft(tmp_path, layers=1, names=lambda k: k.replace("layers.0.", "midlayer."))
     w = dflash_rocm.load_context_kv_weights(tmp_path)
@@ -216,6 +243,9 @@ def test_non_finite_weights_are_refused(tmp_path):
     ({"is_neox_style": 1}, "is_neox_style must be true or false"),
     ({"dflash_config": {"attention_value_scale": "half"}}, "attention_value_scale must be a finite number"),
     ({"dflash_config": [1]}, "dflash_config must be an object"),
+    ({"no_rope_layers": [2]}, "no_rope_layers must be a list of layer indices in [0, num_hidden_layers=2)"),
+    ({"no_rope_layers": [True]}, "no_rope_layers must be a list of layer indices"),
+    ({"no_rope_layers": "0"}, "no_rope_layers must be a list of layer indices"),
 ])
 def test_absurd_config_values_are_refused_naming_config_json(tmp_path, changes, words):
     write_draft(tmp_path)

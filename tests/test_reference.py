@@ -52,21 +52,25 @@ def naive_context_kv(states, positions, w):
     N, L, Hk, D, R = states.shape[0], w.num_layers, w.num_kv_heads, w.head_dim, w.rotary_dim
     k_out = torch.zeros(L, N, Hk, D, dtype=torch.float64)
     v_out = torch.zeros(L, N, Hk, D, dtype=torch.float64)
+    rows = 2 * Hk * D
     for n in range(N):
         x = states[n].double()
-        xn = x / math.sqrt(float((x * x).mean()) + w.eps) * w.hidden_norm_weight.double()
-        kv = w.kv_weight.double() @ xn
-        if w.kv_bias is not None:
-            kv = kv + w.kv_bias.double()
         cs = w.cos_sin_cache[int(positions[n])].double()
         for layer in range(L):
+            norm = w.hidden_norm_weight[layer] if w.hidden_norm_weight.dim() == 2 else w.hidden_norm_weight
+            xn = x / math.sqrt(float((x * x).mean()) + w.eps) * norm.double()
+            kv = w.kv_weight[layer * rows:(layer + 1) * rows].double() @ xn
+            if w.kv_bias is not None:
+                kv = kv + w.kv_bias[layer * rows:(layer + 1) * rows].double()
             for h in range(Hk):
-                base = (layer * 2) * Hk * D + h * D
-                k = kv[base:base + D]
-                v = kv[base + Hk * D:base + Hk * D + D]
+                k = kv[h * D:h * D + D]
+                v = kv[Hk * D + h * D:Hk * D + h * D + D]
                 k = k / math.sqrt(float((k * k).mean()) + w.eps) * w.k_norm_weight[layer].double()
+                if w.round_k_before_rope:
+                    k = k.to(states.dtype).double()
                 rotated = k.clone()
-                for i in range(R // 2):
+                pairs = R // 2 if w.rope_layers is None or w.rope_layers[layer] else 0  # a NoPE layer rotates none
+                for i in range(pairs):
                     c, s = float(cs[i]), float(cs[R // 2 + i])
                     a, b = (i, i + R // 2) if w.is_neox else (2 * i, 2 * i + 1)
                     rotated[a] = k[a] * c - k[b] * s

@@ -1,5 +1,6 @@
 """The Triton backend against the reference (through the interpreter on CPU)."""
 
+import dataclasses
 
 import pytest
 import torch
@@ -486,6 +487,34 @@ def test_backend_declares_its_limits():
     assert "GQA ratio 32 > 16" in reasons["triton"] and reasons["reference"] == []
 
 
+def test_nope_layers_past_the_kernels_bit_mask_are_declined_and_served_below_it():
+    """The kernel holds the NoPE layers as bits of one int64 constant: layer 62 is served (and
+    matches the reference); a NoPE layer 63 or later is a reason, also right after a call of
+    the same shapes was served (the variants are part of the call's structure)."""
+    from dflash_rocm.backends.triton.precompute import MAX_NOPE_LAYER
+
+    g = make_generator(5, "cpu")
+    L = MAX_NOPE_LAYER + 2
+    w = make_weights(g, "cpu", L=L, Hk=1, D=16, H=16, R=16, is_neox=True, bias=False, v_scale=None,
+                     dtype=torch.float32)
+    args = (torch.randn(3, 16, generator=g), torch.tensor([5, 9, 700]))
+
+    def with_nope(layer):
+        return dataclasses.replace(w, rope_layers=tuple(i != layer for i in range(L)))
+
+    def k_of(weights, backend):
+        return dflash_rocm.precompute_and_store_context_kv(*args, weights, None, None, None, return_kv=True,
+                                                           backend=backend)[0]
+
+    served = with_nope(MAX_NOPE_LAYER)
+    ref = k_of(served, "reference")
+    assert dflash_rocm.contract.relative_error(k_of(served, "triton")[MAX_NOPE_LAYER], ref[MAX_NOPE_LAYER]) < 1e-5
+    with pytest.raises(dflash_rocm.BackendUnavailable, match=f"NoPE layers past layer {MAX_NOPE_LAYER}"):
+        k_of(with_nope(L - 1), "triton")
+    assert dflash_rocm.explain("precompute_and_store_context_kv", *args, with_nope(L - 1), None, None,
+                               None)["reference"] == []
+
+
 def test_index_tensors_of_either_int_width():
     """int64 block tables and query_start_loc, int32 slot mappings, and a per-layer list
     mixing both widths all reach the kernels correctly."""
@@ -614,3 +643,29 @@ def test_split_work_is_merged_by_a_second_launch_when_no_counters_are_free(monke
             PrecomputeLaunchConfig(block_t=16, block_k=16, split_k=2, whole_tiles=whole_tiles))
         assert counter.count == launches
         assert max(dflash_rocm.contract.relative_error(k, rk), dflash_rocm.contract.relative_error(v, rv)) < 2e-3
+
+
+@pytest.mark.parametrize("neox", [True, False])
+def test_the_normed_k_is_rounded_before_rope_exactly_when_the_weights_say_so(neox):
+    """``round_k_before_rope`` moves half a unit of the states' dtype, which no tolerance
+    sees: compare elements instead. fp16 (the interpreter converts float32 to bf16 by
+    truncation, a GPU rounds to nearest) and a hidden norm weight of ones (its fold into the
+    K/V rows is then exact), so the kernel and the reference differ only in summation order:
+    the kernel's K equals the reference's with the same flag almost everywhere, and the
+    reference's with the other flag in far fewer elements."""
+    g = make_generator(17, "cpu")
+    w = make_weights(g, "cpu", L=2, Hk=2, D=32, H=64, R=32, is_neox=neox, bias=False, v_scale=None,
+                     dtype=torch.float16)
+    w = dataclasses.replace(w, hidden_norm_weight=torch.ones(64, dtype=torch.float16))
+    states, positions = torch.randn(32, 64, generator=g).half(), torch.randint(1, 4096, (32,), generator=g)
+
+    def k_of(rounded: bool, backend: str) -> torch.Tensor:
+        weights = dataclasses.replace(w, round_k_before_rope=rounded)
+        return dflash_rocm.precompute_and_store_context_kv(states, positions, weights, None, None, None,
+                                                           return_kv=True, backend=backend)[0]
+
+    for rounded in (False, True):
+        got = k_of(rounded, "triton")
+        differ_same = (got != k_of(rounded, "reference")).float().mean().item()
+        differ_other = (got != k_of(not rounded, "reference")).float().mean().item()
+        assert differ_same * 10 < differ_other, (rounded, differ_same, differ_other)

@@ -10,7 +10,10 @@ Values are rounded to the states' dtype where vLLM's own sequence rounds them (t
 normed states, the GEMM's output, the normed keys, RoPE's cos/sin table and output; norm
 statistics and every product in float32), so they track vLLM's to a unit in the last
 place. (Not bit for bit: vLLM's AVX2 CPU kernels truncate float32 to bf16 where torch
-rounds to nearest, so a random draft's near-tied proposals can still differ.)
+rounds to nearest, so a random draft's near-tied proposals can still differ.) The normed
+keys are rounded before RoPE in every case, which is what ``round_k_before_rope`` asks
+for. Per-layer hidden norm weights are folded into the GEMM operand (in float32, rounded
+once to the GEMM dtype); the states are then normalised without a weight.
 
 The epilogue works on all layers at once: K-norm, RoPE written straight into the output
 dtype, then one indexed copy per layer and cache. ``torch.compile`` was measured as an
@@ -41,9 +44,9 @@ def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @dataclass(frozen=True)
 class PreparedWeights:
-    weight_t: torch.Tensor  # [H, L*2*Hk*D] in gemm dtype
+    weight_t: torch.Tensor  # [H, L*2*Hk*D] in gemm dtype (per-layer hidden norm weights folded in)
     bias: torch.Tensor | None  # [L*2*Hk*D] in gemm dtype
-    hidden_norm: torch.Tensor  # [H] float32
+    hidden_norm: torch.Tensor | None  # [H] float32; None when folded into weight_t
     k_norm: torch.Tensor  # [1, L, 1, D] float32
     rope: torch.Tensor  # [max_position, 2R] float32: per position, the factor of k and of rotate(k)
     eps: torch.Tensor  # float32 scalar
@@ -75,10 +78,11 @@ def prepared_weights(w: ContextKVWeights) -> PreparedWeights:
     def build() -> PreparedWeights:
         L, D = w.num_layers, w.head_dim
         dtype = gemm_dtype(w.dtype)
+        folded = w.per_layer_hidden_norm
         return PreparedWeights(
-            weight_t=w.kv_weight.to(dtype).t().contiguous(),
+            weight_t=(w.folded_kv_weight() if folded else w.kv_weight).to(dtype).t().contiguous(),
             bias=None if w.kv_bias is None else w.kv_bias.to(dtype).contiguous(),
-            hidden_norm=w.hidden_norm_weight.float().contiguous(),
+            hidden_norm=None if folded else w.hidden_norm_weight.float().contiguous(),
             k_norm=w.k_norm_weight.float().view(1, L, 1, D).contiguous(),
             # vLLM's rotary kernel reads the table in the activations' dtype.
             rope=_rope_table(w.cos_sin_cache.to(w.dtype), w.is_neox), eps=torch.tensor(float(w.eps)))
@@ -95,8 +99,11 @@ def _rms_factor(x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
 def _projected(call: PrecomputeCall, prep: PreparedWeights) -> torch.Tensor:
     """``rms_norm(x) @ kv_weight.T + kv_bias`` in the states' dtype, ``[N, L, 2, Hk, D]``."""
     w, x = call.weights, call.states
-    # x * r * w in float32 (type promotion: the caller's states stay untouched), rounded once.
-    normed = torch.mul(x, _rms_factor(x, prep.eps)).mul_(prep.hidden_norm).to(call.dtype)
+    # x * r (* w unless folded) in float32 (type promotion: the caller's states stay untouched), rounded once.
+    normed = torch.mul(x, _rms_factor(x, prep.eps))
+    if prep.hidden_norm is not None:
+        normed.mul_(prep.hidden_norm)
+    normed = normed.to(call.dtype)
     normed = normed.to(prep.weight_t.dtype)
     if prep.bias is None:
         kv = torch.mm(normed, prep.weight_t)
@@ -120,6 +127,8 @@ def _normed_rotated_keys(call: PrecomputeCall, k: torch.Tensor, prep: PreparedWe
     torch.addcmul(y * rope[..., :R], _rotate_pairs(y, w.is_neox), rope[..., R:], out=out[..., :R])
     if R < w.head_dim:
         out[..., R:] = normed[..., R:]
+    for layer in w.nope_layers:  # NoPE layers keep their normed K
+        out[:, layer] = normed[:, layer]
     return out
 
 

@@ -15,7 +15,7 @@ from dflash_rocm.platform import Platform
 from .attention import PlannedAttention, attention_config_for, run_draft_attention
 from .common import INTERPRETING
 from .launch import prelude_seconds
-from .precompute import precompute_config_for, run_precompute
+from .precompute import MAX_NOPE_LAYER, precompute_config_for, run_precompute
 
 
 def fp8_reason(platform: Platform, dtype: torch.dtype) -> str | None:
@@ -50,6 +50,15 @@ class TritonBackend(Backend):
     def fp8_cache_reasons(cls, cache_dtype: torch.dtype, platform: Platform) -> list[str]:
         why = fp8_reason(platform, cache_dtype)
         return super().fp8_cache_reasons(cache_dtype, platform) + ([why] if why else [])
+
+    @classmethod
+    def precompute_not_supported_reasons(cls, call: PrecomputeCall) -> list[str]:
+        reasons = super().precompute_not_supported_reasons(call)
+        past = [layer for layer in call.weights.nope_layers if layer > MAX_NOPE_LAYER]
+        if past:
+            reasons.append(f"NoPE layers past layer {MAX_NOPE_LAYER} (rope_layers is False at {past}): the kernel "
+                           "keeps the NoPE layers as the bits of one int64 constant")
+        return reasons
 
     @classmethod
     def draft_attention(cls, call: AttentionCall) -> None:

@@ -25,8 +25,8 @@ from .precompute_kernels import META_COLS, context_kv_kernel, context_kv_split_e
 
 @dataclass(frozen=True)
 class FusedKVWeights:
-    """The K/V rows with the hidden norm weight folded in and each K head's rows permuted
-    so RoPE pairs are adjacent; bias permuted alike; float32 norm weight and cos/sin."""
+    """The K/V rows with their layer's hidden norm weight folded in and each K head's rows
+    permuted so RoPE pairs are adjacent; bias permuted alike; float32 norm weight and cos/sin."""
 
     weight: torch.Tensor  # [L*2*Hk*D, H], states dtype, contiguous
     row_scale: torch.Tensor  # [L*2*Hk*D] float32: the power of two each folded row was divided by
@@ -59,7 +59,7 @@ def fused_weights(w: ContextKVWeights) -> FusedKVWeights:
 def _fuse(w: ContextKVWeights) -> FusedKVWeights:
     L, Hk, D = w.num_layers, w.num_kv_heads, w.head_dim
     order = rope_pair_order(D, w.rotary_dim, w.is_neox).to(w.device)
-    rows = (w.kv_weight.float() * w.hidden_norm_weight.float()[None, :]).view(L, 2, Hk, D, -1)
+    rows = w.folded_kv_weight().view(L, 2, Hk, D, -1)
     rows[:, 0] = rows[:, 0, :, order]
     bias = None
     if w.kv_bias is not None:
@@ -139,6 +139,20 @@ def slot_rows(call: PrecomputeCall) -> tuple[torch.Tensor | None, int]:
     if len({s.dtype for s in slots}) > 1:
         slots = [s.to(torch.int64) for s in slots]
     return torch.stack(slots), call.num_tokens
+
+
+# The kernel's NoPE layers are the bits of one int64 constant.
+MAX_NOPE_LAYER = 62
+
+
+def variant_constexprs(call: PrecomputeCall) -> dict:
+    """The DFlash family variants' switches: off (the kernels' defaults, which compile to the
+    kernel without them) unless the weights ask for a variant. Passed always: the compiled
+    launcher takes every constexpr."""
+    w = call.weights
+    rounds = w.round_k_before_rope and call.dtype != torch.float32  # rounding to float32 changes nothing
+    return dict(NOPE_LAYERS=sum(1 << layer for layer in w.nope_layers),
+                K_ROUND_DTYPE=TL_DTYPES[call.dtype] if rounds else None)
 
 
 def precompute_config_for(call: PrecomputeCall, platform: Platform | None = None) -> PrecomputeLaunchConfig:
@@ -235,7 +249,7 @@ def plan_precompute(call: PrecomputeCall, config: PrecomputeLaunchConfig, merge_
         # the layout holds the caches' addresses (validation judges aliasing with it), so a
         # plan, whose cache table holds them too, serves exactly one cache set
         key = (call.layout, config, merge_in_kernel, atomic_sum,
-               w.kv_bias is None, w.v_scale, w.is_neox, w.eps, w.rotary_dim,
+               w.kv_bias is None, w.v_scale, w.is_neox, w.eps, w.rotary_dim, w.rope_layers, w.round_k_before_rope,
                tuple(s is None for s in call.slot_mappings), all(s is written[0] for s in written))
     return _PLANS.get_or_make(key, lambda: _make_plan(call, config, grid_t, whole, split_k, merge_in_kernel,
                                                       atomic_sum))
@@ -260,7 +274,7 @@ def _make_plan(call: PrecomputeCall, config: PrecomputeLaunchConfig, grid_t: int
                     V_ALIGNED=all(aligned_runs(call.value_caches[i]) for i in call.written_layers),
                     K_ROW_PACK=k_rows, K_DIM_PACK=k_dims, V_ROW_PACK=v_rows, V_DIM_PACK=v_dims,
                     SLOTS_I32=slots_fit_int32(call), CACHE_BLOCK=shared_block_size(call),
-                    EXACT_FP8_ROUND=INTERPRETING)
+                    EXACT_FP8_ROUND=INTERPRETING, **variant_constexprs(call))
     _, slot_layer_stride = slot_rows(call)
     v_scale = float(w.v_scale) if w.v_scale is not None else 1.0
     cos_sin_stride = w.rotary_dim  # the fused float32 table is contiguous

@@ -5,6 +5,9 @@ head): the GEMM against the K/V weight rows with the hidden RMSNorm folded in (t
 norm weight is pre-multiplied into the rows; the per-token inverse RMS, accumulated from
 the same loads of ``x``, scales the tile), then the epilogue: bias, the K head's RMSNorm
 and RoPE, the value scale, and the store straight into that layer's paged cache slot.
+The DFlash family's variants cost no other kernel: per-layer hidden norm weights are
+folded into the rows too, ``NOPE_LAYERS`` leaves the K of its layers unrotated and
+``K_ROUND_DTYPE`` rounds the normed K before RoPE (both off by default: the kernel without them).
 With ``HEADS = 2`` it computes the K and the V tile of one (layer, KV head) from the same
 loads of ``x`` (the reads of ``x`` through L2 halve; no split then).
 Tiles (a token tile of one head row, or pair) are numbered token tile fastest, then head rows.
@@ -185,9 +188,13 @@ def _epilogue(acc, inv_rms, pid_t, head_row, N, positions_ptr, bias_ptr, k_norm_
               FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, CACHE_DTYPE: tl.constexpr, RETURN_KV: tl.constexpr,
               K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr, K_ROW_PACK: tl.constexpr, K_DIM_PACK: tl.constexpr,
               V_ROW_PACK: tl.constexpr, V_DIM_PACK: tl.constexpr, SLOTS_I32: tl.constexpr, CACHE_BLOCK: tl.constexpr,
-              EXACT_FP8_ROUND: tl.constexpr, KIND: tl.constexpr = -1):
+              EXACT_FP8_ROUND: tl.constexpr,
+              NOPE_LAYERS: tl.constexpr,  # bit l set: layer l's K is not rotated (0: every layer's is)
+              K_ROUND_DTYPE: tl.constexpr,  # dtype the normed K is rounded to before RoPE (None: kept float32)
+              KIND: tl.constexpr = -1):
     """``KIND``: 0 (K) or 1 (V) when the caller knows it (only that kind's code is compiled),
-    -1: read from ``head_row``."""
+    -1: read from ``head_row``. A NoPE layer's K rotates by the identity (its cos/sin loads
+    are masked to 1 and 0, as the pass-through dims' are)."""
     layer = head_row // (2 * HK)
     if KIND == -1:
         kind = (head_row // HK) % 2  # 0: K, 1: V
@@ -210,9 +217,14 @@ def _epilogue(acc, inv_rms, pid_t, head_row, N, positions_ptr, bias_ptr, k_norm_
             k_dim = c
         inv_k = tl.rsqrt(tl.sum(acc * acc, 1) / D + eps)
         acc = acc * inv_k[:, None] * tl.load(k_norm_ptr + layer * D + k_dim, mask=c_ok, other=0.0)[None, :]
+        if K_ROUND_DTYPE is not None:
+            acc = acc.to(K_ROUND_DTYPE).to(tl.float32)
         pos = tl.load(positions_ptr + t, mask=t_ok, other=0).to(tl.int64)
         i = tl.arange(0, BLOCK_D // 2)
         rot = t_ok[:, None] & (i < R // 2)[None, :]
+        if NOPE_LAYERS != 0:
+            rotated = ((NOPE_LAYERS >> layer.to(tl.int64)) & 1) + tl.zeros_like(t) == 0  # per row: no scalar mask
+            rot = rot & rotated[:, None]
         cs = cos_sin_ptr + pos[:, None] * stride_cs + i[None, :]
         cos = tl.load(cs, mask=rot, other=1.0)
         sin = tl.load(cs + R // 2, mask=rot, other=0.0)
@@ -318,6 +330,8 @@ def context_kv_kernel(
     CACHE_DTYPE: tl.constexpr, RETURN_KV: tl.constexpr, K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr,
     K_ROW_PACK: tl.constexpr, K_DIM_PACK: tl.constexpr, V_ROW_PACK: tl.constexpr, V_DIM_PACK: tl.constexpr,
     SLOTS_I32: tl.constexpr, CACHE_BLOCK: tl.constexpr, FP32_MATH: tl.constexpr, EXACT_FP8_ROUND: tl.constexpr,
+    NOPE_LAYERS: tl.constexpr = 0,  # bit l set: layer l's K is not rotated (0: every layer's is)
+    K_ROUND_DTYPE: tl.constexpr = None,  # dtype the normed K is rounded to before RoPE (None: kept float32)
 ):
     tile, pid_k, parts = _program_tile(tl.program_id(0), tl.num_programs(0), whole_tiles, NUM_XCDS, SPLIT_K,
                                        HAS_WHOLE)
@@ -391,13 +405,13 @@ def context_kv_kernel(
                       stride_cs, meta_ptr, slots_ptr, stride_slot_layer, k_scales_ptr, v_scales_ptr, out_k_ptr,
                       out_v_ptr, v_scale, eps, HK, D, R, BLOCK_T, BLOCK_D, HAS_BIAS, IS_NEOX, HAS_V_SCALE, IS_FP8,
                       FP8_MAX, FP8_MIN_EXP, CACHE_DTYPE, RETURN_KV, K_ALIGNED, V_ALIGNED, K_ROW_PACK, K_DIM_PACK,
-                      V_ROW_PACK, V_DIM_PACK, SLOTS_I32, CACHE_BLOCK, EXACT_FP8_ROUND, 1)
+                      V_ROW_PACK, V_DIM_PACK, SLOTS_I32, CACHE_BLOCK, EXACT_FP8_ROUND, NOPE_LAYERS, K_ROUND_DTYPE, 1)
         acc = acc * _row_scale(row_scale_ptr, head_row, D, BLOCK_D)
         _epilogue(acc, inv_rms, pid_t, head_row, N, positions_ptr, bias_ptr, k_norm_ptr, cos_sin_ptr, stride_cs,
                   meta_ptr, slots_ptr, stride_slot_layer, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, v_scale,
                   eps, HK, D, R, BLOCK_T, BLOCK_D, HAS_BIAS, IS_NEOX, HAS_V_SCALE, IS_FP8, FP8_MAX, FP8_MIN_EXP,
                   CACHE_DTYPE, RETURN_KV, K_ALIGNED, V_ALIGNED, K_ROW_PACK, K_DIM_PACK, V_ROW_PACK, V_DIM_PACK,
-                  SLOTS_I32, CACHE_BLOCK, EXACT_FP8_ROUND, 0 if HEADS == 2 else -1)
+                  SLOTS_I32, CACHE_BLOCK, EXACT_FP8_ROUND, NOPE_LAYERS, K_ROUND_DTYPE, 0 if HEADS == 2 else -1)
 
 
 @triton.jit
@@ -412,6 +426,8 @@ def context_kv_split_epilogue_kernel(
     K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr, K_ROW_PACK: tl.constexpr, K_DIM_PACK: tl.constexpr,
     V_ROW_PACK: tl.constexpr, V_DIM_PACK: tl.constexpr, SLOTS_I32: tl.constexpr, CACHE_BLOCK: tl.constexpr,
     EXACT_FP8_ROUND: tl.constexpr,
+    NOPE_LAYERS: tl.constexpr = 0,  # bit l set: layer l's K is not rotated (0: every layer's is)
+    K_ROUND_DTYPE: tl.constexpr = None,  # dtype the normed K is rounded to before RoPE (None: kept float32)
 ):
     """Second launch when the hidden size was split and the parts could not be summed in
     the first (no arrival counters while a CUDA graph is captured): program ``s`` sums split
@@ -426,4 +442,4 @@ def context_kv_split_epilogue_kernel(
               cos_sin_ptr, stride_cs, meta_ptr, slots_ptr, stride_slot_layer, k_scales_ptr, v_scales_ptr, out_k_ptr,
               out_v_ptr, v_scale, eps, HK, D, R, BLOCK_T, BLOCK_D, HAS_BIAS, IS_NEOX, HAS_V_SCALE, IS_FP8, FP8_MAX,
               FP8_MIN_EXP, CACHE_DTYPE, RETURN_KV, K_ALIGNED, V_ALIGNED, K_ROW_PACK, K_DIM_PACK, V_ROW_PACK,
-              V_DIM_PACK, SLOTS_I32, CACHE_BLOCK, EXACT_FP8_ROUND)
+              V_DIM_PACK, SLOTS_I32, CACHE_BLOCK, EXACT_FP8_ROUND, NOPE_LAYERS, K_ROUND_DTYPE)

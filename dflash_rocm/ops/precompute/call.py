@@ -80,6 +80,12 @@ class PrecomputeCall:
         parts = [f"x={dtype_name(self.dtype)}", f"kv={dtype_name(self.cache_dtype)}",
                  f"L={w.num_layers}", f"Hk={w.num_kv_heads}", f"D={w.head_dim}", f"R={w.rotary_dim}",
                  "neox" if w.is_neox else "gptj", f"layers_written={len(self.written_layers)}"]
+        if w.per_layer_hidden_norm:
+            parts.append("per_layer_norm")
+        if w.nope_layers:
+            parts.append(f"nope={','.join(map(str, w.nope_layers))}")
+        if w.round_k_before_rope:
+            parts.append("round_k")
         if self.return_kv:
             parts.append("return_kv")
         parts.append(f"dev={self.device.type}")

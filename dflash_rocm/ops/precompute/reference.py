@@ -43,17 +43,36 @@ def quantize_for_cache(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor 
     return (x.float() / scale).clamp(-limit, limit).to(dtype)
 
 
+def project(call: PrecomputeCall) -> torch.Tensor:
+    """Steps 1-2: ``rms_norm(x, hidden_norm_weight) @ kv_weight.T + kv_bias``, float32
+    ``[N, L, 2, Hk, D]``; a per-layer norm weight ``[L, H]`` normalises the states once per
+    layer, literally (the backends fold it into the weight instead)."""
+    w = call.weights
+    N, L, Hk, D, H = call.num_tokens, w.num_layers, w.num_kv_heads, w.head_dim, w.hidden_size
+    if w.per_layer_hidden_norm:
+        xn = rms_norm(call.states.unsqueeze(0), w.hidden_norm_weight.view(L, 1, H), w.eps)  # [L, N, H]
+        kv = torch.bmm(xn, w.kv_weight.float().view(L, 2 * Hk * D, H).transpose(1, 2)).transpose(0, 1)
+    else:
+        kv = rms_norm(call.states, w.hidden_norm_weight, w.eps) @ w.kv_weight.float().t()
+    kv = kv.reshape(N, L * 2 * Hk * D)
+    if w.kv_bias is not None:
+        kv = kv + w.kv_bias.float()
+    return kv.view(N, L, 2, Hk, D)
+
+
 def context_kv(call: PrecomputeCall) -> tuple[torch.Tensor, torch.Tensor]:
     """Steps 1-5 of SPEC.md section 2: float32 ``k, v`` of shape ``[L, N, Hk, D]``."""
     w = call.weights
-    N, L, Hk, D = call.num_tokens, w.num_layers, w.num_kv_heads, w.head_dim
-    xn = rms_norm(call.states, w.hidden_norm_weight, w.eps)
-    kv = xn @ w.kv_weight.float().t()
-    if w.kv_bias is not None:
-        kv = kv + w.kv_bias.float()
-    kv = kv.view(N, L, 2, Hk, D)
+    L, D = w.num_layers, w.head_dim
+    kv = project(call)
     k = rms_norm(kv[:, :, 0], w.k_norm_weight.view(1, L, 1, D), w.eps)
-    k = apply_rope(k, w.cos_sin_cache[call.positions.long()], w.is_neox)
+    if w.round_k_before_rope:
+        k = k.to(call.dtype).float()
+    rotated = apply_rope(k, w.cos_sin_cache[call.positions.long()], w.is_neox)
+    if w.rope_layers is None:
+        k = rotated
+    else:  # NoPE layers keep their normed K
+        k = torch.where(torch.tensor(w.rope_layers, device=k.device).view(1, L, 1, 1), rotated, k)
     v = kv[:, :, 1]
     if w.v_scale is not None:
         v = v * w.v_scale

@@ -122,8 +122,10 @@ def _weights_signature(weights) -> tuple:
     if not isinstance(weights, ContextKVWeights):
         return (type(weights),)
     w = weights.kv_weight
+    # the family variants too: whether a backend serves a call may depend on them
     return (ContextKVWeights, weights.num_layers, weights.num_kv_heads, weights.head_dim, w.shape, w.dtype, w.device,
-            weights.cos_sin_cache.shape)
+            weights.cos_sin_cache.shape, weights.per_layer_hidden_norm, weights.rope_layers,
+            weights.round_k_before_rope)
 
 
 def _sequence(value) -> tuple:
