@@ -8,6 +8,8 @@ on a GPU, and none may create a host tensor (a pageable copy on a GPU). The GPU 
 (``cuda``/``rocm`` markers) run the same calls under torch's sync debug mode.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -70,11 +72,17 @@ def recorded(fn):
 
 @needs_interpreter
 @pytest.mark.parametrize("backend", ["triton", "rocm"])
-def test_default_calls_make_no_host_reads(device_mode_checks, backend):
+@pytest.mark.parametrize("variants", [False, True])
+def test_default_calls_make_no_host_reads(device_mode_checks, backend, variants):
+    """``variants``: the DFlash family's precompute variants (per-layer hidden norms, a NoPE
+    layer, K rounded before RoPE) are settled once per weights, not per call."""
     from dflash_rocm.platform import simulate_platform
 
     with simulate_platform("gfx942"):
         a, p = attention_args(), precompute_args()
+        if variants:
+            p["weights"] = dataclasses.replace(p["weights"], hidden_norm_weight=torch.rand(2, 24) + 0.5,
+                                               rope_layers=(False, True), round_k_before_rope=True)
         assert recorded(lambda: dflash_rocm.draft_attention(**a, backend=backend)) == []
         assert recorded(lambda: dflash_rocm.precompute_and_store_context_kv(**p, backend=backend)) == []
 
