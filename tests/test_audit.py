@@ -364,6 +364,16 @@ def test_tail_mergers_merge_each_row_group_after_the_segments_from_the_merge_ker
     assert variants["part"].constexprs["MERGERS"] == 0
 
 
+def test_a_merge_loads_no_more_segments_at_once_than_its_launch_has():
+    """A merge's lanes past the launch's segments would always be masked, yet cost their
+    instructions: batch 1 at 8k has 32 segments on sm_90 (4-row mergers load 32 at once, not
+    64), 64 on gfx942, and 8 merged by a second launch on gfx1201 with an fp8 cache."""
+    for arch, fp8, segments in (("sm_90", False, 32), ("gfx942", False, 64), ("gfx1201", True, 8)):
+        case = sweep.Case("attention", QWEN, fp8=fp8, batch=1, context=8192)
+        merge = sweep.capture_case(case, TARGETS[arch]).launches[-1]
+        assert merge.arg("num_segments") == segments and merge.constexprs["MERGE_CHUNK"] == segments, arch
+
+
 def test_every_captured_kernel_has_a_traffic_model():
     for case in sweep.default_cases(QWEN, batches=(1,), contexts=(8192,), tokens=(16, 4096), kv=("bf16",)):
         for launch in sweep.capture_case(case, TARGETS["gfx942"]).launches:
