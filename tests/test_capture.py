@@ -140,14 +140,12 @@ def write_replay(inputs, contexts, seed: int) -> None:
     table, new queries (every request keeps its query block: ``query_start_loc`` is
     rewritten with the same offsets)."""
     g = make_generator(seed, "cpu")
-    q_len = SHAPE.block_tokens
-    device = inputs.query.device
+    q_len = inputs.query.shape[0] // len(contexts)
     inputs.seq_lens.copy_(torch.tensor(contexts) + q_len)
     inputs.query_start_loc.copy_(torch.arange(len(contexts) + 1) * q_len)
     table = inputs.block_table
-    blocks = torch.randperm(inputs.key_cache.shape[0], generator=g)[:table.numel()]
-    table.copy_(blocks.view(table.shape))
-    inputs.query.copy_(torch.randn(inputs.query.shape, generator=g).to(device, inputs.query.dtype))
+    table.copy_(torch.randperm(inputs.key_cache.shape[0], generator=g)[:table.numel()].view(table.shape))
+    inputs.query.copy_(torch.randn(inputs.query.shape, generator=g))
 
 
 @pytest.mark.parametrize("shape", [SHAPE, WINDOWED], ids=lambda s: s.name)
