@@ -308,7 +308,7 @@ def cmd_inspect(args) -> int:
                          contexts=tuple(args.context or run.sweep.ATTENTION_CONTEXTS),
                          tokens=tuple(args.tokens or run.sweep.PRECOMPUTE_TOKENS),
                          extras=not (args.batch or args.context),
-                         packed=not (args.batch or args.context or args.tokens))
+                         packed=not (args.batch or args.context or args.tokens), planned=tuple(args.planned or ()))
     cache = FactsCache(None if args.no_cache else (args.cache_dir or default_cache_dir()))
     audit = run.run_audit(plan, cache, jobs=args.jobs, progress=None if args.quiet else _progress_bar)
     if args.json != "-" and args.csv != "-":
@@ -429,11 +429,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "gfx942, gfx950, gfx1100 and gfx1201 with the specialisation a real launch gets (both cache "
                     "sizes on AMD: buffer loads need tensors under 2 GiB), and print registers, spills, scratch, "
                     "shared memory, occupancy, matrix/exp instructions per hot-loop iteration and store widths, "
-                    "with the bytes each launch moves and a modelled time against the hardware floor. Every "
+                    "with the bytes each launch moves and a modelled time against the hardware floor; then "
+                    "the captured plans: attention cases under a plan made for a longer span (a CUDA graph "
+                    "captured with max_seq_len = max_model_len) beside their eager plans. Every "
                     "assumption is printed; nothing is measured. Compiled facts are cached on disk.",
         **_examples(("dflash-rocm inspect", "the whole sweep (a few minutes cold, seconds from the cache)"),
                     ("dflash-rocm inspect --target gfx942 --op attention --batch 1 --context 8192",
                      "one case on MI300X"),
+                    ("dflash-rocm inspect --target sm_90 --op attention --batch 1,8 --context 1024,8192 "
+                     "--planned 32768,131072", "those cases under plans captured for 32k and 128k on H200"),
                     ("dflash-rocm inspect --json audit.json", "every fact, machine-readable")))
     inspect.add_argument("--shape", action="append", choices=sorted(SHAPES), help="draft shape (repeatable)")
     inspect.add_argument("--target", action="append", choices=list(TARGETS), help="GPU target (repeatable)")
@@ -442,6 +446,10 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--batch", type=positive_int_list, help="attention batches, e.g. 1,8,64")
     inspect.add_argument("--context", type=positive_int_list, help="attention context lengths, e.g. 1024,8192")
     inspect.add_argument("--tokens", type=positive_int_list, help="precompute context tokens, e.g. 16,256")
+    inspect.add_argument("--planned", type=positive_int_list, metavar="SPANS",
+                         help="also plan each attention case for these longer spans, e.g. 32768,131072 (as vLLM "
+                              "captures a CUDA graph: max_seq_len = max_model_len); the default sweep has batch "
+                              "1/8 x context 1k/8k under 32k/128k plans")
     inspect.add_argument("--jobs", type=positive_int, help="compile processes (default: CPU count, at most 8)")
     inspect.add_argument("--cache-dir", type=Path, help="where compiled facts are kept "
                                                        "(default: DFLASH_ROCM_CACHE_DIR/audit)")

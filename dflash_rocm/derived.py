@@ -17,6 +17,12 @@ An in-place update of the same source tensors refills the derived value in place
 tensors keep their addresses, so a CUDA graph captured with them (vLLM captures the
 draft's precompute) reads the new weights when replayed, as vLLM's ``refill_derived``
 keeps its own buffers. Only a value whose structure changed (shapes, dtypes) is replaced.
+
+While a CUDA graph is captured on the sources' device, a value that must be built (none
+kept, or its sources changed) is built into the graph, which derives it again at every
+replay, and is neither kept nor written into the kept value: what a capture records has
+not run when the capture ends. (vLLM runs each size eagerly right before capturing it,
+so there the kept value is found.)
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from dataclasses import fields, is_dataclass
 from typing import Any, Callable, Hashable, Sequence
 
 import torch
+
+from . import launches
 
 
 def _fingerprint(t: torch.Tensor | None) -> tuple:
@@ -99,8 +107,11 @@ class DerivedCache:
             if entry is not None and _alive(entry[0], sources):
                 self._entries.move_to_end(key)
                 return entry[1]
-            previous = self._updated_in_place(tag, fingerprints, sources)
+            capturing = any(t is not None and launches.graph_capturing(t.device) for t in sources)
+            previous = None if capturing else self._updated_in_place(tag, fingerprints, sources)
         value = build()
+        if capturing:  # recorded into the graph being captured (see the module)
+            return value
         if previous is not None and refill_in_place(previous, value):
             value = previous
         refs = tuple(None if t is None else weakref.ref(t) for t in sources)

@@ -157,3 +157,33 @@ def test_a_disagreeing_aiter_is_disabled_for_that_signature(fake_aiter, caplog):
     assert dflash_rocm.contract.relative_error(call.out, ref_call.out) < 2e-2  # the fallback's result stands
     aiter_attention.run(call, fallback=lambda c: reference_attention(c))
     assert len(module.calls) == 1
+
+
+def test_no_first_call_check_runs_while_a_graph_is_captured(fake_aiter, monkeypatch, caplog):
+    """The check reads its comparison back to the host, which a capture forbids: an
+    unchecked signature is served by the fallback in the graph (said once), checked at its
+    first eager call, and aiter serves the graphs captured after that."""
+    from dflash_rocm import launches
+
+    module = fake_aiter()
+    monkeypatch.setattr(aiter_attention, "_captured_unchecked", set())
+    call, ref_call = paged_call(), paged_call()
+    reference_attention(ref_call)
+    fallbacks = []
+
+    def fallback(c):
+        fallbacks.append(1)
+        reference_attention(c)
+
+    with monkeypatch.context() as m, caplog.at_level(logging.INFO, logger="dflash_rocm"):
+        m.setattr(launches, "graph_capturing", lambda device: True)
+        aiter_attention.run(call, fallback)
+        aiter_attention.run(call, fallback)
+    assert module.calls == [] and len(fallbacks) == 2 and caplog.text.count("cannot run while a CUDA graph") == 1
+    assert dflash_rocm.contract.relative_error(call.out, ref_call.out) < 2e-2
+    aiter_attention.run(call, fallback)  # eager: aiter, checked against the fallback
+    assert len(module.calls) == 1 and len(fallbacks) == 3
+    with monkeypatch.context() as m:
+        m.setattr(launches, "graph_capturing", lambda device: True)
+        aiter_attention.run(call, fallback)
+    assert len(module.calls) == 2 and len(fallbacks) == 3

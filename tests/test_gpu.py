@@ -215,6 +215,30 @@ def test_planned_layers_replay_from_a_graph(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_plan_made_for_max_model_len_replays_shorter_sequences_from_a_graph(backend):
+    """vLLM's capture: a plan made with ``max_seq_len = max_model_len`` over tensors sized
+    for it, captured, then replayed over batches of much shorter real sequences (and one
+    at the span's end) written into the same tensors: each replay agrees with the reference."""
+    from test_capture import write_replay
+
+    device, max_model_len = torch.device("cuda"), 32768
+    inputs = attention_inputs(QWEN3_8B, 4, max_model_len - QWEN3_8B.block_tokens, torch.bfloat16, torch.bfloat16,
+                              device)
+    kwargs = dict(inputs.kwargs, max_seq_len=max_model_len)
+    if dispatch.reasons_for(backend, ATTENTION, attention_call(*inputs.args(), **kwargs)):
+        pytest.skip(f"{backend} does not serve this call here")
+    out = torch.empty_like(inputs.query)
+    plan = dflash_rocm.plan_draft_attention(*inputs.args(), **kwargs, out=out, backend=backend, validate=False)
+    graph = _captured(lambda: plan.run(inputs.query, inputs.key_cache, inputs.value_cache, out=out))
+    for seed, contexts in enumerate(((0, 1000, 5000, 37), (max_model_len - QWEN3_8B.block_tokens, 1, 255, 8000))):
+        write_replay(inputs, contexts, seed)
+        out.fill_(float("nan"))
+        graph.replay()
+        ref = dflash_rocm.draft_attention(*inputs.args(), **inputs.kwargs, backend="reference")
+        assert dflash_rocm.contract.relative_error(out, ref) < 2e-2, contexts
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("num_tokens", [16, 256])
 def test_precompute_with_default_arguments_replays_from_a_graph(backend, num_tokens):
     """Captured once, replayed over new states, positions and slots: the caches hold what

@@ -416,6 +416,22 @@ def test_a_read_only_cache_without_a_table_falls_back_to_the_table_with_one_warn
     assert len(warnings_about(caplog, "")) == 1
 
 
+@needs_interpreter
+def test_no_tuning_starts_while_a_graph_is_captured(rdna, monkeypatch):
+    """Tuning times kernels on the GPU, which a capture forbids: a spec whose table is not
+    loaded gets the table's config in the graph, and the next eager call tunes."""
+    from dflash_rocm import launches
+
+    runners = []
+    monkeypatch.setattr(tuner, "gpu_runner", lambda *a: runners.append(1) or fast_warps_runner(*a))
+    with monkeypatch.context() as m:
+        m.setattr(launches, "graph_capturing", lambda device: True)
+        source, _ = serve(times=2)
+    assert source != "tuned" and not runners
+    source, config = serve(times=1)
+    assert source == "tuned" and config.num_warps == 8 and runners
+
+
 def _entry_with(**best):
     entry = tuning.TunedEntry(tuning.Workload(1, 4, 64), DEFAULT.as_dict(), {**DEFAULT.as_dict(), **best},
                               1.0, 0.5, 2.0).as_dict()

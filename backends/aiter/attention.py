@@ -8,7 +8,10 @@ a multiple of 128 rows, has sinks only where it takes ``sink_ptr`` (not the PyPI
 release), and its fp8 path wants fp8 queries, so fp8 caches stay with the Triton kernel.
 
 Trust, then verify: the first call of each call signature also runs the Triton kernel
-and compares; a disagreement disables aiter for that signature with a warning.
+and compares; a disagreement disables aiter for that signature with a warning. The check
+reads the comparison back to the host, so it never runs while a CUDA graph is captured: a
+signature not yet checked is served in the graph by the Triton kernel (logged once), and
+checked at its first eager call.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from dflash_rocm import envs
+from dflash_rocm import envs, launches
 from dflash_rocm.contract import relative_error, spec_tolerance
 from dflash_rocm.ops.attention import AttentionCall
 from dflash_rocm.ops.attention.varlen import varlen_kwargs
@@ -108,14 +111,25 @@ def aiter_kwargs(call: AttentionCall) -> dict:
 
 _verified: dict[str, bool] = {}
 _lock = threading.Lock()
+_captured_unchecked: set[str] = set()  # signatures already logged as served by the fallback in a graph
 
 
 def run(call: AttentionCall, fallback: Callable[[AttentionCall], None]) -> None:
-    """aiter's attention; on the first call of a signature, checked against ``fallback``."""
+    """aiter's attention; on the first call of a signature, checked against ``fallback``
+    (see the module for calls captured in a CUDA graph before that check)."""
     features, _ = probe()
     key = call.signature()
     with _lock:
         state = _verified.get(key)
+    if state is None and launches.graph_capturing(call.device):
+        with _lock:
+            first = key not in _captured_unchecked
+            _captured_unchecked.add(key)
+        if first:
+            logger.info("aiter's attention is not yet checked against the Triton kernel for [%s], and the check "
+                        "cannot run while a CUDA graph is captured: the Triton kernel serves this graph", key)
+        fallback(call)
+        return
     if state is False:
         fallback(call)
         return

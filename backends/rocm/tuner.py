@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from dflash_rocm.version import __version__
-from dflash_rocm import tuning
+from dflash_rocm import launches, tuning
 from dflash_rocm.backends.triton import attention_kernels
 from dflash_rocm.backends.triton.attention import run_draft_attention
 from dflash_rocm.backends.triton.launch_config import MERGES, AttentionLaunchConfig
@@ -253,9 +253,13 @@ def tuned_config(platform: Platform, spec: AttentionSpec, device: torch.device, 
                  key_span: int) -> AttentionLaunchConfig | None:
     """The tuned config for one call, or None (the table's config applies). Per call this
     is a dict lookup and a few bisections. Tuning is an optimisation: if it fails for any
-    reason the spec is remembered as untuned with one warning, and calls go on."""
+    reason the spec is remembered as untuned with one warning, and calls go on. A spec
+    whose table is not loaded yet while a CUDA graph is captured gets the table's config
+    in that graph (tuning times kernels on the GPU; the next eager call loads or tunes)."""
     key = _key(platform, spec)
     configs = _tables.get(key)
+    if configs is None and launches.graph_capturing(device):
+        return None
     if configs is None:
         try:
             configs = _tuned_configs(platform, spec, device)

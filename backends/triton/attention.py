@@ -136,7 +136,8 @@ def _make_plan(call: AttentionCall, config: AttentionLaunchConfig, merge: str) -
          q.stride(0), q.stride(1), q.stride(2), *k_strides, *v_strides,
          call.block_table.stride(0), out.stride(0), out.stride(1), out.stride(2)),
         dict(HQ=call.num_q_heads, BLOCK_SIZE=call.block_size, SPLIT=split, MERGE_IN_KERNEL=split and merge == "last",
-             MERGERS=mergers, MERGE_CHUNK=merge_load_segments(rows) if mergers else merge_chunk(config, block_d),
+             MERGERS=mergers,
+             MERGE_CHUNK=merge_load_segments(rows, segments) if mergers else merge_chunk(config, block_d),
              IS_FP8=call.is_fp8, FP32_MATH=fp32_math(q.dtype),
              FP16_DOTS=config.fp16_dots and call.is_fp8 and q.dtype in (torch.float16, torch.bfloat16)
              and not fp32_math(q.dtype), **tiles,
@@ -148,7 +149,7 @@ def _make_plan(call: AttentionCall, config: AttentionLaunchConfig, merge: str) -
             compiler_options(config),
             (call.num_seqs, call.num_tokens, window, segments, config.min_segment_keys,
              out.stride(0), out.stride(1), out.stride(2)),
-            dict(HQ=call.num_q_heads, ROWS=rows, MERGE_CHUNK=merge_load_segments(rows), **tiles))
+            dict(HQ=call.num_q_heads, ROWS=rows, MERGE_CHUNK=merge_load_segments(rows, segments), **tiles))
     counters = 0 if not split or merge == "launch" else num_tiles * call.num_kv_heads
     return AttentionPlan(config, main, second, counters,
                          segments * call.num_tokens * call.num_q_heads * call.head_dim if split else 0,

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from dflash_rocm import launches
+
 from .common import next_pow2
 
 _KEPT: dict[tuple, torch.Tensor] = {}
@@ -30,7 +32,7 @@ def kept_zeroed(device: torch.device, count: int, dtype: torch.dtype = torch.int
     key = (device, stream, dtype)
     kept = _KEPT.get(key)
     if kept is None or kept.numel() < count:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if launches.graph_capturing(device):
             return None
         if kept is not None:
             _OUTGROWN.append(kept)

@@ -178,11 +178,12 @@ class PlanMemo:
     def __init__(self, capacity: int):
         self._capacity, self._plans, self._lock = capacity, {}, threading.Lock()
 
-    def get_or_make(self, key: tuple | None, make: Callable[[], Any]) -> Any:
+    def get_or_make(self, key: tuple | None, make: Callable[[], Any], keep: bool = True) -> Any:
+        """The plan kept for ``key``, else ``make()``'s, kept unless ``keep`` is False."""
         plan = None if key is None else self._plans.get(key)
         if plan is None:
             plan = make()
-            if key is not None:
+            if key is not None and keep:
                 with self._lock:
                     if len(self._plans) >= self._capacity:
                         self._plans.clear()

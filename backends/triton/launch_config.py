@@ -122,11 +122,13 @@ def merge_program_rows(config: AttentionLaunchConfig, queries_per_kv: int) -> in
     return config.merge_rows or min(config.block_m, next_pow2(queries_per_kv))
 
 
-def merge_load_segments(rows: int) -> int:
+def merge_load_segments(rows: int, num_segments: int) -> int:
     """Segments whose partials a merge program of ``rows`` rows loads at once: 256 rows'
     worth (64 for one token of a 4-head group), so that the load's registers do not grow
-    with the rows (8-row mergers with 64 segments a load spill on RDNA3)."""
-    return max(1, min(64, 256 // rows))
+    with the rows (8-row mergers with 64 segments a load spill on RDNA3), and no more than
+    the launch has (a load's lanes past them would always be masked, yet cost their
+    instructions)."""
+    return max(1, min(64, 256 // rows, next_pow2(num_segments)))
 
 
 def dispatch_partitions(platform: Platform) -> int:

@@ -4,12 +4,14 @@ CUDA graph is captured with too few arrival counters)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
+from dflash_rocm import launches
 from dflash_rocm.derived import DerivedCache
 from dflash_rocm.ops.precompute import PrecomputeCall
 from dflash_rocm.paged import PackedCache
@@ -21,6 +23,8 @@ from .counters import split_scratch
 from .launch import LaunchPlan, PlanMemo, compiler_options
 from .launch_config import PrecomputeLaunchConfig, default_precompute_config
 from .precompute_kernels import META_COLS, context_kv_kernel, context_kv_split_epilogue_kernel
+
+logger = logging.getLogger("dflash_rocm")
 
 
 @dataclass(frozen=True)
@@ -35,13 +39,14 @@ class FusedKVWeights:
     cos_sin: torch.Tensor  # [max_position, R] float32, contiguous
 
 
-def rope_pair_order(head_dim: int, rotary_dim: int, is_neox: bool) -> torch.Tensor:
+def rope_pair_order(head_dim: int, rotary_dim: int, is_neox: bool, device: torch.device) -> torch.Tensor:
     """``order[c]`` = the original dim stored in column ``c``: neox pairs ``(i, i + R/2)``
-    become columns ``(2i, 2i + 1)``; GPT-J pairs and pass-through dims are already adjacent."""
-    order = torch.arange(head_dim)
+    become columns ``(2i, 2i + 1)``; GPT-J pairs and pass-through dims are already adjacent.
+    Made on ``device`` (no host data crosses: a graph being captured may record it)."""
+    order = torch.arange(head_dim, device=device)
     if is_neox:
         half = rotary_dim // 2
-        i = torch.arange(half)
+        i = torch.arange(half, device=device)
         order[0:rotary_dim:2] = i
         order[1:rotary_dim:2] = i + half
     return order
@@ -58,7 +63,7 @@ def fused_weights(w: ContextKVWeights) -> FusedKVWeights:
 
 def _fuse(w: ContextKVWeights) -> FusedKVWeights:
     L, Hk, D = w.num_layers, w.num_kv_heads, w.head_dim
-    order = rope_pair_order(D, w.rotary_dim, w.is_neox).to(w.device)
+    order = rope_pair_order(D, w.rotary_dim, w.is_neox, w.device)
     rows = w.folded_kv_weight().view(L, 2, Hk, D, -1)
     rows[:, 0] = rows[:, 0, :, order]
     bias = None
@@ -99,7 +104,10 @@ def cache_table(call: PrecomputeCall) -> torch.Tensor:
     """int64 ``[L, META_COLS]`` per-layer cache addresses, slot-mapping rows and strides on
     the device. It depends only on the caches and on which layers are written, so a table
     built once is reused (vLLM's caches never move): only the first call for a cache set
-    copies host data to the device."""
+    copies host data to the device. While a CUDA graph is captured, which cannot record a
+    copy from host memory, a table not built yet is written by one fill per entry, which
+    the graph repeats at every replay, and is not kept (it holds nothing before the first
+    replay); one eager call for the cache set before capture avoids that."""
     rows = []
     written = call.written_layers
     for layer in range(call.num_layers):
@@ -116,12 +124,27 @@ def cache_table(call: PrecomputeCall) -> torch.Tensor:
         if table is not None:
             _TABLES.move_to_end(key)
             return table
+    if launches.graph_capturing(call.device):
+        return _table_in_graph(rows, call.device)
     table = torch.tensor(rows, dtype=torch.int64).to(call.device, non_blocking=True)
     with _TABLES_LOCK:
         table = _TABLES.setdefault(key, table)
         _TABLES.move_to_end(key)
         if len(_TABLES) > _TABLES_KEPT:
             _TABLES.popitem(last=False)
+    return table
+
+
+def _table_in_graph(rows: list[tuple], device: torch.device) -> torch.Tensor:
+    """The cache table written by fills recorded into the graph being captured (see
+    :func:`cache_table`)."""
+    logger.warning("the precompute's cache table for these caches is first needed inside a CUDA graph capture: "
+                   "the graph refills it at every replay (%d fills); run one eager call before capturing",
+                   len(rows) * META_COLS)
+    table = torch.empty(len(rows), META_COLS, dtype=torch.int64, device=device)
+    for i, row in enumerate(rows):
+        for j, value in enumerate(row):
+            table[i, j].fill_(value)
     return table
 
 
@@ -233,7 +256,8 @@ _PLANS = PlanMemo(64)
 def plan_precompute(call: PrecomputeCall, config: PrecomputeLaunchConfig, merge_in_kernel: bool | None = None
                     ) -> PrecomputePlan:
     """The plan of ``call``'s structure under ``config``: made once, kept (calls built
-    outside validation carry no structure and get a fresh plan)."""
+    outside validation carry no structure and get a fresh plan; a plan made while a CUDA
+    graph is captured serves that call alone: its cache table may be the graph's own)."""
     w = call.weights
     grid_t = -(-call.num_tokens // config.block_t)
     tiles = grid_t * 2 * w.num_layers * w.num_kv_heads // config.heads
@@ -252,7 +276,7 @@ def plan_precompute(call: PrecomputeCall, config: PrecomputeLaunchConfig, merge_
                w.kv_bias is None, w.v_scale, w.is_neox, w.eps, w.rotary_dim, w.rope_layers, w.round_k_before_rope,
                tuple(s is None for s in call.slot_mappings), all(s is written[0] for s in written))
     return _PLANS.get_or_make(key, lambda: _make_plan(call, config, grid_t, whole, split_k, merge_in_kernel,
-                                                      atomic_sum))
+                                                      atomic_sum), keep=not launches.graph_capturing(call.device))
 
 
 def _make_plan(call: PrecomputeCall, config: PrecomputeLaunchConfig, grid_t: int, whole: int, split_k: int,

@@ -9,7 +9,7 @@ import textwrap
 from itertools import groupby
 
 from .run import Audit, CaseResult, LaunchResult
-from .sweep import PACKINGS
+from .sweep import PACKINGS, kilo
 from .targets import TARGETS
 
 WIDTH = 100
@@ -43,9 +43,8 @@ def _case_label(r: CaseResult) -> str:
     pages = f" {PACKINGS[c.packing]}" if c.packing != "plain" else ""
     if c.op == "precompute":
         return f"N={c.tokens}{pages}"
-    ctx = f"{c.context // 1024}k" if c.context % 1024 == 0 else str(c.context)
-    span = f"/{c.table_span // 1024}k" if c.table_span else ""
-    return f"b{c.batch} {ctx}{span}{pages}"
+    span = f"/{kilo(c.planned_span)}" if c.planned_span else ""
+    return f"b{c.batch} {kilo(c.context)}{span}{pages}"
 
 
 def _store_width(facts: dict) -> str:
@@ -100,7 +99,52 @@ def format_results(audit: Audit) -> str:
                     pct = r.pct_floor
                     cells += [_num(r.floor_s * 1e6), "" if pct is None else f"{pct:.0f}"]
                 lines.append(_line(cells))
+    lines += format_captured_plans(captured_plans(audit))
     return "\n".join(lines)
+
+
+CAPTURE_TARGET = 1.2  # issue 25: a captured plan costs within this factor of the eager one (modelled)
+
+
+def captured_plans(audit: Audit) -> list[dict]:
+    """Each case planned for a longer span (``planned_span``: a CUDA graph captured with
+    ``max_seq_len = max_model_len``) beside the same case planned for its real length, as
+    modelled: one row per case and cache variant whose eager case the audit has, with the
+    modelled microseconds and ratio of each planned span."""
+    eager = {(r.target.arch, r.case.shape.name, r.case.fp8, r.case.batch, r.case.context, r.case.packing,
+              r.cache_variant): r for r in audit.cases if r.case.op == "attention" and not r.case.planned_span}
+    rows: dict[tuple, dict] = {}
+    for r in audit.cases:
+        c = r.case
+        key = (r.target.arch, c.shape.name, c.fp8, c.batch, c.context, c.packing, r.cache_variant)
+        base = eager.get(key)
+        if c.op != "attention" or not c.planned_span or base is None or None in (base.modelled_s, r.modelled_s):
+            continue
+        row = rows.setdefault(key, {"target": r.target.arch, "shape": c.shape.name, "kv": "fp8" if c.fp8 else "bf16",
+                                    "label": _case_label(base), "cache": r.cache_variant,
+                                    "eager_us": base.modelled_s * 1e6, "planned": {}})
+        row["planned"][c.planned_span] = {"us": r.modelled_s * 1e6, "ratio": r.modelled_s / base.modelled_s}
+    return list(rows.values())
+
+
+def format_captured_plans(rows: list[dict]) -> list[str]:
+    """The captured-plan table (see :func:`captured_plans`)."""
+    if not rows:
+        return []
+    spans = sorted({span for row in rows for span in row["planned"]})
+    title = (f"== captured plans: modelled us of each case under a plan made for a longer span (a CUDA graph "
+             f"captured with max_seq_len = max_model_len) beside its plan for the real length (eager), and "
+             f"their ratio (target: within {CAPTURE_TARGET}x)")
+    head = f"{'target':<7} {'kv':<4} {'case':<10} {'2G':<3} {'eager us':>9}" + "".join(
+        f" {'plan ' + kilo(span):>17}" for span in spans)
+    lines = ["", *textwrap.wrap(title, WIDTH, subsequent_indent="   "), head]
+    for row in rows:
+        line = f"{row['target']:<7} {row['kv']:<4} {row['label']:<10} {row['cache']:<3} {_num(row['eager_us']):>9}"
+        for span in spans:
+            found = row["planned"].get(span)
+            line += f" {'-':>17}" if found is None else f" {_num(found['us']):>10} {found['ratio']:5.2f}x"
+        lines.append(line.rstrip())
+    return lines
 
 
 def results_to_json(audit: Audit) -> str:
@@ -108,7 +152,8 @@ def results_to_json(audit: Audit) -> str:
     return json.dumps({"measured": False, "note": "compiled facts and a model; nothing here ran on a GPU",
                        "assumptions": {a: TARGETS[a].assumptions() for a in targets},
                        "specialisations": audit.specialisations, "compiled_now": audit.compiled_now,
-                       "cases": [r.as_dict() for r in audit.cases]}, indent=1)
+                       "cases": [r.as_dict() for r in audit.cases], "captured_plans": captured_plans(audit)},
+                      indent=1)
 
 
 CSV_FIELDS = ("target", "op", "kv", "label", "cache", "config_name", "kernel", "grid", "programs",

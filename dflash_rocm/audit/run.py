@@ -70,7 +70,7 @@ class CaseResult:
         c = self.case
         return {"target": self.target.arch, "part": self.target.peak.name, "op": c.op, "shape": c.shape.name,
                 "kv": "fp8" if c.fp8 else "bf16", "packing": c.packing, "batch": c.batch, "context": c.context,
-                "table_span": c.table_span, "tokens": c.tokens, "cache": self.cache_variant, "label": c.label,
+                "planned_span": c.planned_span, "tokens": c.tokens, "cache": self.cache_variant, "label": c.label,
                 "config_name": self.config_name,
                 "config": self.config, "skipped": self.skipped, "floor_bytes": c.cost().bytes,
                 "floor_us": self.floor_s * 1e6,
@@ -87,8 +87,9 @@ class AuditPlan:
     batches: tuple[int, ...] = sweep.ATTENTION_BATCHES
     contexts: tuple[int, ...] = sweep.ATTENTION_CONTEXTS
     tokens: tuple[int, ...] = sweep.PRECOMPUTE_TOKENS
-    extras: bool = True  # the issue's extra attention cases (b64 4k, b1 1k in a 32k table)
+    extras: bool = True  # the issues' extra attention cases (b64 4k, the captured plans of sweep.PLANNED_ATTENTION)
     packed: bool = True  # the ROCM_ATTN packed-page cases (AMD targets)
+    planned: tuple[int, ...] = ()  # spans every attention case is also planned for (see sweep.default_cases)
 
     def cases(self) -> list[tuple[Target, sweep.Case]]:
         out = []
@@ -97,7 +98,7 @@ class AuditPlan:
             for shape in self.shapes:
                 for case in sweep.default_cases(shape, ops=self.ops, batches=self.batches, contexts=self.contexts,
                                                 tokens=self.tokens, kv=self.kv, extras=self.extras,
-                                                packed=self.packed):
+                                                packed=self.packed, planned=self.planned):
                     out += [(target, variant) for variant in sweep.cache_variants(case, target)]
         return out
 

@@ -30,10 +30,14 @@ TWO_GIB = 2 ** 31 - 1
 ATTENTION_BATCHES = (1, 8, 64)
 ATTENTION_CONTEXTS = (1024, 8192, 32768)
 PRECOMPUTE_TOKENS = (16, 32, 64, 256, 512, 1024, 4096)
-# Extra attention cases named in issue 10: batch 64 at 4k (a target), and a request whose
-# real context (1k) is far below what its block table spans (32k), as under graph capture
-# or without a max_seq_len hint.
-EXTRA_ATTENTION = ((64, 4096, None), (1, 1024, 32768))
+# Captured plans: vLLM captures its CUDA graphs with max_seq_len = max_model_len, so real
+# contexts run under a plan made for a far longer span. Issue 25's cases (batch 1 and 8 at
+# 1k and 8k under plans for 32k and 128k) are in the default sweep; `--planned` plans the
+# cases of any other sweep for the spans it names.
+PLANNED_SPANS = (32768, 131072)
+PLANNED_ATTENTION = tuple((b, c, span) for b in (1, 8) for c in (1024, 8192) for span in PLANNED_SPANS)
+# Extra attention cases: batch 64 at 4k (issue 10's target), and the captured plans.
+EXTRA_ATTENTION = ((64, 4096, None),) + PLANNED_ATTENTION
 # vLLM ROCM_ATTN's packed pages (its default backend on AMD; AMD targets only), short names
 # for the tables: x-packed K with plain V, and with interleaved V. One attention and one
 # precompute case each compile the packed kernels.
@@ -51,7 +55,9 @@ class Case:
     fp8: bool
     batch: int = 0  # attention
     context: int = 0  # attention: context tokens before the query block
-    table_span: int | None = None  # attention: keys the block table can hold when no max_seq_len is known
+    # attention: the longest sequence the plan was made for (its max_seq_len; the block table
+    # spans it), as a CUDA graph is captured with max_seq_len = max_model_len; None: the real one
+    planned_span: int | None = None
     large_cache: bool = False  # attention on AMD: the cache tensor spans more than 2 GiB
     tokens: int = 0  # precompute
     packing: str = "plain"  # or a key of PACKINGS: the caches are vLLM ROCM_ATTN's
@@ -62,8 +68,8 @@ class Case:
         pages = f" {PACKINGS[self.packing]}" if self.packing != "plain" else ""
         if self.op == "precompute":
             return f"pre N={self.tokens} {kv}{pages}"
-        span = f" span {_k(self.table_span)}" if self.table_span else ""
-        return f"attn b{self.batch} {_k(self.context)}{span} {kv}{pages}"
+        span = f" plan {kilo(self.planned_span)}" if self.planned_span else ""
+        return f"attn b{self.batch} {kilo(self.context)}{span} {kv}{pages}"
 
     @property
     def query_len(self) -> int:
@@ -85,7 +91,8 @@ class Case:
                               sliding_window=s.sliding_window)
 
 
-def _k(n: int) -> str:
+def kilo(n: int) -> str:
+    """A count of keys as the tables print it: ``8k`` for 8192, else the number."""
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
@@ -101,12 +108,16 @@ class CaseLaunches:
 
 def default_cases(shape: DraftShape, *, ops=("attention", "precompute"), batches=ATTENTION_BATCHES,
                   contexts=ATTENTION_CONTEXTS, tokens=PRECOMPUTE_TOKENS, kv=("bf16", "fp8"),
-                  extras: bool = True, packed: bool = True) -> list[Case]:
+                  extras: bool = True, packed: bool = True, planned: tuple[int, ...] = ()) -> list[Case]:
+    """The sweep's cases; ``planned``: every attention case of the grid also planned for
+    each of these spans that is longer than its sequence."""
     cases = []
     for fp8 in (k == "fp8" for k in kv):
         if "attention" in ops:
-            grid = [(b, c, None) for b in batches for c in contexts] + (list(EXTRA_ATTENTION) if extras else [])
-            cases += [Case("attention", shape, fp8, batch=b, context=c, table_span=span) for b, c, span in grid]
+            grid = [(b, c, None) for b in batches for c in contexts]
+            grid += [(b, c, span) for b, c, _ in grid for span in planned if span > c + shape.block_tokens]
+            grid += [case for case in EXTRA_ATTENTION if extras and case not in grid]
+            cases += [Case("attention", shape, fp8, batch=b, context=c, planned_span=span) for b, c, span in grid]
             if packed:
                 batch, context = PACKED_ATTENTION
                 cases += [Case("attention", shape, fp8, batch=batch, context=context, packing=p) for p in PACKINGS]
@@ -137,7 +148,7 @@ def cache_pair(shape: DraftShape, num_blocks: int, dtype: torch.dtype, packing: 
 def attention_call(case: Case, target: Target) -> AttentionCall:
     s = case.shape
     dtype = _cache_dtype(case, target)
-    span = case.table_span or case.seq_len
+    span = case.planned_span or case.seq_len
     width = -(-span // BLOCK_SIZE)
     needed = case.batch * width + 1
     per_block = 2 * BLOCK_SIZE * s.kv_heads * s.head_dim * dtype.itemsize
@@ -153,7 +164,7 @@ def attention_call(case: Case, target: Target) -> AttentionCall:
         block_table=torch.empty(case.batch, width, **index), query_start_loc=torch.empty(case.batch + 1, **index),
         seq_lens=torch.empty(case.batch, **index), out=torch.empty_like(query), scale=s.head_dim ** -0.5,
         causal=s.causal, sliding_window=s.sliding_window, sinks=sinks, k_scale=scale, v_scale=scale,
-        max_query_len=case.query_len, max_seq_len=None if case.table_span else case.seq_len)
+        max_query_len=case.query_len, max_seq_len=span)
 
 
 def precompute_call(case: Case, target: Target) -> PrecomputeCall:
@@ -227,7 +238,7 @@ def cache_variants(case: Case, target: Target) -> list[Case]:
     if case.op != "attention" or not target.amd:
         return [case]
     s = case.shape
-    own = 2 * case.batch * -(-(case.table_span or case.seq_len) // BLOCK_SIZE) * BLOCK_SIZE * s.kv_heads * s.head_dim
+    own = 2 * case.batch * -(-(case.planned_span or case.seq_len) // BLOCK_SIZE) * BLOCK_SIZE * s.kv_heads * s.head_dim
     own *= 1 if case.fp8 else 2
     variants = [case] if own <= TWO_GIB else []
     return variants + [replace(case, large_cache=True)]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ...contract import FP8_DTYPES, QUERY_DTYPES
+from ... import launches
 from ...validation import (IndexChecks, LayoutMemo, cache_arg, check_device, check_disjoint, check_dtype,
                            check_layout_once, check_scale_values, check_shape, check_writable, index_tensor, int_bound,
                            scale_tensor, signature, storages_apart, tensor_arg)
@@ -46,7 +47,8 @@ def attention_call(query, key_cache, value_cache, block_table, query_start_loc, 
     if known is None:
         derived = _check_structure(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out,
                                    sinks, scale, causal, sliding_window, k_scale, v_scale)
-        _STRUCTURES.remember(key, derived)
+        if not launches.graph_capturing(query.device):  # a capture's scale tensors are its own
+            _STRUCTURES.remember(key, derived)
     else:
         key, derived = known
     if out is None:

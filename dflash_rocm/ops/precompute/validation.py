@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ...contract import FP8_DTYPES, QUERY_DTYPES
+from ... import launches
 from ...validation import (IndexChecks, LayoutMemo, Structure, cache_arg, check_device, check_disjoint, check_dtype,
                            check_layout_once, check_scale_values, check_shape, check_writable, index_tensor, per_layer,
                            scale_tensor, signature, storages_apart, tensor_arg)
@@ -78,7 +79,8 @@ def bound_precompute_call(model: ModelArguments, context_states, positions, slot
     if known is None:
         derived = _check_structure(context_states, positions, weights, key_caches, value_caches, slot_mapping,
                                    k_scales, v_scales, return_kv)
-        _STRUCTURES.remember(key, derived)
+        if not launches.graph_capturing(context_states.device):  # a capture's scale tensors are its own
+            _STRUCTURES.remember(key, derived)
     else:
         key, derived = known
     L = weights.num_layers

@@ -1,0 +1,176 @@
+"""CUDA graph capture, on CPU: both operations planned with a capture's metadata and replayed.
+
+A FULL CUDA graph (vLLM's V2 runner captures the draft's precompute and attention) replays
+the same launches over new values written in place: new block tables, sequence lengths,
+slots and positions. Here the capture is simulated by making
+:func:`dflash_rocm.launches.graph_capturing`, the one predicate every backend asks, say
+yes: then no first-call work may run or be kept for later calls. Then a plan made with
+capture-time bounds (``max_seq_len = max_model_len``) is run over much shorter real
+sequences written into the same tensors, as replays would, against the reference.
+"""
+
+import contextlib
+from collections import OrderedDict
+from dataclasses import replace
+
+import pytest
+import torch
+
+import dflash_rocm
+from checks import poison, rel_err
+from dflash_rocm import launches
+from dflash_rocm.contract import spec_tolerance
+from dflash_rocm.derived import DerivedCache
+from dflash_rocm.ops.attention import attention_call
+from dflash_rocm.ops.precompute import precompute_call
+from dflash_rocm.platform import simulate_platform
+from dflash_rocm.workloads import DraftShape, attention_inputs, precompute_inputs
+from strategies import make_generator
+from support import needs_interpreter
+
+SHAPE = DraftShape("capture", hidden=64, layers=2, q_heads=4, kv_heads=2, head_dim=32, block_tokens=4)
+WINDOWED = replace(SHAPE, name="capture-swa-sinks", sliding_window=40, sinks=True, causal=True)
+MAX_MODEL_LEN = 4096
+
+
+@contextlib.contextmanager
+def graph_capture(monkeypatch):
+    """Inside the block every device counts as capturing a CUDA graph."""
+    with monkeypatch.context() as m:
+        m.setattr(launches, "graph_capturing", lambda device: True)
+        yield
+
+
+# ---- nothing first-call, nothing kept while capturing -------------------------------------
+
+@needs_interpreter
+def test_a_split_tile_captured_without_kept_counters_is_merged_by_a_second_launch(monkeypatch):
+    """Arrival counters allocated in a capture would belong to the graph: none are made, and
+    the split tile's merge takes its own launch."""
+    from dflash_rocm.backends.triton import counters
+
+    monkeypatch.setattr(counters, "_KEPT", {})
+    inputs = attention_inputs(SHAPE, 1, 3000, torch.float16, torch.float16, torch.device("cpu"))
+    ref = dflash_rocm.draft_attention(*inputs.args(), **inputs.kwargs, backend="reference")
+    before = launches.counts().get("merge_segments_kernel", 0)
+    with simulate_platform("gfx942"), graph_capture(monkeypatch):
+        out = dflash_rocm.draft_attention(*inputs.args(), **inputs.kwargs, backend="rocm")
+    assert counters._KEPT == {}
+    assert launches.counts().get("merge_segments_kernel", 0) == before + 1
+    assert rel_err(out, ref) <= spec_tolerance(torch.float16, torch.float16)
+
+
+@needs_interpreter
+def test_a_precompute_first_called_in_a_capture_builds_its_cache_table_for_that_graph_alone(monkeypatch):
+    """The cache table is a host-to-device copy, which a capture cannot record: the graph
+    writes it by fills, and neither it nor the plan holding it is kept; the first eager
+    call then builds the table that later calls share."""
+    from dflash_rocm.backends.triton import launch, precompute
+
+    monkeypatch.setattr(precompute, "_TABLES", OrderedDict())
+    monkeypatch.setattr(precompute, "_PLANS", launch.PlanMemo(64))
+    inputs = precompute_inputs(SHAPE, 24, torch.float16, torch.float16, torch.device("cpu"))
+    ref_k, ref_v = dflash_rocm.precompute_and_store_context_kv(inputs.states, inputs.positions, inputs.weights,
+                                                               None, None, None, return_kv=True, backend="reference")
+    with graph_capture(monkeypatch):
+        dflash_rocm.precompute_and_store_context_kv(*inputs.args(), backend="triton")
+    assert not precompute._TABLES
+    bs = inputs.key_caches[0].shape[1]
+    rows = inputs.slot_mapping.long()
+    for layer in range(SHAPE.layers):
+        for cache, ref in ((inputs.key_caches[layer], ref_k[layer]), (inputs.value_caches[layer], ref_v[layer])):
+            assert rel_err(cache[rows // bs, rows % bs], ref) <= spec_tolerance(torch.float16, torch.float16)
+    dflash_rocm.precompute_and_store_context_kv(*inputs.args(), backend="triton")
+    assert len(precompute._TABLES) == 1
+
+
+def test_a_derived_value_built_in_a_capture_is_neither_kept_nor_written_into_the_kept_one(monkeypatch):
+    cache, builds = DerivedCache(), []
+    a = torch.ones(4)
+
+    def build():
+        builds.append(1)
+        return a * 2
+
+    kept = cache.get((a,), "t", build)
+    a.mul_(5)  # an in-place update: the next eager call refills `kept` in place
+    with graph_capture(monkeypatch):
+        in_graph = cache.get((a,), "t", build)
+        assert cache.get((a,), "t", build) is not in_graph and len(builds) == 3
+    assert in_graph is not kept and torch.equal(kept, torch.full((4,), 2.0))
+    assert cache.get((a,), "t", build) is kept and torch.equal(kept, torch.full((4,), 10.0))
+
+
+def test_a_structure_first_checked_in_a_capture_keeps_no_scale_tensor(monkeypatch):
+    """fp8 scales given as floats become device tensors made once per call structure; made
+    in a capture, such a tensor holds its value only once the graph replays."""
+    g = make_generator(0, "cpu")
+    query = torch.randn(4, 4, 16, generator=g)
+    key_cache = torch.randn(3, 16, 2, 16, generator=g).to(torch.float8_e4m3fn)
+    value_cache = torch.randn(3, 16, 2, 16, generator=g).to(torch.float8_e4m3fn)
+    args = (query, key_cache, value_cache, torch.tensor([[0, 1]], dtype=torch.int32),
+            torch.tensor([0, 4], dtype=torch.int32), torch.tensor([20], dtype=torch.int32))
+    pre = precompute_inputs(SHAPE, 8, torch.float32, torch.float8_e4m3fn, torch.device("cpu"))
+    calls = ((attention_call, args, dict(k_scale=0.37, v_scale=0.41), "k_scale"),
+             (precompute_call, pre.args(), dict(k_scales=[0.5, 0.25], v_scales=[0.5, 0.25]), "k_scales"))
+    for build, call_args, kwargs, name in calls:
+        with graph_capture(monkeypatch):
+            captured = getattr(build(*call_args, **kwargs), name)
+        eager = getattr(build(*call_args, **kwargs), name)
+        assert eager is not captured and getattr(build(*call_args, **kwargs), name) is eager, name
+
+
+# ---- a plan made with capture-time bounds, replayed over short real sequences ---------------
+
+# (backend, simulated architecture): reference and cpu read the tensors on the host; the
+# Triton kernels split keys into segments chosen for the planned span (sm_90's portable
+# table, the ROCm tables) and decide on the device how many have keys.
+TARGETS = [("reference", None), ("cpu", None), pytest.param("triton", None, marks=needs_interpreter),
+           pytest.param("triton", "sm_90", marks=needs_interpreter),
+           pytest.param("rocm", "gfx942", marks=needs_interpreter),
+           pytest.param("rocm", "gfx1201", marks=needs_interpreter)]
+# Real contexts per replay (requests of one captured batch): empty, short, on a segment
+# edge, across a window, at the planned span's end.
+REPLAYS = ((0, 37, 1000), (255, 256, 257), (MAX_MODEL_LEN - SHAPE.block_tokens, 5, 600))
+
+
+def write_replay(inputs, contexts, seed: int) -> None:
+    """One replay's batch written in place into the captured tensors, as a serving engine
+    prepares its graph inputs: real sequence lengths, other cache blocks in the block
+    table, new queries (every request keeps its query block: ``query_start_loc`` is
+    rewritten with the same offsets)."""
+    g = make_generator(seed, "cpu")
+    q_len = inputs.query.shape[0] // len(contexts)
+    inputs.seq_lens.copy_(torch.tensor(contexts) + q_len)
+    inputs.query_start_loc.copy_(torch.arange(len(contexts) + 1) * q_len)
+    table = inputs.block_table
+    table.copy_(torch.randperm(inputs.key_cache.shape[0], generator=g)[:table.numel()].view(table.shape))
+    inputs.query.copy_(torch.randn(inputs.query.shape, generator=g))
+
+
+@pytest.mark.parametrize("shape", [SHAPE, WINDOWED], ids=lambda s: s.name)
+@pytest.mark.parametrize("backend,arch", TARGETS)
+def test_a_plan_made_for_max_model_len_serves_every_shorter_replay(backend, arch, shape):
+    """Planned with vLLM's capture metadata (``max_seq_len = max_model_len``, ``max_query_len``
+    the draft's block) over tensors sized for it, then run over several batches of much
+    shorter real sequences written into the same tensors: each run agrees with the
+    reference on that run's values, every output row written."""
+    batch = len(REPLAYS[0])
+    inputs = attention_inputs(shape, batch, MAX_MODEL_LEN - shape.block_tokens, torch.float16, torch.float16,
+                              torch.device("cpu"))
+    kwargs = dict(inputs.kwargs, max_seq_len=MAX_MODEL_LEN, max_query_len=shape.block_tokens)
+    out = torch.empty_like(inputs.query)
+    with simulate_platform(arch) if arch else contextlib.nullcontext():
+        plan = dflash_rocm.plan_draft_attention(*inputs.args(), **kwargs, out=out, backend=backend)
+        if arch and shape.sliding_window is None:  # split for the planned span: segments the replays leave empty
+            with launches.capture() as recorded:
+                plan.run(inputs.query, inputs.key_cache, inputs.value_cache, out=out)
+            main = recorded[0]
+            assert main.arg("num_segments") * main.arg("min_segment_keys") > max(REPLAYS[0]) + shape.block_tokens
+        for seed, contexts in enumerate(REPLAYS):
+            write_replay(inputs, contexts, seed)
+            poison(out)
+            plan.run(inputs.query, inputs.key_cache, inputs.value_cache, out=out)
+            ref = dflash_rocm.draft_attention(*inputs.args(), **inputs.kwargs, backend="reference")
+            err = rel_err(out, ref)
+            assert err <= spec_tolerance(torch.float16, torch.float16), f"{backend} replay {contexts}: {err:.2e}"
