@@ -165,6 +165,20 @@ def test_the_class_level_rules_agree_with_the_built_draft(member, run):
 
 # -- members that cannot run here: by structure ------------------------------------------------
 
+def test_a_member_whose_module_names_only_dflash2_is_registered(tmp_path, monkeypatch):
+    """vLLM 0.34's ricursive_dflash2 imports DFlash2's classes from qwen3_dflash2 and never
+    names DFlashQwen3: the plugin still wraps it (and decides per operation); a module
+    that names neither stays vLLM's."""
+    (tmp_path / "ricursive_dflash2_stand_in.py").write_text(
+        "from .qwen3_dflash2 import DFlash2Qwen3DecoderLayer, DFlash2Qwen3ForCausalLM, DFlash2Qwen3Model\n")
+    (tmp_path / "eagle_stand_in.py").write_text("from .llama import LlamaForCausalLM\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    entries = {"DFlash2RicursiveDraftModel": ("ricursive_dflash2_stand_in", "RicursiveDFlash2ForCausalLM"),
+               "EagleStandIn": ("eagle_stand_in", "EagleLlamaForCausalLM")}
+    monkeypatch.setattr(family, "_speculative_entries", lambda: entries)
+    assert family.candidate_architectures() == {"DFlash2RicursiveDraftModel": entries["DFlash2RicursiveDraftModel"]}
+
+
 def _bare(cls, **children):
     """An instance of vLLM's class holding ``children``, its ``__init__`` not run."""
     obj = cls.__new__(cls)

@@ -25,7 +25,9 @@ import logging
 logger = logging.getLogger("dflash_rocm")
 
 MODULE = __name__
-_DFLASH_BASE = "DFlashQwen3"  # what a family member's module imports or defines
+# What a family member's module names: DFlash's classes, or the modules it builds on
+# (vLLM 0.34's ricursive_dflash2 imports only DFlash2's classes, from qwen3_dflash2).
+_DFLASH_MARKS = ("DFlashQwen3", "qwen3_dflash")
 
 # The methods of DFlashQwen3Model that make up its precompute, in any of vLLM 0.32-0.34
 # (a release lacks some; those it has must be DFlashQwen3Model's own).
@@ -50,9 +52,10 @@ def _builds_on_dflash(module_name: str) -> bool:
         return False
     try:
         with open(spec.origin, encoding="utf-8") as f:
-            return _DFLASH_BASE in f.read()
+            text = f.read()
     except OSError:
         return False
+    return any(mark in text for mark in _DFLASH_MARKS)
 
 
 def candidate_architectures() -> dict[str, tuple[str, str]]:
