@@ -1,4 +1,5 @@
-"""``dflash-rocm info``: versions, device, every backend's availability, settings."""
+"""``dflash-rocm info``: versions, device, every backend's availability, settings, and
+what the vLLM plugin serves of each DFlash-family draft the installed vLLM registers."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from . import dispatch, envs, registry
 from .platform import platform_for
 from .report import WIDTH, Style, format_table, join_blocks, wrap
 from .version import __version__
-from .vllm_plugin import plugin_status
+from .vllm_plugin import family, plugin_status
 from .vllm_plugin.cache_views import vllm_order
 
 # (what, distributions that provide it, import name)
@@ -37,6 +38,7 @@ def package_version(distributions: tuple[str, ...], module: str) -> str | None:
 def collect_info() -> dict:
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     p = platform_for(device)
+    plugin = plugin_status()
     info = {
         "dflash_rocm": __version__,
         "packages": {name: package_version(dists, mod) for name, dists, mod in _PACKAGES},
@@ -47,7 +49,9 @@ def collect_info() -> dict:
                      for name, reasons in dispatch.device_reasons(device).items()},
         "auto_order": list(registry.priority_for(p, device.type)),
         "environment": {v.name: environment_entry(v) for v in envs.ALL},
-        "vllm_plugin": plugin_status(),
+        "vllm_plugin": plugin,
+        # read from vLLM's classes, nothing built; a failure is a reason, never an error
+        "vllm_family": family.family_support() if plugin["vllm"] else [],
         "vllm_attention": [{"backend": b.name, "layout": b.layout, "dflash_rocm": b.served}
                            for b in vllm_order(p.vendor)],
         "backend_status": backend_status(dispatch.device_reasons(device)),
@@ -93,8 +97,19 @@ def format_info(info: dict, width: int | None = WIDTH, style: Style = Style()) -
     if plugin["vllm"] and info["vllm_attention"]:
         integration += "\n\n" + wrap("vLLM's attention for a non-causal DFlash draft here, in its order: " + "; ".join(
             f"{a['backend']} ({a['dflash_rocm']})" for a in info["vllm_attention"]), width)
+    if info["vllm_family"]:
+        integration += "\n\n" + wrap("What the plugin serves of each DFlash-family draft this vLLM registers "
+                                      "(read from vLLM's classes):", width) + "\n" + format_table(
+            ["draft architecture", "vLLM class", "precompute", "draft attention"],
+            [(r["architecture"], (r["vllm_class"] or "").rpartition(".")[2],
+              *(_served(r[op], style) for op in ("precompute", "attention"))) for r in info["vllm_family"]],
+            width=width, wrap_columns=["precompute", "draft attention"])
     environment = format_table(["environment variable", "value", "meaning"],
                                [(n, v["value"] if v["set"] else f"{v['value']} (default)".strip(), v["help"])
                                 for n, v in info["environment"].items()],
                                width=width, wrap_columns=["value", "meaning"])
     return join_blocks(f"dflash_rocm {info['dflash_rocm']}", packages, device, backends, integration, environment)
+
+
+def _served(reason: str | None, style: Style) -> str:
+    return style.paint("dflash_rocm", "green") if reason is None else f"vLLM's: {reason}"

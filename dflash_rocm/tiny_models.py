@@ -241,3 +241,138 @@ def write_models(out, *, seed=0, leak=0.1, same_k_norm=False, dflash_config=None
         with open(path, "w") as f:
             json.dump(cfg, f, indent=2)
     return os.path.join(out, "target"), os.path.join(out, "draft")
+
+
+# -- other members of vLLM's DFlash family: the DFlash checkpoint plus what each member's class reads --
+
+def _rewrite_draft(draft, edit, seed):
+    """Apply ``edit(tensors, generator)`` to the draft's checkpoint (in place)."""
+    from safetensors.torch import load_file
+
+    path = os.path.join(draft, "model.safetensors")
+    tensors = load_file(path)
+    edit(tensors, torch.Generator().manual_seed(seed + 1))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata={"format": "pt"})
+
+
+CONV_TAPS, CONV_GROUP = 3, 32
+DFLASH2_CONV = {"conv_kernel_size": CONV_TAPS, "conv_group_size": CONV_GROUP}
+
+
+def _add_grouped_convs(w, g):
+    """DFlash2's two grouped convolutions per layer: tap 0 near identity, the others and
+    the per-token kernel projection small, so the draft stays close to the DFlash one."""
+    for i in range(DRAFT_LAYERS):
+        for conv in ("attention_conv", "mlp_conv"):
+            base = rand(g, 2, CONV_TAPS, HIDDEN, std=0.05)
+            base[:, 0] += 1.0
+            w[f"layers.{i}.{conv}.base_kernel"] = base
+            w[f"layers.{i}.{conv}.kernel_projection.weight"] = rand(
+                g, 2 * CONV_TAPS * (HIDDEN // CONV_GROUP), HIDDEN, std=0.01)
+
+
+def write_dflash2(out, *, seed=0, **kwargs):
+    """A ``DFlash2DraftModel``: grouped convolutions around attention and MLP, and a
+    candidate selector (low-rank predecessor/successor codebooks over the top k)."""
+    rank = 8
+    target, draft = write_models(out, seed=seed, draft_config={"architectures": ["DFlash2DraftModel"]},
+                                 dflash_config={**DFLASH2_CONV, "selector_rank": rank, "selector_top_k": 4}, **kwargs)
+
+    def edit(w, g):
+        _add_grouped_convs(w, g)
+        w["candidate_selector.predecessor_codebook"] = rand(g, VOCAB, rank, std=0.3)
+        w["candidate_selector.successor_codebook"] = rand(g, VOCAB, rank, std=0.3)
+        w["candidate_selector.hidden_projection.weight"] = rand(g, rank, HIDDEN, std=0.1)
+    _rewrite_draft(draft, edit, seed)
+    return target, draft
+
+
+def write_muse_glimmer(out, *, seed=0, **kwargs):
+    """A ``MuseGlimmerAssistantModel``: DFlash's tensors, its context projection and norm
+    named as Muse-Glimmer-30B-assistant names them (``encoder.fc``, ``encoder.output_norm_enc``)."""
+    target, draft = write_models(out, seed=seed, draft_config={"architectures": ["MuseGlimmerAssistantModel"]},
+                                 **kwargs)
+
+    def edit(w, g):
+        w["encoder.fc.weight"] = w.pop("fc.weight")
+        w["encoder.output_norm_enc.weight"] = w.pop("hidden_norm.weight")
+    _rewrite_draft(draft, edit, seed)
+    return target, draft
+
+
+def write_qwen3_dspark(out, *, seed=0, **kwargs):
+    """A ``Qwen3DSparkModel`` (speculative method ``dspark``): DFlash's backbone and a
+    low-rank Markov head whose transition bias is added to the draft logits token by
+    token; the anchor predicts the first draft token (``sample_from_anchor``)."""
+    rank = 8
+    target, draft = write_models(out, seed=seed, **kwargs, draft_config={
+        "architectures": ["Qwen3DSparkModel"], "markov_rank": rank, "sample_from_anchor": True})
+
+    def edit(w, g):
+        w["markov_head.markov_w1.weight"] = rand(g, VOCAB, rank, std=0.3)
+        w["markov_head.markov_w2.weight"] = rand(g, VOCAB, rank, std=0.3)
+    _rewrite_draft(draft, edit, seed)
+    return target, draft
+
+
+def write_lilicorr(out, *, seed=0, **kwargs):
+    """A ``LiLiCorrDraftModel``: DFlash2's backbone (grouped convolutions) and the LiLiCorr
+    correlator, a small transformer over the top-k candidate lattice scoring transitions."""
+    hidden, heads, topk, factor, layers = 32, 2, 4, 16, 1
+    block = 8  # the draft's trained block_size (write_models)
+    target, draft = write_models(out, seed=seed, draft_config={"architectures": ["LiLiCorrDraftModel"]},
+                                 dflash_config={
+                                     **DFLASH2_CONV, "lilicorr_hidden_size": hidden, "lilicorr_candidate_topk": topk,
+                                     "lilicorr_num_heads": heads, "lilicorr_mlp_ratio": 2.0,
+                                     "lilicorr_factor_dim": factor, "lilicorr_vector_eps": 1e-6,
+                                     "lilicorr_logit_scale": 8.0, "lilicorr_num_layers": layers}, **kwargs)
+
+    def edit(w, g):
+        def linear(name, fan_in, fan_out):
+            w[f"{name}.weight"] = rand(g, fan_out, fan_in, std=fan_in ** -0.5)
+            w[f"{name}.bias"] = rand(g, fan_out, std=0.02)
+
+        _add_grouped_convs(w, g)
+        h = "lilicorr."
+        for name, fan_in, fan_out in (("token_proj", HIDDEN, hidden), ("pass_hidden_proj", HIDDEN, hidden),
+                                      ("context_proj", HIDDEN, hidden), ("feature_mlp.up_proj", 5, hidden),
+                                      ("feature_mlp.down_proj", hidden, hidden),
+                                      ("factor_input_proj", 3 * hidden, hidden), ("out_head", hidden, factor),
+                                      ("in_head", hidden, factor), ("anchor_out_head", hidden, factor)):
+            linear(h + name, fan_in, fan_out)
+        w[h + "feature_norm.weight"], w[h + "feature_norm.bias"] = torch.ones(5), torch.zeros(5)
+        w[h + "slot_embedding"] = rand(g, 1, 1, block - 1, 1, hidden, std=0.1)
+        w[h + "rank_embedding"] = rand(g, 1, 1, 1, topk, hidden, std=0.1)
+        w[h + "relative_slot_bias"] = rand(g, heads, 2 * block - 1, std=0.1)
+        w[h + "same_slot_bias"] = rand(g, heads, std=0.1)
+        for i in range(layers):
+            p = f"{h}layers.{i}."
+            w[p + "attn_norm.weight"], w[p + "mlp_norm.weight"] = torch.ones(hidden), torch.ones(hidden)
+            w[p + "attn.in_proj_weight"] = rand(g, 3 * hidden, hidden, std=hidden ** -0.5)
+            w[p + "attn.in_proj_bias"] = rand(g, 3 * hidden, std=0.02)
+            linear(p + "attn.out_proj", hidden, hidden)
+            linear(p + "mlp.up_proj", hidden, 2 * hidden)
+            linear(p + "mlp.down_proj", 2 * hidden, hidden)
+        w[h + "output_norm.weight"], w[h + "anchor_norm.weight"] = torch.ones(hidden), torch.ones(hidden)
+    _rewrite_draft(draft, edit, seed)
+    return target, draft
+
+
+def write_laguna(out, *, seed=0, **kwargs):
+    """A ``DFlashLagunaForCausalLM``: Laguna decoder layers (fused ``qkv_proj`` as Laguna
+    checkpoints store it, dense MLPs, no gating), one RMSNorm per target hidden state
+    before ``fc``, and distinct ``input_layernorm`` weights, which Laguna's precompute
+    applies to the context per layer."""
+    target, draft = write_models(out, seed=seed, draft_config={
+        "architectures": ["DFlashLagunaForCausalLM"], "gating": False, "draft_vocab_size": VOCAB,
+        "layer_types": ["full_attention"] * DRAFT_LAYERS, "mlp_layer_types": ["dense"] * DRAFT_LAYERS}, **kwargs)
+
+    def edit(w, g):
+        for i in range(DRAFT_LAYERS):
+            p = f"layers.{i}."
+            w[p + "self_attn.qkv_proj.weight"] = torch.cat([w.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+            w[p + "input_layernorm.weight"] = 0.5 + torch.rand(HIDDEN, generator=g)
+        for j in range(len(TARGET_LAYER_IDS)):
+            w[f"aux_hidden_norms.{j}.weight"] = torch.ones(HIDDEN)
+    _rewrite_draft(draft, edit, seed)
+    return target, draft

@@ -36,6 +36,49 @@ def test_info_table(capsys):
     assert rc == 0 and "backend" in out and "auto order: " + " > ".join(registry.PRIORITIES["cpu"]) in out
 
 
+@pytest.mark.vllm
+def test_info_says_what_the_plugin_serves_of_each_family_member(capsys):
+    from dflash_rocm.vllm_plugin import family
+
+    rc, out, _ = run_cli(capsys, "info", "--json")
+    rows = {r["architecture"]: r for r in json.loads(out)["vllm_family"]}
+    assert rc == 0 and set(rows) == set(family.candidate_architectures())
+    for arch, row in rows.items():
+        cls = family.vllm_class(arch)
+        assert row["vllm_class"] == f"{cls.__module__}.{cls.__name__}"
+    assert rows["DFlashDraftModel"]["precompute"] is None and rows["DFlashDraftModel"]["attention"] is None
+    laguna = rows["DFlashLagunaForCausalLM"]
+    assert "DFlashLagunaModel overrides _project_context_kv" in laguna["precompute"]
+    assert laguna["attention"] == "its draft layers use LagunaAttention, not DFlashQwen3Attention"
+    rc, out, _ = run_cli(capsys, "info", "--wide")
+    line = next(line for line in out.splitlines() if line.startswith("DFlashLagunaForCausalLM "))
+    assert "vLLM's: its draft layers use LagunaAttention" in line and "dflash_rocm" not in line
+    assert "dflash_rocm  " in next(line for line in out.splitlines() if line.startswith("DFlashDraftModel "))
+
+
+@pytest.mark.vllm
+def test_info_turns_every_family_failure_into_a_reason(capsys, monkeypatch):
+    from dflash_rocm.vllm_plugin import family
+
+    real = family.candidate_architectures()
+    monkeypatch.setattr(family, "candidate_architectures",
+                        lambda: {**real, "GoneDraftModel": ("dflash_rocm_no_such_module", "Gone")})
+    monkeypatch.setattr(family, "_built", lambda cls, base: 1 / 0)
+    rc, out, _ = run_cli(capsys, "info", "--json")
+    rows = {r["architecture"]: r for r in json.loads(out)["vllm_family"]}
+    assert rc == 0
+    assert rows["GoneDraftModel"]["precompute"].startswith("cannot import dflash_rocm_no_such_module.Gone")
+    assert rows["DFlashDraftModel"]["attention"] == "cannot read DFlashQwen3ForCausalLM (ZeroDivisionError: " \
+                                                    "division by zero)"
+
+    def unreadable():
+        raise KeyError("registry moved")
+    monkeypatch.setattr(family, "candidate_architectures", unreadable)
+    rc, out, _ = run_cli(capsys, "info", "--json")
+    (row,) = json.loads(out)["vllm_family"]
+    assert rc == 0 and row["architecture"] is None and "registry moved" in row["precompute"]
+
+
 @needs_interpreter
 def test_check_passes_and_reports_every_backend(capsys):
     rc, out, _ = run_cli(capsys, "check", "--json")

@@ -28,7 +28,7 @@ RUNNERS = ("v1", "v2")
 class Run:
     outputs: list[list[int]]
     proposals: list[list[list[int]]] = field(default_factory=list)  # one [requests][tokens] per step
-    logits: list = field(default_factory=list)  # the draft's compute_logits outputs, one per step
+    logits: list = field(default_factory=list)  # the draft's logits, one tensor per step (see _record)
     counts: dict = field(default_factory=dict)  # dflash_rocm.dispatch_counts() of the run
     attention_plans: int = 0  # plan_draft_attention calls the plugin made
     draft_class: str = ""
@@ -141,6 +141,10 @@ def generate(target: str, draft: str | None = None, *, plugin: bool = True, back
     env = _environment(DFLASH_ROCM_BACKEND=backend, VLLM_USE_V2_MODEL_RUNNER="1" if runner == "v2" else "0")
     try:
         with env, order:
+            # vLLM runs a full garbage collection a dozen times per engine start and stop,
+            # each over every object of its imports (~0.5 s here); frozen, those are skipped.
+            # vLLM unfreezes at shutdown.
+            gc.freeze()
             llm = LLM(**kwargs)
             run = Run(outputs=[])
             if draft is not None:
@@ -161,7 +165,10 @@ def generate(target: str, draft: str | None = None, *, plugin: bool = True, back
 
 
 def _record(proposer, run: Run) -> None:
-    """Record every proposal and every draft logits tensor of the live engine."""
+    """Record every proposal and the draft's logits at every step: ``compute_logits``'
+    output, or, where the speculator calls a head that computes less (DSpark's
+    ``compute_draft_logits``; DFlash2's and LiLiCorr's ``compute_candidates``, the top k),
+    the draft's ``compute_logits`` over the hidden states that head was handed."""
     propose, model = proposer.propose, proposer.model
     compute_logits = model.compute_logits
     run.draft_class = type(model).__name__
@@ -171,11 +178,20 @@ def _record(proposer, run: Run) -> None:
         run.proposals.append(out.tolist())
         return out
 
+    def keep(logits):
+        if logits is not None:
+            run.logits.append(logits.detach().float().clone())
+        return logits
+
     def recording_logits(*args, **kwargs):
-        out = compute_logits(*args, **kwargs)
-        if out is not None:
-            run.logits.append(out.detach().float().clone())
-        return out
+        return keep(compute_logits(*args, **kwargs))
 
     proposer.propose = recording_propose
     model.compute_logits = recording_logits
+    for name in ("compute_draft_logits", "compute_candidates"):
+        head = getattr(model, name, None)
+        if head is not None:
+            def recording_head(hidden_states, *args, _head=head, **kwargs):
+                keep(compute_logits(hidden_states))
+                return _head(hidden_states, *args, **kwargs)
+            setattr(model, name, recording_head)

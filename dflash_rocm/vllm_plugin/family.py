@@ -10,19 +10,24 @@ vLLM's class itself when it has no DFlash precompute. On each built model,
 :func:`precompute_support` and :func:`attention_support` say whether the instance's
 precompute and attention are ``DFlashQwen3Model``'s: a class that overrides them keeps
 vLLM's code for that operation, with one log line naming the class and the reason. A
-future subclass that changes nothing is served without a code change.
+future subclass that changes nothing is served without a code change. The same rules,
+read from a class's code before anything is built (:func:`class_support`), answer
+``dflash-rocm info`` for every architecture (:func:`family_support`).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import logging
 
 logger = logging.getLogger("dflash_rocm")
 
 MODULE = __name__
-_DFLASH_BASE = "DFlashQwen3"  # what a family member's module imports or defines
+# What a family member's module names: DFlash's classes, or the modules it builds on
+# (vLLM 0.34's ricursive_dflash2 imports only DFlash2's classes, from qwen3_dflash2).
+_DFLASH_MARKS = ("DFlashQwen3", "qwen3_dflash")
 
 # The methods of DFlashQwen3Model that make up its precompute, in any of vLLM 0.32-0.34
 # (a release lacks some; those it has must be DFlashQwen3Model's own).
@@ -47,9 +52,10 @@ def _builds_on_dflash(module_name: str) -> bool:
         return False
     try:
         with open(spec.origin, encoding="utf-8") as f:
-            return _DFLASH_BASE in f.read()
+            text = f.read()
     except OSError:
         return False
+    return any(mark in text for mark in _DFLASH_MARKS)
 
 
 def candidate_architectures() -> dict[str, tuple[str, str]]:
@@ -83,38 +89,178 @@ def __getattr__(arch: str):
     return served_class(original)
 
 
-def _same_function(cls: type, base: type, name: str) -> bool:
-    return getattr(cls, name, None) is getattr(base, name, None)
+def _rule_for_precompute(top: type, inner: type | None) -> str | None:
+    """The one rule: the precompute is DFlashQwen3Model's when the top-level class's
+    ``precompute_and_store_context_kv`` is ``DFlashQwen3ForCausalLM``'s (the plugin's own
+    classes skipped) and the inner model is a ``DFlashQwen3Model`` that defines none of
+    :data:`PRECOMPUTE_METHODS` itself. A method the base class of this vLLM lacks counts
+    too: a class that defines it was written for a precompute that calls it."""
+    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM, DFlashQwen3Model
+
+    reasons = []
+    owner = next((c for c in top.__mro__ if "precompute_and_store_context_kv" in vars(c)
+                  and not getattr(c, "_dflash_rocm_served", False)), None)
+    if owner is not None and owner is not DFlashQwen3ForCausalLM:
+        reasons.append(f"{owner.__name__} overrides precompute_and_store_context_kv")
+    if inner is None:
+        reasons.append("it has no DFlashQwen3Model inner model")
+    elif not issubclass(inner, DFlashQwen3Model):
+        reasons.append(f"its inner model {inner.__name__} is not a DFlashQwen3Model")
+    else:
+        changed = [name for name in PRECOMPUTE_METHODS
+                   if getattr(inner, name, None) is not getattr(DFlashQwen3Model, name, None)]
+        if changed:
+            reasons.append(f"{inner.__name__} overrides {', '.join(changed)}")
+    return "; ".join(reasons) or None
+
+
+def _rule_for_attention(classes) -> str | None:
+    """The one rule: the draft attention is DFlashQwen3Attention's when every draft
+    layer's attention module is one (or a subclass: the plugin replaces only the cache
+    read beneath it)."""
+    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Attention
+
+    classes = set(classes)
+    if not classes:
+        return "it has no attention layers"
+    other = sorted({c.__name__ for c in classes if not issubclass(c, DFlashQwen3Attention)})
+    if other:
+        return f"its draft layers use {', '.join(other)}, not DFlashQwen3Attention"
+    return None
 
 
 def precompute_support(draft) -> str | None:
     """Why the draft's context-KV precompute is not DFlashQwen3Model's (None: it is)."""
-    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM, DFlashQwen3Model
-
     inner = getattr(draft, "model", None)
-    if not isinstance(inner, DFlashQwen3Model):
-        return f"its inner model {type(inner).__name__} is not a DFlashQwen3Model"
-    cls = type(draft)
-    top = next((c for c in cls.__mro__ if "precompute_and_store_context_kv" in vars(c)
-                and not getattr(c, "_dflash_rocm_served", False)), None)
-    if top is not None and top is not DFlashQwen3ForCausalLM:
-        return f"{top.__name__} overrides precompute_and_store_context_kv"
-    changed = [name for name in PRECOMPUTE_METHODS
-               if hasattr(DFlashQwen3Model, name) and not _same_function(type(inner), DFlashQwen3Model, name)]
-    if changed:
-        return f"{type(inner).__name__} overrides {', '.join(changed)}"
-    return None
+    return _rule_for_precompute(type(draft), None if inner is None else type(inner))
 
 
 def attention_support(draft) -> str | None:
     """Why the draft layers' attention is not DFlashQwen3Attention's (None: it is)."""
-    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Attention
-
     try:
         modules = [layer.self_attn for layer in draft.model.layers]
     except AttributeError as exc:
         return f"its layers cannot be read ({exc})"
-    other = sorted({type(m).__name__ for m in modules if not isinstance(m, DFlashQwen3Attention)})
-    if other:
-        return f"its draft layers use {', '.join(other)}, not DFlashQwen3Attention"
-    return None
+    return _rule_for_attention(type(m) for m in modules)
+
+
+# -- the same rules for a class, before anything is built --------------------------------------
+
+def _code_names(code) -> set[str]:
+    """Every global and attribute name a function's code (and the code nested in it) reads."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _code_names(const)
+    return names
+
+
+def _closure(fn) -> dict[str, object]:
+    """The values of a function's free variables (``__class__``, zero-argument super's, left out)."""
+    values = {}
+    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+        try:
+            if name != "__class__":
+                values[name] = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+    return values
+
+
+def _functions(init) -> list:
+    """``init`` and the functions it closes over, at any depth: vLLM's
+    ``support_torch_compile`` replaces a class's ``__init__`` by one that calls the original."""
+    found, todo = [], [init]
+    while todo:
+        fn = todo.pop()
+        if inspect.isfunction(fn) and fn not in found:
+            found.append(fn)
+            todo.extend(_closure(fn).values())
+    return found
+
+
+def _built(cls: type, base: type) -> set[type]:
+    """The classes deriving from ``base`` that ``cls.__init__`` builds, read from its code:
+    the names it reads that are such classes in its module or closure, or attributes of
+    ``cls`` (``self.model_cls``, ``self.decoder_layer_cls``), following
+    ``super().__init__`` up the MRO. ``cls`` and its bases are not counted."""
+    found: set[type] = set()
+    for c in cls.__mro__:
+        if "__init__" not in vars(c):
+            continue
+        calls_super = False
+        for fn in _functions(vars(c)["__init__"]):
+            names = _code_names(fn.__code__)
+            calls_super |= "super" in names
+            scope = {**fn.__globals__, **_closure(fn)}
+            for name in names | set(scope) - set(fn.__globals__):
+                for value in (scope.get(name), getattr(cls, name, None)):
+                    if isinstance(value, type) and issubclass(value, base) and value not in cls.__mro__:
+                        found.add(value)
+        if not calls_super:
+            break
+    return found
+
+
+def _attention_modules(cls: type) -> set[type]:
+    """The attention modules a class builds, at any depth: the modules whose own
+    ``__init__`` builds vLLM's ``Attention`` layer (the one that owns a KV cache)."""
+    import torch
+    from vllm.model_executor.models import qwen3_dflash
+
+    found, seen, todo = set(), set(), [cls]
+    while todo:
+        c = todo.pop()
+        if c in seen:
+            continue
+        seen.add(c)
+        if c is not cls and _built(c, qwen3_dflash.Attention):
+            found.add(c)
+            continue
+        todo.extend(_built(c, torch.nn.Module))
+    return found
+
+
+def class_support(vllm_cls: type) -> tuple[str | None, str | None]:
+    """Why the plugin would not serve (the precompute, the draft attention) of drafts of
+    vLLM's class (None: it would), decided from the class without building it: its inner
+    model is the ``DFlashQwen3Model`` its ``__init__`` builds, its attention modules
+    those the modules it builds build; the rules are those of :func:`precompute_support`
+    and :func:`attention_support`. Never raises: a failure is the reason."""
+    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model
+
+    if not hasattr(vllm_cls, "precompute_and_store_context_kv"):
+        why = f"{vllm_cls.__name__} has no context-KV precompute"
+        return why, why
+    try:
+        inner = sorted(_built(vllm_cls, DFlashQwen3Model), key=lambda c: c.__name__)
+        if len(inner) > 1:
+            precompute = f"{vllm_cls.__name__} builds several inner models ({', '.join(c.__name__ for c in inner)})"
+        else:
+            precompute = _rule_for_precompute(vllm_cls, inner[0] if inner else None)
+    except Exception as exc:  # noqa: BLE001 - a reason, never a failure
+        precompute = f"cannot read {vllm_cls.__name__} ({type(exc).__name__}: {exc})"
+    try:
+        attention = _rule_for_attention(_attention_modules(vllm_cls))
+    except Exception as exc:  # noqa: BLE001
+        attention = f"cannot read {vllm_cls.__name__} ({type(exc).__name__}: {exc})"
+    return precompute, attention
+
+
+def family_support() -> list[dict]:
+    """Every draft architecture the plugin registers with this vLLM, with vLLM's class and
+    why each operation would not be served (None: served). Never raises."""
+    try:
+        entries = candidate_architectures()
+    except Exception as exc:  # noqa: BLE001
+        return [{"architecture": None, "vllm_class": None, "precompute": f"cannot read vLLM's registry ({exc})",
+                 "attention": f"cannot read vLLM's registry ({exc})"}]
+    rows = []
+    for arch, (module, name) in sorted(entries.items()):
+        try:
+            precompute, attention = class_support(getattr(importlib.import_module(module), name))
+        except Exception as exc:  # noqa: BLE001 - a member whose module does not import here
+            precompute = attention = f"cannot import {module}.{name} ({type(exc).__name__}: {exc})"
+        rows.append({"architecture": arch, "vllm_class": f"{module}.{name}", "precompute": precompute,
+                     "attention": attention})
+    return rows

@@ -67,7 +67,10 @@ class ServedDraft:
                 logger.warning("%s: draft attention stays on vLLM: %s", name, attention_off)
             if self._dflash_precompute_off is not None:
                 logger.warning("%s: context-KV precompute stays on vLLM: %s", name, self._dflash_precompute_off)
-            _configure_backends(vllm_config, self.get_draft_attn_causal(), _model_device(vllm_config))
+            # DFlashQwen3Attention layers carry their causality; a draft with other layers has
+            # no get_draft_attn_causal (Laguna) and no attention of ours to scope.
+            layer_causal = [layer.self_attn.causal for layer in self.model.layers] if attention_off is None else ()
+            _configure_backends(vllm_config, layer_causal, _model_device(vllm_config))
         except Exception as exc:  # noqa: BLE001 - never fail a load vLLM's own class completes
             self._step_aside(f"setting up failed ({type(exc).__name__}: {exc})")
 
