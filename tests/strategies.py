@@ -8,9 +8,11 @@ Triton interpreter runs about 1-2 ms per tile-loop iteration), larger on a GPU.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from hypothesis import strategies as st
 
@@ -323,3 +325,32 @@ def precompute_launch_configs(draw):
                                   num_xcds=draw(st.sampled_from([1, 3, 8])),
                                   square_group=draw(st.sampled_from([1, 8])),
                                   heads=draw(st.sampled_from([1, 2])) if split_k == 1 else 1)
+
+
+NUMPY_TYPES = {int: (np.int32, np.int64), float: (np.float32, np.float64)}
+
+
+@st.composite
+def numpy_scalars(draw, value):
+    """``value`` with every Python int and float in it (a list or tuple's too) as a numpy
+    scalar that holds it: what a caller computing with numpy passes. Anything else is
+    returned as it is."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(draw(numpy_scalars(v)) for v in value)
+    if type(value) in NUMPY_TYPES:
+        return draw(st.sampled_from(NUMPY_TYPES[type(value)]))(value)
+    return value
+
+
+@st.composite
+def with_numpy_scalars(draw, case):
+    """An :class:`AttentionCase` or :class:`PrecomputeCase` whose scalar arguments (scale,
+    window, fp8 scales; the weights' eps and value scale) are numpy scalars."""
+    kwargs = {k: draw(numpy_scalars(v)) if k in ("scale", "sliding_window", "k_scale", "v_scale", "k_scales",
+                                                    "v_scales") else v for k, v in case.kwargs.items()}
+    args = case.args
+    if isinstance(case, PrecomputeCase):
+        w = args[2]
+        weights = dataclasses.replace(w, eps=draw(numpy_scalars(w.eps)), v_scale=draw(numpy_scalars(w.v_scale)))
+        args = (*args[:2], weights, *args[3:])
+    return dataclasses.replace(case, args=args, kwargs=kwargs)

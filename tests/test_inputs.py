@@ -6,14 +6,20 @@ wrong silently or crashed before the validation learned about it.
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import dflash_rocm
-from checks import bits, rel_err
-from strategies import relayout
+from checks import bits, check_attention, check_precompute, rel_err
+from dflash_rocm.platform import simulate_platform
+from strategies import CPU_SIZES, attention_cases, precompute_cases, relayout, with_numpy_scalars
 from support import needs_interpreter
 from test_validation import attention_args, precompute_args
 
 BACKENDS = ["reference", pytest.param("triton", marks=needs_interpreter)]
+# Every backend that runs here (rocm on a simulated gfx942, through the interpreter).
+SERVING = ["reference", "cpu", pytest.param("triton", marks=needs_interpreter),
+           pytest.param("rocm", marks=needs_interpreter)]
 
 
 def strided(t: torch.Tensor, how: str) -> torch.Tensor:
@@ -175,3 +181,11 @@ def test_aliasing_is_judged_per_call_not_only_per_structure():
     p["context_states"] = p["key_caches"][1].view(-1)[:p["context_states"].numel()].view(p["context_states"].shape)
     with pytest.raises(ValueError, match="context_states"):
         dflash_rocm.precompute_and_store_context_kv(**p)
+
+
+@pytest.mark.parametrize("backend", SERVING)
+@given(data=st.data())
+def test_numpy_scalars_are_served_as_the_python_numbers_they_hold(backend, data):
+    with simulate_platform("gfx942"):
+        check_attention(data.draw(with_numpy_scalars(data.draw(attention_cases(CPU_SIZES)))), backend)
+        check_precompute(data.draw(with_numpy_scalars(data.draw(precompute_cases(CPU_SIZES)))), backend)

@@ -27,6 +27,7 @@ class _Derived:
     """What the structural checks of one call structure settle for every call of it."""
 
     scale: float
+    sliding_window: int | None  # a Python int: kernels take numpy integers as tensors
     k_scale: torch.Tensor | None  # the fp8 scale as a device tensor when given as a float
     v_scale: torch.Tensor | None
 
@@ -80,7 +81,7 @@ def attention_call(query, key_cache, value_cache, block_table, query_start_loc, 
             max_seq_len = int(seq_lens.max())
     return AttentionCall(query=query, key_cache=key_cache, value_cache=value_cache,
                          block_table=block_table, query_start_loc=query_start_loc, seq_lens=seq_lens,
-                         out=out, scale=derived.scale, causal=causal, sliding_window=sliding_window,
+                         out=out, scale=derived.scale, causal=causal, sliding_window=derived.sliding_window,
                          sinks=sinks, k_scale=k_scale_t, v_scale=v_scale_t,
                          max_query_len=max_query_len, max_seq_len=max_seq_len, layout=key)
 
@@ -135,7 +136,7 @@ def _check_structure(query, key_cache, value_cache, block_table, query_start_loc
         check_shape("sinks", sinks, (Hq,), f"[num_q_heads={Hq}]")
         check_device("sinks", sinks, device)
     if sliding_window is not None:
-        int_bound("sliding_window", sliding_window, low=1)
+        sliding_window = int_bound("sliding_window", sliding_window, low=1)
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected bool, got {type(causal).__name__}")
     if scale is None:
@@ -148,7 +149,7 @@ def _check_structure(query, key_cache, value_cache, block_table, query_start_loc
             t = scale_tensor(name, 1.0 if given is None else given, 1, device)  # checks a tensor's form too
             if not isinstance(given, torch.Tensor):
                 scales[i] = t  # a float: constant for every call of this structure
-    return _Derived(float(scale), *scales)
+    return _Derived(float(scale), sliding_window, *scales)
 
 
 def check_out_apart(out, query, key_cache, value_cache) -> None:
