@@ -85,11 +85,17 @@ def int_bound(name: str, value: Any, *, low: int, high: int = INT32_MAX) -> int:
     return int(value)
 
 
+_FLOAT32 = torch.finfo(torch.float32)
+
+
 def positive_float(name: str, value: Any) -> float:
+    """A scale as a Python float: positive, and a normal float32 (kernels take scales in
+    float32, where a smaller value flushes to 0 and a larger one is inf)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name}: expected a positive finite scale, got {value}")
+    if not _FLOAT32.tiny <= value <= _FLOAT32.max:
+        raise ValueError(f"{name}: expected a positive finite scale (a normal float32, "
+                         f"[{_FLOAT32.tiny:.3g}, {_FLOAT32.max:.3g}]), got {value}")
     return float(value)
 
 

@@ -154,6 +154,18 @@ def test_scalars_out_of_range_are_refused(name, value, error):
         dflash_rocm.draft_attention(**attention_args(), **{name: value})
 
 
+@pytest.mark.parametrize("backend", SERVING)
+@pytest.mark.parametrize("scale", [0.0, -0.125, -float("inf"), 1e-45, 1e39])
+def test_a_scale_that_is_not_a_positive_float32_is_refused_on_every_backend(backend, scale):
+    """Kernels apply the scale in each exponent, in float32: a non-positive one made every
+    row NaN, and one that float32 flushes to 0 or inf would too."""
+    args = attention_args()
+    before = args["out"].clone()
+    with simulate_platform("gfx942"), pytest.raises(ValueError, match="scale: expected a positive finite scale"):
+        dflash_rocm.draft_attention(**args, scale=scale, backend=backend)
+    assert torch.equal(args["out"], before)
+
+
 def test_meta_tensors_are_refused_with_a_clear_error():
     args = {k: v.to("meta") for k, v in attention_args().items()}
     with pytest.raises(ValueError, match="meta device"):

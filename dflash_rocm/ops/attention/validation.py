@@ -6,8 +6,6 @@ for CPU tensors, as device-side asserts for GPU tensors, skipped by ``validate=F
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +13,7 @@ import torch
 from ...contract import FP8_DTYPES, QUERY_DTYPES
 from ...validation import (IndexChecks, LayoutMemo, cache_arg, check_device, check_disjoint, check_dtype,
                            check_layout_once, check_scale_values, check_shape, check_writable, index_tensor, int_bound,
-                           scale_tensor, signature, storages_apart, tensor_arg)
+                           positive_float, scale_tensor, signature, storages_apart, tensor_arg)
 from .call import AttentionCall
 
 
@@ -139,17 +137,17 @@ def _check_structure(query, key_cache, value_cache, block_table, query_start_loc
         sliding_window = int_bound("sliding_window", sliding_window, low=1)
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected bool, got {type(causal).__name__}")
-    if scale is None:
-        scale = D ** -0.5
-    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
-        raise ValueError(f"scale: expected a finite float, got {scale!r}")
+    # Positive: kernels keep the scores' running max unscaled and apply the scale in each
+    # exponent (the max commutes only with a positive factor; a masked key's -inf score
+    # times a non-positive scale is NaN). No attention layer scales by a non-positive factor.
+    scale = D ** -0.5 if scale is None else positive_float("scale", scale)
     scales = [None, None]
     if key_cache.dtype in FP8_DTYPES:
         for i, (name, given) in enumerate((("k_scale", k_scale), ("v_scale", v_scale))):
             t = scale_tensor(name, 1.0 if given is None else given, 1, device)  # checks a tensor's form too
             if not isinstance(given, torch.Tensor):
                 scales[i] = t  # a float: constant for every call of this structure
-    return _Derived(float(scale), sliding_window, *scales)
+    return _Derived(scale, sliding_window, *scales)
 
 
 def check_out_apart(out, query, key_cache, value_cache) -> None:
