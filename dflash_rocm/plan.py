@@ -25,7 +25,7 @@ from . import dispatch
 from .ops import ATTENTION, PRECOMPUTE
 from .ops.attention.validation import check_out_apart
 from .ops.precompute.validation import ModelArguments, bound_precompute_call, model_arguments
-from .validation import IndexChecks, check_scale_values, scale_tensor, signature
+from .validation import IndexChecks, check_scale_values, holds_tensor, scale_tensor, signature
 
 
 class PlanMismatch(ValueError):
@@ -35,14 +35,17 @@ class PlanMismatch(ValueError):
 class DraftAttentionPlan:
     """The host work of one batch's draft-attention calls, done once (see the module)."""
 
-    __slots__ = ("_call", "_runner", "backend", "_planned", "_validate")
+    __slots__ = ("_call", "_runner", "backend", "_planned", "_validate", "_scales")
 
-    def __init__(self, call, backend: str | None, validate: bool):
+    def __init__(self, call, backend: str | None, validate: bool, scales: dict):
+        """``scales``: the fp8 scales as given to the plan, by name; tensors among them are
+        read again at every run that gives none (their values may change in place)."""
         cls = dispatch.choose(ATTENTION, call, backend)
         self._call = call
         self.backend = cls.name  # the backend that serves every run
         self._runner = cls.plan(ATTENTION, call)
         self._validate = validate
+        self._scales = {name: given for name, given in scales.items() if holds_tensor(given)}
         self._planned = {name: signature(getattr(call, name))
                          for name in ("query", "key_cache", "value_cache", "out", "sinks", "k_scale", "v_scale")}
 
@@ -60,8 +63,9 @@ class DraftAttentionPlan:
         """One layer's attention over the planned batch; returns ``out``. ``out`` None:
         a new tensor like ``query``. ``sinks`` and the fp8 scale tensors: this layer's
         (a sinks tensor laid out as the planned one, one-element float scales); None keeps
-        the planned ones. Scales are ignored for caches that are not fp8, as by
-        :func:`dflash_rocm.draft_attention`, and value-checked when the plan validates."""
+        the planned ones (planned scale tensors are read again). Scales are ignored for
+        caches that are not fp8, as by :func:`dflash_rocm.draft_attention`, and
+        value-checked when the plan validates."""
         call = self._call
         query = self._same("query", query)
         key_cache = self._same("key_cache", key_cache)
@@ -74,6 +78,7 @@ class DraftAttentionPlan:
             tensors["sinks"] = self._same("sinks", sinks if sinks.is_contiguous() else sinks.contiguous())
         if call.k_scale is not None:  # an fp8 cache
             for name, given in (("k_scale", k_scale), ("v_scale", v_scale)):
+                given = self._scales.get(name) if given is None else given
                 if given is not None:
                     tensors[name] = scale = self._same(name, scale_tensor(name, given, 1, call.device))
                     if self._validate:
@@ -104,7 +109,7 @@ def plan_draft_attention(query: torch.Tensor, key_cache, value_cache, block_tabl
                                 scale=scale, causal=causal, sliding_window=sliding_window, sinks=sinks,
                                 k_scale=k_scale, v_scale=v_scale, out=out, validate=validate,
                                 max_query_len=max_query_len, max_seq_len=max_seq_len)
-    return DraftAttentionPlan(call, backend, validate)
+    return DraftAttentionPlan(call, backend, validate, {"k_scale": k_scale, "v_scale": v_scale})
 
 
 class ContextKVPlan:

@@ -186,12 +186,16 @@ def check_disjoint(written: str, w: torch.Tensor | PackedCache, other: str, o: t
 
 def signature(x: Any) -> tuple:
     """What structural checks read of an argument: a tensor's or packed cache's shape,
-    strides, dtype and device; any other value's type and value."""
+    strides, dtype and device; a list's or tuple's type and its items' signatures (never
+    the tensors themselves: their values are read per call); any other value's type and
+    value."""
     if isinstance(x, torch.Tensor):
         return x.shape, x.stride(), x.dtype, x.device
     if isinstance(x, PackedCache):
         v = x.view
         return PackedCache, v.shape, v.stride(), v.dtype, v.device
+    if isinstance(x, (list, tuple)):
+        return type(x), tuple(map(signature, x))
     return type(x), x
 
 
@@ -297,6 +301,13 @@ def per_layer(name: str, value: Any, L: int) -> tuple:
     if len(value) != L:
         raise ValueError(f"{name}: expected num_layers={L} entries; got {len(value)}")
     return tuple(value)
+
+
+def holds_tensor(value: Any) -> bool:
+    """Whether a scale argument is, or lists, a tensor: its values may change between calls
+    (vLLM updates scales in place), so it is read at every call, never kept from a check."""
+    return isinstance(value, torch.Tensor) or (
+        isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value))
 
 
 def scale_tensor(name: str, value: Any, n: int, device: torch.device) -> torch.Tensor:

@@ -354,3 +354,43 @@ def with_numpy_scalars(draw, case):
         weights = dataclasses.replace(w, eps=draw(numpy_scalars(w.eps)), v_scale=draw(numpy_scalars(w.v_scale)))
         args = (*args[:2], weights, *args[3:])
     return dataclasses.replace(case, args=args, kwargs=kwargs)
+
+
+@dataclass(frozen=True)
+class ScaleForm:
+    """One way callers pass ``n`` fp8 scales: ``floats`` (a float, or a list of them),
+    ``tensor`` (one float tensor of ``n``), ``tensors`` (a list or tuple of one-element
+    tensors, 0-d or ``[1]``: vLLM's per-layer ``_k_scale``). :meth:`update` gives the next
+    call's scales as a caller would: tensors written in place, floats anew."""
+
+    kind: str
+    container: type = list
+    dtype: torch.dtype = torch.float32
+    shape: tuple = (1,)
+
+    def make(self, values: list[float], device: str):
+        if self.kind == "floats":
+            if self.container is float:
+                return values[0] if len(values) == 1 else list(values)
+            return self.container(values)
+        if self.kind == "tensor":
+            return torch.tensor(values, dtype=self.dtype, device=device)
+        return self.container(torch.full(self.shape, v, dtype=self.dtype, device=device) for v in values)
+
+    def update(self, arg, values: list[float]):
+        if self.kind == "floats":
+            return self.make(values, "cpu")
+        if self.kind == "tensor":
+            arg.copy_(torch.tensor(values, dtype=arg.dtype))
+            return arg
+        for t, v in zip(arg, values):
+            t.fill_(v)
+        return arg
+
+
+@st.composite
+def scale_forms(draw, kinds=("floats", "tensor", "tensors")):
+    kind = draw(st.sampled_from(kinds))
+    containers = [float, list, tuple] if kind == "floats" else [list, tuple]
+    return ScaleForm(kind, draw(st.sampled_from(containers)), draw(st.sampled_from([torch.float32, torch.float64])),
+                     draw(st.sampled_from([(), (1,)])))

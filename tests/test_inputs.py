@@ -13,13 +13,10 @@ import dflash_rocm
 from checks import bits, check_attention, check_precompute, rel_err
 from dflash_rocm.platform import simulate_platform
 from strategies import CPU_SIZES, attention_cases, precompute_cases, relayout, with_numpy_scalars
-from support import needs_interpreter
+from support import SERVING_HERE, needs_interpreter
 from test_validation import attention_args, precompute_args
 
 BACKENDS = ["reference", pytest.param("triton", marks=needs_interpreter)]
-# Every backend that runs here (rocm on a simulated gfx942, through the interpreter).
-SERVING = ["reference", "cpu", pytest.param("triton", marks=needs_interpreter),
-           pytest.param("rocm", marks=needs_interpreter)]
 
 
 def strided(t: torch.Tensor, how: str) -> torch.Tensor:
@@ -154,7 +151,7 @@ def test_scalars_out_of_range_are_refused(name, value, error):
         dflash_rocm.draft_attention(**attention_args(), **{name: value})
 
 
-@pytest.mark.parametrize("backend", SERVING)
+@pytest.mark.parametrize("backend", SERVING_HERE)
 @pytest.mark.parametrize("scale", [0.0, -0.125, -float("inf"), 1e-45, 1e39])
 def test_a_scale_that_is_not_a_positive_float32_is_refused_on_every_backend(backend, scale):
     """Kernels apply the scale in each exponent, in float32: a non-positive one made every
@@ -195,7 +192,7 @@ def test_aliasing_is_judged_per_call_not_only_per_structure():
         dflash_rocm.precompute_and_store_context_kv(**p)
 
 
-@pytest.mark.parametrize("backend", SERVING)
+@pytest.mark.parametrize("backend", SERVING_HERE)
 @given(data=st.data())
 def test_numpy_scalars_are_served_as_the_python_numbers_they_hold(backend, data):
     with simulate_platform("gfx942"):

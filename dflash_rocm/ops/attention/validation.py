@@ -12,8 +12,8 @@ import torch
 
 from ...contract import FP8_DTYPES, QUERY_DTYPES
 from ...validation import (IndexChecks, LayoutMemo, cache_arg, check_device, check_disjoint, check_dtype,
-                           check_layout_once, check_scale_values, check_shape, check_writable, index_tensor, int_bound,
-                           positive_float, scale_tensor, signature, storages_apart, tensor_arg)
+                           check_layout_once, check_scale_values, check_shape, check_writable, holds_tensor, index_tensor,
+                           int_bound, positive_float, scale_tensor, signature, storages_apart, tensor_arg)
 from .call import AttentionCall
 
 
@@ -145,7 +145,7 @@ def _check_structure(query, key_cache, value_cache, block_table, query_start_loc
     if key_cache.dtype in FP8_DTYPES:
         for i, (name, given) in enumerate((("k_scale", k_scale), ("v_scale", v_scale))):
             t = scale_tensor(name, 1.0 if given is None else given, 1, device)  # checks a tensor's form too
-            if not isinstance(given, torch.Tensor):
+            if not holds_tensor(given):
                 scales[i] = t  # a float: constant for every call of this structure
     return _Derived(scale, sliding_window, *scales)
 

@@ -13,8 +13,8 @@ import torch
 
 from ...contract import FP8_DTYPES, QUERY_DTYPES
 from ...validation import (IndexChecks, LayoutMemo, Structure, cache_arg, check_device, check_disjoint, check_dtype,
-                           check_layout_once, check_scale_values, check_shape, check_writable, index_tensor, per_layer,
-                           scale_tensor, signature, storages_apart, tensor_arg)
+                           check_layout_once, check_scale_values, check_shape, check_writable, holds_tensor,
+                           index_tensor, per_layer, scale_tensor, signature, storages_apart, tensor_arg)
 from ...paged import PackedCache, cache_packing, memory_of
 from ...weights import ContextKVWeights
 from .call import PrecomputeCall
@@ -27,6 +27,7 @@ _STRUCTURES = LayoutMemo()
 class _Derived:
     """What the structural checks of one call structure settle for every call of it."""
 
+    fp8: bool  # the written caches are fp8: scales are used
     k_scales: torch.Tensor | None  # fp8 scales as a device tensor when given as floats (or defaulted)
     v_scales: torch.Tensor | None
 
@@ -53,8 +54,8 @@ def model_arguments(weights, key_caches, value_caches, k_scales=None, v_scales=N
     key_caches, value_caches, k_scales, v_scales = frozen
     caches = [c for group in (key_caches, value_caches) if isinstance(group, tuple) for c in group
               if isinstance(c, (torch.Tensor, PackedCache))]
-    key = (_weights_signature(weights), _caches(key_caches), _caches(value_caches), _sequence(k_scales),
-           _sequence(v_scales))
+    key = (_weights_signature(weights), _caches(key_caches), _caches(value_caches), signature(k_scales),
+           signature(v_scales))
     return ModelArguments(weights, key_caches, value_caches, k_scales, v_scales, LayoutMemo.structure(key) or key,
                           frozenset(memory_of(c).untyped_storage().data_ptr() for c in caches))
 
@@ -72,7 +73,7 @@ def bound_precompute_call(model: ModelArguments, context_states, positions, slot
     """:func:`precompute_call` with the model's arguments taken once (a plan's run)."""
     weights, key_caches, value_caches = model.weights, model.key_caches, model.value_caches
     k_scales, v_scales = model.k_scales, model.v_scales
-    key = _STRUCTURES.structure((signature(context_states), signature(positions), _sequence(slot_mapping),
+    key = _STRUCTURES.structure((signature(context_states), signature(positions), signature(slot_mapping),
                                  signature(return_kv), model.key))
     known = _STRUCTURES.get(key)
     if known is None:
@@ -98,9 +99,9 @@ def bound_precompute_call(model: ModelArguments, context_states, positions, slot
                           lambda: _check_states_apart(context_states, written))
     device = context_states.device
     ks, vs = derived.k_scales, derived.v_scales
-    if ks is None and isinstance(k_scales, torch.Tensor):
+    if derived.fp8 and ks is None:
         ks = scale_tensor("k_scales", k_scales, L, device)
-    if vs is None and isinstance(v_scales, torch.Tensor):
+    if derived.fp8 and vs is None:
         vs = scale_tensor("v_scales", v_scales, L, device)
     positions = _contiguous(positions)
     if validate:
@@ -124,13 +125,6 @@ def _weights_signature(weights) -> tuple:
     w = weights.kv_weight
     return (ContextKVWeights, weights.num_layers, weights.num_kv_heads, weights.head_dim, w.shape, w.dtype, w.device,
             weights.cos_sin_cache.shape)
-
-
-def _sequence(value) -> tuple:
-    """The signature of an argument that may be a sequence (per-layer slots or scales)."""
-    if isinstance(value, (list, tuple)):
-        return type(value), tuple(map(signature, value))
-    return signature(value)
 
 
 def _caches(value) -> tuple:
@@ -210,12 +204,12 @@ def _check_structure(context_states, positions, weights, key_caches, value_cache
     names = [f"key_caches[{i}]" for i in written] + [f"value_caches[{i}]" for i in written]
     _check_caches_apart(caches, names)
     if cache_dtype not in FP8_DTYPES:
-        return _Derived(None, None)
+        return _Derived(False, None, None)
     scales = []
     for name, given in (("k_scales", k_scales), ("v_scales", v_scales)):
         t = scale_tensor(name, [1.0] * L if given is None else given, L, device)  # checks the form of a tensor too
-        scales.append(None if isinstance(given, torch.Tensor) else t)
-    return _Derived(*scales)
+        scales.append(None if holds_tensor(given) else t)
+    return _Derived(True, *scales)
 
 
 def _check_indices(checks: IndexChecks, positions, max_position, slots, caches) -> None:
