@@ -23,7 +23,7 @@ import torch
 
 from . import dispatch
 from .ops import ATTENTION, PRECOMPUTE
-from .ops.attention.validation import check_out_apart
+from .ops.attention.validation import batch_memory, check_out_apart
 from .ops.precompute.validation import ModelArguments, bound_precompute_call, model_arguments
 from .validation import IndexChecks, check_scale_values, holds_tensor, scale_tensor, signature
 
@@ -35,7 +35,7 @@ class PlanMismatch(ValueError):
 class DraftAttentionPlan:
     """The host work of one batch's draft-attention calls, done once (see the module)."""
 
-    __slots__ = ("_call", "_runner", "backend", "_planned", "_validate", "_scales")
+    __slots__ = ("_call", "_runner", "backend", "_planned", "_validate", "_scales", "_batch_memory")
 
     def __init__(self, call, backend: str | None, validate: bool, scales: dict):
         """``scales``: the fp8 scales as given to the plan, by name; tensors among them are
@@ -46,6 +46,7 @@ class DraftAttentionPlan:
         self._runner = cls.plan(ATTENTION, call)
         self._validate = validate
         self._scales = {name: given for name, given in scales.items() if holds_tensor(given)}
+        self._batch_memory = batch_memory(call)
         self._planned = {name: signature(getattr(call, name))
                          for name in ("query", "key_cache", "value_cache", "out", "sinks", "k_scale", "v_scale")}
 
@@ -70,9 +71,8 @@ class DraftAttentionPlan:
         query = self._same("query", query)
         key_cache = self._same("key_cache", key_cache)
         value_cache = self._same("value_cache", value_cache)
-        out = torch.empty_like(query) if out is None else out
-        self._same("out", out)
-        check_out_apart(out, query, key_cache, value_cache)
+        fresh_out = out is None
+        out = self._same("out", torch.empty_like(query) if fresh_out else out)
         tensors = dict(query=query, key_cache=key_cache, value_cache=value_cache, out=out)
         if sinks is not None:
             tensors["sinks"] = self._same("sinks", sinks if sinks.is_contiguous() else sinks.contiguous())
@@ -83,7 +83,10 @@ class DraftAttentionPlan:
                     tensors[name] = scale = self._same(name, scale_tensor(name, given, 1, call.device))
                     if self._validate:
                         check_scale_values(name, scale, IndexChecks(call.device))
-        self._runner(call.with_tensors(**tensors))
+        call = call.with_tensors(**tensors)
+        if not fresh_out:
+            check_out_apart(call, self._batch_memory)
+        self._runner(call)
         dispatch.counted(ATTENTION, self.backend)
         return out
 

@@ -128,32 +128,34 @@ def internal_overlap(t: torch.Tensor) -> bool:
     return any(st <= 0 for _, st in dims) or not _nested(dims)
 
 
+def byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes from ``t``'s first element to the end of its last: ``[first, end)`` (not
+    empty, strides >= 0)."""
+    first = t.data_ptr()
+    return first, first + (sum((s - 1) * st for s, st in _dims(t)) + 1) * t.element_size()
+
+
 def provably_disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` touch no common element. Exact for tensors in different
-    storages, for byte ranges that do not meet, for views that differ only by offset
-    (vLLM's K/V halves of one cache) and for views that share their outer dimensions and
-    keep their inner parts in disjoint ranges of each outer cell (vLLM's CPU pages: K
-    transposed, then V, per block and head; ROCM_ATTN's K and V pages of a block). Anything
-    else is reported as not provable."""
-    if a.numel() == 0 or b.numel() == 0:
+    """Whether ``a`` and ``b`` touch no common element, judged by memory addresses (two
+    storages may share memory: numpy views, ``from_blob``, DLPack). Exact for byte ranges
+    that do not meet, for views that differ only by offset (vLLM's K/V halves of one
+    cache) and for views that share their outer dimensions and keep their inner parts in
+    disjoint ranges of each outer cell (vLLM's CPU pages: K transposed, then V, per block
+    and head; ROCM_ATTN's K and V pages of a block). Anything else is reported as not
+    provable."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
         return True
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+    (a_first, a_end), (b_first, b_end) = byte_span(a), byte_span(b)
+    if a_end <= b_first or b_end <= a_first:
         return True
-    base = a.untyped_storage().data_ptr()
     size = a.element_size()
-    if b.element_size() != size:
+    if b.element_size() != size or (a_first - b_first) % size:
         return False
-
-    def span(t: torch.Tensor) -> tuple[int, int]:  # first and last element, in elements of `size`
-        start = (t.data_ptr() - base) // size
-        return start, start + sum((s - 1) * st for s, st in _dims(t))
-
-    if any(st <= 0 for _, st in _dims(a) + _dims(b)):
-        return False
-    (a0, a1), (b0, b1) = span(a), span(b)
-    if a1 < b0 or b1 < a0:
-        return True
     da, db = _dims(a), _dims(b)
+    if any(st <= 0 for _, st in da + db):
+        return False
+    base = min(a_first, b_first)  # first elements, in elements of `size` from the lower one
+    a0, b0 = (a_first - base) // size, (b_first - base) // size
     if sorted(da) == sorted(db) and a0 != b0:
         return _nested(da + [(2, abs(b0 - a0))])  # one tensor with a 2-wide dim: a, then b
     shared = sorted((d for d in da if d in db), key=lambda d: -d[1])
@@ -191,12 +193,13 @@ def signature(x: Any) -> tuple:
     value."""
     if isinstance(x, torch.Tensor):
         return x.shape, x.stride(), x.dtype, x.device
-    if isinstance(x, PackedCache):
+    kind = type(x)
+    if kind is PackedCache:
         v = x.view
         return PackedCache, v.shape, v.stride(), v.dtype, v.device
-    if isinstance(x, (list, tuple)):
-        return type(x), tuple(map(signature, x))
-    return type(x), x
+    if kind is list or kind is tuple:
+        return kind, tuple(map(signature, x))
+    return kind, x
 
 
 class Structure:
@@ -250,10 +253,31 @@ class LayoutMemo:
         self._known[key] = (key, derived)
 
 
-def storages_apart(written: torch.Tensor | PackedCache, *others: torch.Tensor | PackedCache) -> bool:
-    """The cheap sufficient test: ``written`` lives in a storage none of ``others`` uses."""
-    mine = memory_of(written).untyped_storage().data_ptr()
-    return all(memory_of(o).untyped_storage().data_ptr() != mine for o in others)
+def storage_range(t: torch.Tensor | PackedCache) -> tuple[int, int]:
+    """The bytes of the storage under ``t``, ``[start, end)``: every element of ``t`` lies
+    in them. Cheaper than :func:`byte_span` (no walk over the dimensions)."""
+    storage = memory_of(t).untyped_storage()
+    start = storage.data_ptr()
+    return start, start + storage.nbytes()
+
+
+def storages_apart(written: torch.Tensor | PackedCache, *others: torch.Tensor | PackedCache | None,
+                   known: Sequence[tuple[int, int]] = ()) -> bool:
+    """The cheap sufficient test: the memory of ``written``'s storage meets none of
+    ``others``' storages (None entries skipped) nor the ``known`` byte ranges. Addresses,
+    not storage identities: two storages may share memory (numpy views, DLPack). Runs on
+    every call: :func:`storage_range` inlined."""
+    start, end = storage_range(written)
+    for o in others:
+        if o is not None:
+            storage = (o.view if type(o) is PackedCache else o).untyped_storage()
+            o_start = storage.data_ptr()
+            if o_start < end and start < o_start + storage.nbytes():
+                return False
+    for k_start, k_end in known:
+        if k_start < end and start < k_end:
+            return False
+    return True
 
 
 _LAYOUTS_KEPT = 256

@@ -394,3 +394,36 @@ def scale_forms(draw, kinds=("floats", "tensor", "tensors")):
     containers = [float, list, tuple] if kind == "floats" else [list, tuple]
     return ScaleForm(kind, draw(st.sampled_from(containers)), draw(st.sampled_from([torch.float32, torch.float64])),
                      draw(st.sampled_from([(), (1,)])))
+
+
+OVERLAPS = ("one_storage", "numpy", "frombuffer")
+
+
+@st.composite
+def overlapping(draw, first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contiguous copies of ``first`` and ``second`` (CPU; shapes, dtypes, values kept) in
+    memory that overlaps by at least one byte: views of one storage, or two storages over
+    one buffer (views of a numpy array, ``torch.frombuffer``), which comparing storages
+    cannot see. The second starts a multiple of 16 bytes from the first, either side."""
+    kind = draw(st.sampled_from(OVERLAPS))
+    na, nb = first.nbytes, second.nbytes
+    d = 16 * draw(st.integers(-((nb - 1) // 16), (na - 1) // 16))  # second's start from first's, in bytes
+    low = min(0, d)
+    buffer = np.zeros(max(na, d + nb) - low, dtype=np.uint8)
+    shared = torch.from_numpy(buffer)
+
+    def place(t: torch.Tensor, at: int) -> torch.Tensor:
+        if kind == "one_storage":
+            raw = shared[at:at + t.nbytes]
+        elif kind == "numpy":
+            raw = torch.from_numpy(buffer[at:at + t.nbytes])
+        else:
+            raw = torch.frombuffer(memoryview(buffer)[at:at + t.nbytes], dtype=torch.uint8)
+        view = raw.view(t.dtype).view(t.shape)
+        view.copy_(t)
+        return view
+
+    a = place(first, -low)
+    b = place(second, d - low)
+    a.copy_(first)  # the second copy may have overwritten part of the first
+    return a, b

@@ -13,7 +13,8 @@ import torch
 from ...contract import FP8_DTYPES, QUERY_DTYPES
 from ...validation import (IndexChecks, LayoutMemo, cache_arg, check_device, check_disjoint, check_dtype,
                            check_layout_once, check_scale_values, check_shape, check_writable, holds_tensor, index_tensor,
-                           int_bound, positive_float, scale_tensor, signature, storages_apart, tensor_arg)
+                           int_bound, positive_float, scale_tensor, signature, storage_range, storages_apart,
+                           tensor_arg)
 from .call import AttentionCall
 
 
@@ -48,10 +49,9 @@ def attention_call(query, key_cache, value_cache, block_table, query_start_loc, 
         _STRUCTURES.remember(key, derived)
     else:
         key, derived = known
-    if out is None:
+    fresh_out = out is None
+    if fresh_out:
         out = torch.empty_like(query)
-    else:
-        check_out_apart(out, query, key_cache, value_cache)
     if max_query_len is not None:
         max_query_len = int_bound("max_query_len", max_query_len, low=0)
     if max_seq_len is not None:
@@ -77,11 +77,14 @@ def attention_call(query, key_cache, value_cache, block_table, query_start_loc, 
         if checks.on_host and seq_lens.shape[0]:  # free on the host: exact bounds size the launch
             max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
             max_seq_len = int(seq_lens.max())
-    return AttentionCall(query=query, key_cache=key_cache, value_cache=value_cache,
+    call = AttentionCall(query=query, key_cache=key_cache, value_cache=value_cache,
                          block_table=block_table, query_start_loc=query_start_loc, seq_lens=seq_lens,
                          out=out, scale=derived.scale, causal=causal, sliding_window=derived.sliding_window,
                          sinks=sinks, k_scale=k_scale_t, v_scale=v_scale_t,
                          max_query_len=max_query_len, max_seq_len=max_seq_len, layout=key)
+    if not fresh_out:
+        check_out_apart(call)
+    return call
 
 
 def _check_structure(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, sinks, scale,
@@ -150,19 +153,34 @@ def _check_structure(query, key_cache, value_cache, block_table, query_start_loc
     return _Derived(scale, sliding_window, *scales)
 
 
-def check_out_apart(out, query, key_cache, value_cache) -> None:
-    """``out`` shares no memory with what the call reads: free when it has a storage of
-    its own (the usual case), else judged once per layout (addresses, shapes, strides)."""
-    if not storages_apart(out, query, key_cache, value_cache):
-        check_layout_once("attention out", (out, query, key_cache, value_cache),
-                          lambda: _check_out_memory(out, query, key_cache, value_cache))
+_READ = ("query", "key_cache", "value_cache", "sinks", "k_scale", "v_scale", "block_table", "query_start_loc",
+         "seq_lens")  # every tensor an attention call reads; the batch's index tensors last
+_BATCH = 3
 
 
-def _check_out_memory(out, query, key_cache, value_cache) -> None:
-    """``out`` shares no memory with anything the call reads (it does not alias itself:
-    a structural check)."""
-    for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
-        check_disjoint("out", out, name, t)
+def batch_memory(call: AttentionCall) -> tuple:
+    """The storage ranges of the call's index tensors: what a plan keeps for every run."""
+    return tuple(storage_range(getattr(call, name)) for name in _READ[-_BATCH:])
+
+
+def check_out_apart(call: AttentionCall, batch: tuple | None = None) -> None:
+    """``call.out`` shares no memory with anything the call reads: free when its storage's
+    memory meets none of theirs (the usual case), else judged once per layout (addresses,
+    shapes, strides). ``batch``: :func:`batch_memory`, when a plan kept it. That ``out``
+    does not alias itself is a structural check."""
+    c = call
+    index = (c.block_table, c.query_start_loc, c.seq_lens) if batch is None else ()
+    if not storages_apart(c.out, c.query, c.key_cache, c.value_cache, c.sinks, c.k_scale, c.v_scale, *index,
+                          known=batch or ()):
+        read = [getattr(c, name) for name in _READ]
+        check_layout_once("attention out", [c.out, *(t for t in read if t is not None)],
+                          lambda: _check_out_memory(c.out, read))
+
+
+def _check_out_memory(out, read: list) -> None:
+    for name, t in zip(_READ, read):
+        if t is not None:
+            check_disjoint("out", out, name, t)
 
 
 def _check_indices(checks: IndexChecks, qsl, seq_lens, block_table, T, num_blocks, block_size) -> None:
