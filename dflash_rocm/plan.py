@@ -92,9 +92,9 @@ class DraftAttentionPlan:
 
 
 def _describe(sig: tuple) -> str:
-    if len(sig) == 4:
-        shape, strides, dtype, device = sig
-        return f"{list(shape)}, {strides}, {dtype}, {device}"
+    if len(sig) == 5:
+        shape, strides, dtype, device, requires_grad = sig
+        return f"{list(shape)}, {strides}, {dtype}, {device}" + (", requires grad" if requires_grad else "")
     return repr(sig[-1]) if len(sig) == 2 else repr(sig)
 
 

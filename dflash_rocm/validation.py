@@ -173,7 +173,12 @@ def provably_disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def check_writable(name: str, t: torch.Tensor | PackedCache) -> None:
+    """A tensor the call writes: one element per address, outside autograd (the operations
+    write in place and have no backward)."""
     t = memory_of(t)
+    if t.requires_grad:
+        raise ValueError(f"{name}: requires grad; this call writes it in place and has no backward (pass a "
+                         "tensor that does not require grad, e.g. a detached one)")
     if internal_overlap(t):
         raise ValueError(f"{name}: a tensor this call writes must not alias itself (an expanded or overlapping "
                          f"view, strides {t.stride()} for shape {list(t.shape)}); pass a tensor with its own "
@@ -188,15 +193,15 @@ def check_disjoint(written: str, w: torch.Tensor | PackedCache, other: str, o: t
 
 def signature(x: Any) -> tuple:
     """What structural checks read of an argument: a tensor's or packed cache's shape,
-    strides, dtype and device; a list's or tuple's type and its items' signatures (never
+    strides, dtype, device and whether it requires grad; a list's or tuple's type and its items' signatures (never
     the tensors themselves: their values are read per call); any other value's type and
     value."""
     if isinstance(x, torch.Tensor):
-        return x.shape, x.stride(), x.dtype, x.device
+        return x.shape, x.stride(), x.dtype, x.device, x.requires_grad
     kind = type(x)
     if kind is PackedCache:
         v = x.view
-        return PackedCache, v.shape, v.stride(), v.dtype, v.device
+        return PackedCache, v.shape, v.stride(), v.dtype, v.device, v.requires_grad
     if kind is list or kind is tuple:
         return kind, tuple(map(signature, x))
     return kind, x

@@ -198,3 +198,25 @@ def test_numpy_scalars_are_served_as_the_python_numbers_they_hold(backend, data)
     with simulate_platform("gfx942"):
         check_attention(data.draw(with_numpy_scalars(data.draw(attention_cases(CPU_SIZES)))), backend)
         check_precompute(data.draw(with_numpy_scalars(data.draw(precompute_cases(CPU_SIZES)))), backend)
+
+
+@pytest.mark.parametrize("backend", SERVING_HERE)
+def test_a_written_tensor_that_requires_grad_is_refused_on_every_backend(backend):
+    """The operations write in place and have no backward: reference and cpu raised
+    autograd's RuntimeError mid-call. Each is first served without grad, so the refusal
+    cannot come from a check that ran once for the call's shapes."""
+    args, p = attention_args(), precompute_args()
+    with simulate_platform("gfx942"):
+        dflash_rocm.draft_attention(**args, backend=backend)
+        dflash_rocm.precompute_and_store_context_kv(**p, backend=backend)
+        plan = dflash_rocm.plan_draft_attention(**args, backend=backend)
+        out = args["out"].clone().requires_grad_()
+        with pytest.raises(ValueError, match="out: requires grad"):
+            dflash_rocm.draft_attention(**{**args, "out": out}, backend=backend)
+        with pytest.raises(ValueError, match="requires grad"):
+            plan.run(args["query"], args["key_cache"], args["value_cache"], out=out)
+        p["value_caches"][1].requires_grad_()
+        before = [bits(c.detach()).clone() for c in p["key_caches"] + p["value_caches"]]
+        with pytest.raises(ValueError, match=r"value_caches\[1\]: requires grad"):
+            dflash_rocm.precompute_and_store_context_kv(**p, backend=backend)
+    assert all(torch.equal(b, bits(c.detach())) for b, c in zip(before, p["key_caches"] + p["value_caches"]))
