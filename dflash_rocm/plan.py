@@ -32,7 +32,19 @@ class PlanMismatch(ValueError):
     """A tensor given to :meth:`DraftAttentionPlan.run` is not laid out as the planned one."""
 
 
-class DraftAttentionPlan:
+class _BoundToMemory:
+    """A plan is bound to the memory of the tensors it was planned with (it holds them,
+    and its keys hold their raw addresses): a copy or an unpickled plan would write the
+    original's memory, or freed memory. Plans refuse both; make a new plan instead."""
+
+    __slots__ = ()
+
+    def __reduce_ex__(self, protocol):  # what copy.copy, copy.deepcopy and pickle ask for
+        raise TypeError(f"{type(self).__name__} cannot be copied or pickled: it is bound to the memory of the "
+                        "tensors it was planned with; make a new plan for other tensors, or share this one")
+
+
+class DraftAttentionPlan(_BoundToMemory):
     """The host work of one batch's draft-attention calls, done once (see the module)."""
 
     __slots__ = ("_call", "_runner", "backend", "_planned", "_validate", "_scales", "_batch_memory")
@@ -115,7 +127,7 @@ def plan_draft_attention(query: torch.Tensor, key_cache, value_cache, block_tabl
     return DraftAttentionPlan(call, backend, validate, {"k_scale": k_scale, "v_scale": v_scale})
 
 
-class ContextKVPlan:
+class ContextKVPlan(_BoundToMemory):
     """The precompute of one model's weights into one set of caches (see the module)."""
 
     __slots__ = ("_model", "_backend", "_runners")

@@ -8,7 +8,9 @@ Triton interpreter runs about 1-2 ms per tile-loop iteration), larger on a GPU.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -427,3 +429,11 @@ def overlapping(draw, first: torch.Tensor, second: torch.Tensor) -> tuple[torch.
     b = place(second, d - low)
     a.copy_(first)  # the second copy may have overwritten part of the first
     return a, b
+
+
+PLAN_COPIES = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": lambda plan: pickle.loads(pickle.dumps(plan))}
+
+
+def plan_copies():
+    """Ways a caller may copy a plan (each refused: plans are bound to their tensors' memory)."""
+    return st.sampled_from(sorted(PLAN_COPIES)).map(PLAN_COPIES.get)

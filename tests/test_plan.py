@@ -9,12 +9,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import dflash_rocm
-from checks import check_precompute, clone_arg, poison, rel_err
+from checks import check_attention, check_precompute, clone_arg, poison, rel_err
 from dflash_rocm.contract import FP8_DTYPES
 from dflash_rocm.contract import spec_tolerance as tolerance
 from dflash_rocm.paged import PackedCache
 from dflash_rocm.platform import simulate_platform
-from strategies import CPU_SIZES, PACKINGS, attention_cases, make_generator, precompute_cases
+from strategies import CPU_SIZES, PACKINGS, attention_cases, make_generator, plan_copies, precompute_cases
 from support import needs_interpreter
 from test_validation import attention_args, precompute_args
 
@@ -176,3 +176,26 @@ def test_a_precompute_plan_refuses_states_that_share_memory_with_a_cache():
     states = cache.view(-1)[:p["context_states"].numel()].view_as(p["context_states"])
     with pytest.raises(ValueError, match="shares memory with context_states"):
         plan.run(states, p["positions"], p["slot_mapping"])
+
+
+@pytest.mark.parametrize("backend", PRECOMPUTE_BACKENDS)
+@given(data=st.data())
+def test_a_plan_refuses_to_be_copied_or_pickled_and_the_original_keeps_serving(backend, data):
+    """A plan is bound to its tensors' memory: a deep copy wrote the original's caches
+    (its key holds their addresses), and some backends' plans could not be pickled at all."""
+    case = data.draw(precompute_cases(CPU_SIZES))
+    states, positions, weights, key_caches, value_caches, slot_mapping = case.args
+    kwargs = dict(case.kwargs)
+    return_kv = kwargs.pop("return_kv")
+    attention = data.draw(attention_cases(CPU_SIZES))
+    with simulate_platform("gfx942"):
+        precompute_plan = dflash_rocm.plan_context_kv(weights, key_caches, value_caches, **kwargs, backend=backend)
+        attention_plan = dflash_rocm.plan_draft_attention(*attention.args, **attention.kwargs, backend=backend)
+        for plan in (precompute_plan, attention_plan):
+            with pytest.raises(TypeError, match="cannot be copied or pickled"):
+                data.draw(plan_copies())(plan)
+        check_precompute(case, backend, run=lambda call: precompute_plan.run(states, positions, slot_mapping,
+                                                                             return_kv=return_kv))
+        query, key_cache, value_cache = attention.args[:3]
+        check_attention(attention, backend, run=lambda call: attention_plan.run(query, key_cache, value_cache,
+                                                                                out=call.out))
