@@ -47,17 +47,21 @@ class _BoundToMemory:
 class DraftAttentionPlan(_BoundToMemory):
     """The host work of one batch's draft-attention calls, done once (see the module)."""
 
-    __slots__ = ("_call", "_runner", "backend", "_planned", "_validate", "_scales", "_batch_memory")
+    __slots__ = ("_call", "_runner", "backend", "_planned", "_validate", "_scales", "_refresh", "_batch_memory")
 
-    def __init__(self, call, backend: str | None, validate: bool, scales: dict):
-        """``scales``: the fp8 scales as given to the plan, by name; tensors among them are
-        read again at every run that gives none (their values may change in place)."""
+    def __init__(self, call, backend: str | None, validate: bool, given: dict):
+        """``given``: the tensors the caller planned with, by name (index tensors, sinks,
+        fp8 scales). A plan reads them at every run, as a call would: the fp8 scales are
+        normalised again when a run gives none, and the contiguous copies validation made
+        of strided views are refreshed from them."""
         cls = dispatch.choose(ATTENTION, call, backend)
         self._call = call
         self.backend = cls.name  # the backend that serves every run
         self._runner = cls.plan(ATTENTION, call)
         self._validate = validate
-        self._scales = {name: given for name, given in scales.items() if holds_tensor(given)}
+        self._scales = {name: given[name] for name in ("k_scale", "v_scale") if holds_tensor(given[name])}
+        self._refresh = tuple((name, given[name], getattr(call, name)) for name in _COPIED
+                              if given[name] is not None and getattr(call, name) is not given[name])
         self._batch_memory = batch_memory(call)
         self._planned = {name: signature(getattr(call, name))
                          for name in ("query", "key_cache", "value_cache", "out", "sinks", "k_scale", "v_scale")}
@@ -98,9 +102,15 @@ class DraftAttentionPlan(_BoundToMemory):
         call = call.with_tensors(**tensors)
         if not fresh_out:
             check_out_apart(call, self._batch_memory)
+        for name, source, copy in self._refresh:  # strided views the caller may have written since
+            if name not in tensors:
+                copy.copy_(source)
         self._runner(call)
         dispatch.counted(ATTENTION, self.backend)
         return out
+
+
+_COPIED = ("block_table", "query_start_loc", "seq_lens", "sinks")  # made contiguous by validation when strided
 
 
 def _describe(sig: tuple) -> str:
@@ -119,12 +129,16 @@ def plan_draft_attention(query: torch.Tensor, key_cache, value_cache, block_tabl
     """Plan the draft attention of one batch: the arguments of
     :func:`dflash_rocm.draft_attention` (validated as there; nothing is computed), with
     the tensors of any one layer; then ``plan.run(query, key_cache, value_cache, ...)``
-    per layer. The batch's index tensors must not change while the plan is used."""
+    per layer. Every run reads the batch's index tensors (and the planned sinks and scale
+    tensors) as they are then; values written into them since the plan was made are the
+    caller's to vouch for: they were checked, and host bounds derived from them, here."""
     call = ATTENTION.build_call(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
                                 scale=scale, causal=causal, sliding_window=sliding_window, sinks=sinks,
                                 k_scale=k_scale, v_scale=v_scale, out=out, validate=validate,
                                 max_query_len=max_query_len, max_seq_len=max_seq_len)
-    return DraftAttentionPlan(call, backend, validate, {"k_scale": k_scale, "v_scale": v_scale})
+    return DraftAttentionPlan(call, backend, validate, dict(block_table=block_table, query_start_loc=query_start_loc,
+                                                            seq_lens=seq_lens, sinks=sinks, k_scale=k_scale,
+                                                            v_scale=v_scale))
 
 
 class ContextKVPlan(_BoundToMemory):

@@ -199,3 +199,22 @@ def test_a_plan_refuses_to_be_copied_or_pickled_and_the_original_keeps_serving(b
         query, key_cache, value_cache = attention.args[:3]
         check_attention(attention, backend, run=lambda call: attention_plan.run(query, key_cache, value_cache,
                                                                                 out=call.out))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(data=st.data())
+def test_a_plan_reads_the_batch_written_into_its_tensors_strided_or_not(backend, data):
+    """The next batch written in place into the planned block table, sequence lengths and
+    sinks (within the planned bounds) is what the next run attends over, whether those
+    tensors are contiguous or strided views (which validation copies)."""
+    case = data.draw(attention_cases(CPU_SIZES))  # index tensors contiguous, padded or column-major
+    query, key_cache, value_cache, block_table, _, seq_lens = case.args
+    g = make_generator(data.draw(st.integers(0, 2 ** 31 - 1)), "cpu")
+    with simulate_platform("gfx942"):
+        plan = dflash_rocm.plan_draft_attention(*case.args, **case.kwargs, backend=backend)
+        block_table.copy_(torch.randint(0, key_cache.shape[0], block_table.shape, generator=g))
+        shorter = [q + int(torch.randint(0, s - q + 1, (), generator=g)) for q, s in zip(case.q_lens, case.seq_lens)]
+        seq_lens.copy_(torch.tensor(shorter))
+        if case.kwargs["sinks"] is not None:
+            case.kwargs["sinks"].copy_(torch.randn(case.kwargs["sinks"].shape, generator=g))
+        check_attention(case, backend, run=lambda call: plan.run(query, key_cache, value_cache, out=call.out))
