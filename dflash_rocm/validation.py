@@ -229,10 +229,11 @@ class Structure:
 
 
 class LayoutMemo:
-    """Calls whose structure already passed the structural checks, with what those checks
-    derived (defaults, constant scale tensors). A server makes the same few call structures
-    over and over: each is checked once. Bounded; a lost race between threads only means a
-    second check."""
+    """What was derived once per call structure: the structural checks' results (defaults,
+    constant scale tensors), dispatch's backend choices. A server makes the same few call
+    structures over and over: each is worked out once. Bounded (structures that hold
+    addresses, as the precompute's caches do, would otherwise grow it without end); a lost
+    race between threads only means working one out twice."""
 
     def __init__(self, capacity: int = 1024):
         self._capacity = capacity
@@ -256,6 +257,12 @@ class LayoutMemo:
         if len(self._known) >= self._capacity:
             self._known.clear()
         self._known[key] = (key, derived)
+
+    def forget(self) -> None:
+        self._known.clear()
+
+    def __len__(self) -> int:
+        return len(self._known)
 
 
 def storage_range(t: torch.Tensor | PackedCache) -> tuple[int, int]:
