@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -134,8 +136,36 @@ def cmd_check(args) -> int:
     return 1 if failed else 0
 
 
-def _write_outputs(outputs) -> None:
-    """For each (path, text function): print the text for '-', write it to a path, skip None."""
+def _check_outputs(outputs: dict[str, str | None], plot: str | None = None) -> None:
+    """Refuse, before any work is done, outputs (flag -> path; None: not asked for) that
+    could not be written: more than one to stdout ('-'), a path that is a folder or whose
+    folder is missing or not writable; a ``plot`` file likewise, and without matplotlib."""
+    to_stdout = [flag for flag, path in outputs.items() if path == "-"]
+    if len(to_stdout) > 1:
+        raise ValueError(f"{' and '.join(to_stdout)}: only one output can go to stdout ('-'); give the others a path")
+    files = {flag: path for flag, path in outputs.items() if path and path != "-"}
+    if plot == "-":
+        raise ValueError("--plot: writes a PNG file; expected a path, got '-'")
+    if plot:
+        files["--plot"] = plot
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ValueError("--plot: needs matplotlib (pip install 'dflash-rocm[plot]')")
+    for flag, path in files.items():
+        target = Path(path)
+        folder = target.parent
+        if target.is_dir():
+            raise ValueError(f"{flag} {path}: is a folder; expected a file path")
+        if not folder.is_dir():
+            raise ValueError(f"{flag} {path}: folder {folder} does not exist")
+        if not os.access(target if target.exists() else folder, os.W_OK):
+            raise ValueError(f"{flag} {path}: not writable")
+
+
+def _emit(table: Callable[[], str], outputs) -> None:
+    """Print the table, unless an output takes stdout (what a script parses), then write
+    each (path, text function) output: print it for '-', write it to a path, skip None."""
+    if all(path != "-" for path, _ in outputs):
+        print(table())
     for path, text in outputs:
         if path == "-":
             print(text())
@@ -152,6 +182,7 @@ def cmd_bench(args) -> int:
     device = _device(args.device)
     if args.host:
         return _bench_host(args, device)
+    _check_outputs({"--json": args.json, "--csv": args.csv}, plot=args.plot)
     dtype = DTYPES[args.dtype]
     plan = bench.default_plan(device, shapes=args.shape, tokens=args.tokens, batches=args.batch,
                               contexts=args.context, ops=args.op and [_OPS[o] for o in args.op],
@@ -163,15 +194,10 @@ def cmd_bench(args) -> int:
         print(f"[{i + 1}/{total}] {what}", file=sys.stderr, flush=True)
 
     rows, header = bench.run_bench(plan, progress=None if args.quiet else progress)
-    print(bench.format_report(rows, header, plan, *_layout(args)))
-    _write_outputs(((args.json, lambda: bench.rows_to_json(rows, header, plan)),
-                    (args.csv, lambda: bench.rows_to_csv(rows))))
+    _emit(lambda: bench.format_report(rows, header, plan, *_layout(args)),
+          ((args.json, lambda: bench.rows_to_json(rows, header, plan)), (args.csv, lambda: bench.rows_to_csv(rows))))
     if args.plot:
-        try:
-            bench.plot_rows(rows, args.plot, header)
-        except ImportError:
-            print("dflash-rocm bench: --plot needs matplotlib (pip install 'dflash-rocm[plot]')", file=sys.stderr)
-            return 2
+        bench.plot_rows(rows, args.plot, header)
     return 0
 
 
@@ -181,19 +207,21 @@ _OPS = {op.short: op.name for op in OPS.values()}
 def _bench_host(args, device) -> int:
     from . import host_bench
 
+    if args.csv or args.plot:
+        raise ValueError("--host: writes a table and --json only (no --csv, --plot)")
+    _check_outputs({"--json": args.json})
     arch = args.arch or host_bench.platform_arch(device)
     rows = host_bench.host_rows(device, arch=arch, backends=args.backend, repeats=args.repeats or 1000)
     if args.op:
         rows = [r for r in rows if r.op in {_OPS[o] for o in args.op}]
     width, _ = _layout(args)
-    print(host_bench.format_host_rows(rows, arch, width))
-    _write_outputs(((args.json, lambda: json.dumps([r.as_dict() for r in rows], indent=2)),))
+    _emit(lambda: host_bench.format_host_rows(rows, arch, width),
+          ((args.json, lambda: json.dumps([r.as_dict() for r in rows], indent=2)),))
     return 0
 
 
 def _bench_vllm(args) -> int:
     import dataclasses
-    import importlib.util
 
     from . import vllm_bench
 
@@ -204,6 +232,9 @@ def _bench_vllm(args) -> int:
         print("dflash-rocm bench --vllm: name at most one --backend (the plugin's DFLASH_ROCM_BACKEND)",
               file=sys.stderr)
         return 2
+    if args.csv or args.plot:
+        raise ValueError("--vllm: writes a report and --json only (no --csv, --plot)")
+    _check_outputs({"--json": args.json})
     workload = vllm_bench.SMOKE if args.quick else vllm_bench.FULL
     workload = dataclasses.replace(workload, dtype={"bf16": "bfloat16", "fp16": "float16",
                                                     "fp32": "float32"}[args.dtype])
@@ -213,14 +244,7 @@ def _bench_vllm(args) -> int:
     report = vllm_bench.run_pairs(workload, pairs, backend=args.backend[0] if args.backend else None,
                                   progress=None if args.quiet else lambda what: print(what, file=sys.stderr,
                                                                                         flush=True))
-    print(vllm_bench.format_report(report))
-    if args.json:
-        text = vllm_bench.report_json(report)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text)
+    _emit(lambda: vllm_bench.format_report(report), ((args.json, lambda: vllm_bench.report_json(report)),))
     return 0
 
 
@@ -301,6 +325,7 @@ def cmd_inspect(args) -> int:
     from .audit.compiler import FactsCache, default_cache_dir
     from .workloads import SHAPES
 
+    _check_outputs({"--json": args.json, "--csv": args.csv})
     plan = run.AuditPlan(shapes=tuple(SHAPES[s] for s in (args.shape or ["qwen3-8b-dflash-b16"])),
                          targets=tuple(args.target or run.TARGETS), ops=tuple(args.op or ("attention", "precompute")),
                          kv=tuple(args.kv or ("bf16", "fp8")),
@@ -311,10 +336,8 @@ def cmd_inspect(args) -> int:
                          packed=not (args.batch or args.context or args.tokens), planned=tuple(args.planned or ()))
     cache = FactsCache(None if args.no_cache else (args.cache_dir or default_cache_dir()))
     audit = run.run_audit(plan, cache, jobs=args.jobs, progress=None if args.quiet else _progress_bar)
-    if args.json != "-" and args.csv != "-":
-        print(report.format_results(audit))
-    _write_outputs(((args.json, lambda: report.results_to_json(audit)),
-                    (args.csv, lambda: report.results_to_csv(audit))))
+    _emit(lambda: report.format_results(audit), ((args.json, lambda: report.results_to_json(audit)),
+                                                 (args.csv, lambda: report.results_to_csv(audit))))
     errors = [launch for r in audit.cases for launch in r.launches if launch.error]
     return 1 if errors else 0
 
@@ -381,8 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dtype_and_device(bench)
     bench.add_argument("--repeats", type=positive_int, help="timed repeats per case (median reported)")
     bench.add_argument("--quick", action="store_true", help="a short sweep (what scripts/gpu_check.sh runs)")
-    bench.add_argument("--json", metavar="PATH", help="also write JSON ('-' for stdout)")
-    bench.add_argument("--csv", metavar="PATH", help="also write CSV ('-' for stdout)")
+    bench.add_argument("--json", metavar="PATH", help="also write JSON ('-' for stdout instead of the table)")
+    bench.add_argument("--csv", metavar="PATH", help="also write CSV ('-' for stdout instead of the table)")
     bench.add_argument("--plot", metavar="FILE.png", help="bar chart of %% of floor per case (needs matplotlib)")
     bench.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     bench.add_argument("--vllm", action="store_true",

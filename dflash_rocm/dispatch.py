@@ -4,9 +4,10 @@
 that supports the call; a named backend that cannot serve raises
 :class:`BackendUnavailable` with its reasons. The choice is remembered per (op, requested
 name, the call's support key), so a hot loop of same-shaped calls walks the reasons
-once. Each new (op, backend, call signature) is logged once with the reasons of the
-backends passed over, and every served call is counted (``dispatch_counts()``), which
-is how tests and users confirm what ran. All shared state is guarded by one lock.
+once; the memo is bounded, as the precompute's support keys hold cache addresses. Each
+new (op, backend, call signature) is logged once with the reasons of the backends passed
+over, and every served call is counted (``dispatch_counts()``), which is how tests and
+users confirm what ran. All shared state is guarded by one lock.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .backend import SETTINGS, Backend
 from .ops import Op
 from .ops.attention import AttentionSpec
 from .platform import platform_for
+from .validation import LayoutMemo
 
 logger = logging.getLogger("dflash_rocm")
 
@@ -39,7 +41,8 @@ class BackendUnavailable(RuntimeError):
 _lock = threading.Lock()
 _logged: set[tuple[str, str, str]] = set()
 _counts: collections.Counter = collections.Counter()
-_choices: dict[tuple, type[Backend]] = {}
+_CHOICES_KEPT = 1024
+_choices = LayoutMemo(_CHOICES_KEPT)  # (op, requested name, support key) -> backend class
 
 
 def resolve_name(backend: str | None) -> str:
@@ -71,18 +74,19 @@ def choose(op: Op, call, backend: str | None) -> type[Backend]:
     """The backend class for ``call`` (remembered per support key)."""
     name = resolve_name(backend)
     key = (op.name, name, call.support_key())
-    chosen = _choices.get(key)
-    if chosen is None:
-        chosen = _choose(op, call, name)
-        with _lock:
-            _choices[key] = chosen
+    known = _choices.get(key)
+    if known is not None:
+        return known[1]
+    chosen = _choose(op, call, name)
+    with _lock:
+        _choices.remember(key, chosen)
     return chosen
 
 
 def forget_choices() -> None:
     """Drop remembered choices (after changing what backends can see, e.g. in tests)."""
     with _lock:
-        _choices.clear()
+        _choices.forget()
 
 
 def _choose(op: Op, call, name: str) -> type[Backend]:

@@ -23,26 +23,46 @@ import torch
 
 from . import dispatch
 from .ops import ATTENTION, PRECOMPUTE
-from .ops.attention.validation import check_out_apart
+from .ops.attention.validation import batch_memory, check_out_apart
 from .ops.precompute.validation import ModelArguments, bound_precompute_call, model_arguments
-from .validation import IndexChecks, check_scale_values, scale_tensor, signature
+from .validation import IndexChecks, check_scale_values, holds_tensor, scale_tensor, signature
 
 
 class PlanMismatch(ValueError):
     """A tensor given to :meth:`DraftAttentionPlan.run` is not laid out as the planned one."""
 
 
-class DraftAttentionPlan:
+class _BoundToMemory:
+    """A plan is bound to the memory of the tensors it was planned with (it holds them,
+    and its keys hold their raw addresses): a copy or an unpickled plan would write the
+    original's memory, or freed memory. Plans refuse both; make a new plan instead."""
+
+    __slots__ = ()
+
+    def __reduce_ex__(self, protocol):  # what copy.copy, copy.deepcopy and pickle ask for
+        raise TypeError(f"{type(self).__name__} cannot be copied or pickled: it is bound to the memory of the "
+                        "tensors it was planned with; make a new plan for other tensors, or share this one")
+
+
+class DraftAttentionPlan(_BoundToMemory):
     """The host work of one batch's draft-attention calls, done once (see the module)."""
 
-    __slots__ = ("_call", "_runner", "backend", "_planned", "_validate")
+    __slots__ = ("_call", "_runner", "backend", "_planned", "_validate", "_scales", "_refresh", "_batch_memory")
 
-    def __init__(self, call, backend: str | None, validate: bool):
+    def __init__(self, call, backend: str | None, validate: bool, given: dict):
+        """``given``: the tensors the caller planned with, by name (index tensors, sinks,
+        fp8 scales). A plan reads them at every run, as a call would: the fp8 scales are
+        normalised again when a run gives none, and the contiguous copies validation made
+        of strided views are refreshed from them."""
         cls = dispatch.choose(ATTENTION, call, backend)
         self._call = call
         self.backend = cls.name  # the backend that serves every run
         self._runner = cls.plan(ATTENTION, call)
         self._validate = validate
+        self._scales = {name: given[name] for name in ("k_scale", "v_scale") if holds_tensor(given[name])}
+        self._refresh = tuple((name, given[name], getattr(call, name)) for name in _COPIED
+                              if given[name] is not None and getattr(call, name) is not given[name])
+        self._batch_memory = batch_memory(call)
         self._planned = {name: signature(getattr(call, name))
                          for name in ("query", "key_cache", "value_cache", "out", "sinks", "k_scale", "v_scale")}
 
@@ -60,33 +80,43 @@ class DraftAttentionPlan:
         """One layer's attention over the planned batch; returns ``out``. ``out`` None:
         a new tensor like ``query``. ``sinks`` and the fp8 scale tensors: this layer's
         (a sinks tensor laid out as the planned one, one-element float scales); None keeps
-        the planned ones. Scales are ignored for caches that are not fp8, as by
-        :func:`dflash_rocm.draft_attention`, and value-checked when the plan validates."""
+        the planned ones (planned scale tensors are read again). Scales are ignored for
+        caches that are not fp8, as by :func:`dflash_rocm.draft_attention`, and
+        value-checked when the plan validates."""
         call = self._call
         query = self._same("query", query)
         key_cache = self._same("key_cache", key_cache)
         value_cache = self._same("value_cache", value_cache)
-        out = torch.empty_like(query) if out is None else out
-        self._same("out", out)
-        check_out_apart(out, query, key_cache, value_cache)
+        fresh_out = out is None
+        out = self._same("out", torch.empty_like(query) if fresh_out else out)
         tensors = dict(query=query, key_cache=key_cache, value_cache=value_cache, out=out)
         if sinks is not None:
             tensors["sinks"] = self._same("sinks", sinks if sinks.is_contiguous() else sinks.contiguous())
         if call.k_scale is not None:  # an fp8 cache
             for name, given in (("k_scale", k_scale), ("v_scale", v_scale)):
+                given = self._scales.get(name) if given is None else given
                 if given is not None:
                     tensors[name] = scale = self._same(name, scale_tensor(name, given, 1, call.device))
                     if self._validate:
                         check_scale_values(name, scale, IndexChecks(call.device))
-        self._runner(call.with_tensors(**tensors))
+        call = call.with_tensors(**tensors)
+        if not fresh_out:
+            check_out_apart(call, self._batch_memory)
+        for name, source, copy in self._refresh:  # strided views the caller may have written since
+            if name not in tensors:
+                copy.copy_(source)
+        self._runner(call)
         dispatch.counted(ATTENTION, self.backend)
         return out
 
 
+_COPIED = ("block_table", "query_start_loc", "seq_lens", "sinks")  # made contiguous by validation when strided
+
+
 def _describe(sig: tuple) -> str:
-    if len(sig) == 4:
-        shape, strides, dtype, device = sig
-        return f"{list(shape)}, {strides}, {dtype}, {device}"
+    if len(sig) == 5:
+        shape, strides, dtype, device, requires_grad = sig
+        return f"{list(shape)}, {strides}, {dtype}, {device}" + (", requires grad" if requires_grad else "")
     return repr(sig[-1]) if len(sig) == 2 else repr(sig)
 
 
@@ -99,15 +129,19 @@ def plan_draft_attention(query: torch.Tensor, key_cache, value_cache, block_tabl
     """Plan the draft attention of one batch: the arguments of
     :func:`dflash_rocm.draft_attention` (validated as there; nothing is computed), with
     the tensors of any one layer; then ``plan.run(query, key_cache, value_cache, ...)``
-    per layer. The batch's index tensors must not change while the plan is used."""
+    per layer. Every run reads the batch's index tensors (and the planned sinks and scale
+    tensors) as they are then; values written into them since the plan was made are the
+    caller's to vouch for: they were checked, and host bounds derived from them, here."""
     call = ATTENTION.build_call(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
                                 scale=scale, causal=causal, sliding_window=sliding_window, sinks=sinks,
                                 k_scale=k_scale, v_scale=v_scale, out=out, validate=validate,
                                 max_query_len=max_query_len, max_seq_len=max_seq_len)
-    return DraftAttentionPlan(call, backend, validate)
+    return DraftAttentionPlan(call, backend, validate, dict(block_table=block_table, query_start_loc=query_start_loc,
+                                                            seq_lens=seq_lens, sinks=sinks, k_scale=k_scale,
+                                                            v_scale=v_scale))
 
 
-class ContextKVPlan:
+class ContextKVPlan(_BoundToMemory):
     """The precompute of one model's weights into one set of caches (see the module)."""
 
     __slots__ = ("_model", "_backend", "_runners")

@@ -85,11 +85,17 @@ def int_bound(name: str, value: Any, *, low: int, high: int = INT32_MAX) -> int:
     return int(value)
 
 
+_FLOAT32 = torch.finfo(torch.float32)
+
+
 def positive_float(name: str, value: Any) -> float:
+    """A scale as a Python float: positive, and a normal float32 (kernels take scales in
+    float32, where a smaller value flushes to 0 and a larger one is inf)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name}: expected a positive finite scale, got {value}")
+    if not _FLOAT32.tiny <= value <= _FLOAT32.max:
+        raise ValueError(f"{name}: expected a positive finite scale (a normal float32, "
+                         f"[{_FLOAT32.tiny:.3g}, {_FLOAT32.max:.3g}]), got {value}")
     return float(value)
 
 
@@ -122,32 +128,34 @@ def internal_overlap(t: torch.Tensor) -> bool:
     return any(st <= 0 for _, st in dims) or not _nested(dims)
 
 
+def byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes from ``t``'s first element to the end of its last: ``[first, end)`` (not
+    empty, strides >= 0)."""
+    first = t.data_ptr()
+    return first, first + (sum((s - 1) * st for s, st in _dims(t)) + 1) * t.element_size()
+
+
 def provably_disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` touch no common element. Exact for tensors in different
-    storages, for byte ranges that do not meet, for views that differ only by offset
-    (vLLM's K/V halves of one cache) and for views that share their outer dimensions and
-    keep their inner parts in disjoint ranges of each outer cell (vLLM's CPU pages: K
-    transposed, then V, per block and head; ROCM_ATTN's K and V pages of a block). Anything
-    else is reported as not provable."""
-    if a.numel() == 0 or b.numel() == 0:
+    """Whether ``a`` and ``b`` touch no common element, judged by memory addresses (two
+    storages may share memory: numpy views, ``from_blob``, DLPack). Exact for byte ranges
+    that do not meet, for views that differ only by offset (vLLM's K/V halves of one
+    cache) and for views that share their outer dimensions and keep their inner parts in
+    disjoint ranges of each outer cell (vLLM's CPU pages: K transposed, then V, per block
+    and head; ROCM_ATTN's K and V pages of a block). Anything else is reported as not
+    provable."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
         return True
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+    (a_first, a_end), (b_first, b_end) = byte_span(a), byte_span(b)
+    if a_end <= b_first or b_end <= a_first:
         return True
-    base = a.untyped_storage().data_ptr()
     size = a.element_size()
-    if b.element_size() != size:
+    if b.element_size() != size or (a_first - b_first) % size:
         return False
-
-    def span(t: torch.Tensor) -> tuple[int, int]:  # first and last element, in elements of `size`
-        start = (t.data_ptr() - base) // size
-        return start, start + sum((s - 1) * st for s, st in _dims(t))
-
-    if any(st <= 0 for _, st in _dims(a) + _dims(b)):
-        return False
-    (a0, a1), (b0, b1) = span(a), span(b)
-    if a1 < b0 or b1 < a0:
-        return True
     da, db = _dims(a), _dims(b)
+    if any(st <= 0 for _, st in da + db):
+        return False
+    base = min(a_first, b_first)  # first elements, in elements of `size` from the lower one
+    a0, b0 = (a_first - base) // size, (b_first - base) // size
     if sorted(da) == sorted(db) and a0 != b0:
         return _nested(da + [(2, abs(b0 - a0))])  # one tensor with a 2-wide dim: a, then b
     shared = sorted((d for d in da if d in db), key=lambda d: -d[1])
@@ -165,7 +173,12 @@ def provably_disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def check_writable(name: str, t: torch.Tensor | PackedCache) -> None:
+    """A tensor the call writes: one element per address, outside autograd (the operations
+    write in place and have no backward)."""
     t = memory_of(t)
+    if t.requires_grad:
+        raise ValueError(f"{name}: requires grad; this call writes it in place and has no backward (pass a "
+                         "tensor that does not require grad, e.g. a detached one)")
     if internal_overlap(t):
         raise ValueError(f"{name}: a tensor this call writes must not alias itself (an expanded or overlapping "
                          f"view, strides {t.stride()} for shape {list(t.shape)}); pass a tensor with its own "
@@ -180,13 +193,18 @@ def check_disjoint(written: str, w: torch.Tensor | PackedCache, other: str, o: t
 
 def signature(x: Any) -> tuple:
     """What structural checks read of an argument: a tensor's or packed cache's shape,
-    strides, dtype and device; any other value's type and value."""
+    strides, dtype, device and whether it requires grad; a list's or tuple's type and its items' signatures (never
+    the tensors themselves: their values are read per call); any other value's type and
+    value."""
     if isinstance(x, torch.Tensor):
-        return x.shape, x.stride(), x.dtype, x.device
-    if isinstance(x, PackedCache):
+        return x.shape, x.stride(), x.dtype, x.device, x.requires_grad
+    kind = type(x)
+    if kind is PackedCache:
         v = x.view
-        return PackedCache, v.shape, v.stride(), v.dtype, v.device
-    return type(x), x
+        return PackedCache, v.shape, v.stride(), v.dtype, v.device, v.requires_grad
+    if kind is list or kind is tuple:
+        return kind, tuple(map(signature, x))
+    return kind, x
 
 
 class Structure:
@@ -211,10 +229,11 @@ class Structure:
 
 
 class LayoutMemo:
-    """Calls whose structure already passed the structural checks, with what those checks
-    derived (defaults, constant scale tensors). A server makes the same few call structures
-    over and over: each is checked once. Bounded; a lost race between threads only means a
-    second check."""
+    """What was derived once per call structure: the structural checks' results (defaults,
+    constant scale tensors), dispatch's backend choices. A server makes the same few call
+    structures over and over: each is worked out once. Bounded (structures that hold
+    addresses, as the precompute's caches do, would otherwise grow it without end); a lost
+    race between threads only means working one out twice."""
 
     def __init__(self, capacity: int = 1024):
         self._capacity = capacity
@@ -239,11 +258,38 @@ class LayoutMemo:
             self._known.clear()
         self._known[key] = (key, derived)
 
+    def forget(self) -> None:
+        self._known.clear()
 
-def storages_apart(written: torch.Tensor | PackedCache, *others: torch.Tensor | PackedCache) -> bool:
-    """The cheap sufficient test: ``written`` lives in a storage none of ``others`` uses."""
-    mine = memory_of(written).untyped_storage().data_ptr()
-    return all(memory_of(o).untyped_storage().data_ptr() != mine for o in others)
+    def __len__(self) -> int:
+        return len(self._known)
+
+
+def storage_range(t: torch.Tensor | PackedCache) -> tuple[int, int]:
+    """The bytes of the storage under ``t``, ``[start, end)``: every element of ``t`` lies
+    in them. Cheaper than :func:`byte_span` (no walk over the dimensions)."""
+    storage = memory_of(t).untyped_storage()
+    start = storage.data_ptr()
+    return start, start + storage.nbytes()
+
+
+def storages_apart(written: torch.Tensor | PackedCache, *others: torch.Tensor | PackedCache | None,
+                   known: Sequence[tuple[int, int]] = ()) -> bool:
+    """The cheap sufficient test: the memory of ``written``'s storage meets none of
+    ``others``' storages (None entries skipped) nor the ``known`` byte ranges. Addresses,
+    not storage identities: two storages may share memory (numpy views, DLPack). Runs on
+    every call: :func:`storage_range` inlined."""
+    start, end = storage_range(written)
+    for o in others:
+        if o is not None:
+            storage = (o.view if type(o) is PackedCache else o).untyped_storage()
+            o_start = storage.data_ptr()
+            if o_start < end and start < o_start + storage.nbytes():
+                return False
+    for k_start, k_end in known:
+        if k_start < end and start < k_end:
+            return False
+    return True
 
 
 _LAYOUTS_KEPT = 256
@@ -291,6 +337,13 @@ def per_layer(name: str, value: Any, L: int) -> tuple:
     if len(value) != L:
         raise ValueError(f"{name}: expected num_layers={L} entries; got {len(value)}")
     return tuple(value)
+
+
+def holds_tensor(value: Any) -> bool:
+    """Whether a scale argument is, or lists, a tensor: its values may change between calls
+    (vLLM updates scales in place), so it is read at every call, never kept from a check."""
+    return isinstance(value, torch.Tensor) or (
+        isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value))
 
 
 def scale_tensor(name: str, value: Any, n: int, device: torch.device) -> torch.Tensor:

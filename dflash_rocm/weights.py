@@ -50,11 +50,14 @@ class ContextKVWeights:
     round_k_before_rope: bool = False
 
     def __post_init__(self) -> None:
-        L, Hk, D = self.num_layers, self.num_kv_heads, self.head_dim
+        """Checks every field, and keeps its scalars as Python numbers (numpy scalars are
+        accepted: kernels take a numpy scalar argument as a tensor)."""
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise ValueError(f"ContextKVWeights.{name}: expected a positive int, got {value!r}")
+            object.__setattr__(self, name, int(value))
+        L, Hk, D = self.num_layers, self.num_kv_heads, self.head_dim
         tensors = {"hidden_norm_weight": self.hidden_norm_weight, "kv_weight": self.kv_weight,
                    "k_norm_weight": self.k_norm_weight, "cos_sin_cache": self.cos_sin_cache}
         if self.kv_bias is not None:
@@ -87,11 +90,13 @@ class ContextKVWeights:
             raise TypeError(f"ContextKVWeights.is_neox: expected bool, got {type(self.is_neox).__name__}")
         if not _is_real(self.eps) or not (math.isfinite(self.eps) and self.eps > 0):
             raise ValueError(f"ContextKVWeights.eps: expected a positive finite float, got {self.eps!r}")
+        object.__setattr__(self, "eps", float(self.eps))
         if self.v_scale is not None:
             if not _is_real(self.v_scale):
                 raise TypeError(f"ContextKVWeights.v_scale: expected a float or None, got {self.v_scale!r}")
             if not math.isfinite(self.v_scale):
                 raise ValueError(f"ContextKVWeights.v_scale: expected a finite float, got {self.v_scale!r}")
+            object.__setattr__(self, "v_scale", float(self.v_scale))
         if self.rope_layers is not None:
             if not isinstance(self.rope_layers, (tuple, list)) or not all(
                     isinstance(r, bool) for r in self.rope_layers):

@@ -8,9 +8,13 @@ Triton interpreter runs about 1-2 ms per tile-loop iteration), larger on a GPU.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from hypothesis import strategies as st
 
@@ -368,3 +372,113 @@ def precompute_launch_configs(draw):
                                   num_xcds=draw(st.sampled_from([1, 3, 8])),
                                   square_group=draw(st.sampled_from([1, 8])),
                                   heads=draw(st.sampled_from([1, 2])) if split_k == 1 else 1)
+
+
+NUMPY_TYPES = {int: (np.int32, np.int64), float: (np.float32, np.float64)}
+
+
+@st.composite
+def numpy_scalars(draw, value):
+    """``value`` with every Python int and float in it (a list or tuple's too) as a numpy
+    scalar that holds it: what a caller computing with numpy passes. Anything else is
+    returned as it is."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(draw(numpy_scalars(v)) for v in value)
+    if type(value) in NUMPY_TYPES:
+        return draw(st.sampled_from(NUMPY_TYPES[type(value)]))(value)
+    return value
+
+
+@st.composite
+def with_numpy_scalars(draw, case):
+    """An :class:`AttentionCase` or :class:`PrecomputeCase` whose scalar arguments (scale,
+    window, fp8 scales; the weights' eps and value scale) are numpy scalars."""
+    kwargs = {k: draw(numpy_scalars(v)) if k in ("scale", "sliding_window", "k_scale", "v_scale", "k_scales",
+                                                    "v_scales") else v for k, v in case.kwargs.items()}
+    args = case.args
+    if isinstance(case, PrecomputeCase):
+        w = args[2]
+        weights = dataclasses.replace(w, eps=draw(numpy_scalars(w.eps)), v_scale=draw(numpy_scalars(w.v_scale)))
+        args = (*args[:2], weights, *args[3:])
+    return dataclasses.replace(case, args=args, kwargs=kwargs)
+
+
+@dataclass(frozen=True)
+class ScaleForm:
+    """One way callers pass ``n`` fp8 scales: ``floats`` (a float, or a list of them),
+    ``tensor`` (one float tensor of ``n``), ``tensors`` (a list or tuple of one-element
+    tensors, 0-d or ``[1]``: vLLM's per-layer ``_k_scale``). :meth:`update` gives the next
+    call's scales as a caller would: tensors written in place, floats anew."""
+
+    kind: str
+    container: type = list
+    dtype: torch.dtype = torch.float32
+    shape: tuple = (1,)
+
+    def make(self, values: list[float], device: str):
+        if self.kind == "floats":
+            if self.container is float:
+                return values[0] if len(values) == 1 else list(values)
+            return self.container(values)
+        if self.kind == "tensor":
+            return torch.tensor(values, dtype=self.dtype, device=device)
+        return self.container(torch.full(self.shape, v, dtype=self.dtype, device=device) for v in values)
+
+    def update(self, arg, values: list[float]):
+        if self.kind == "floats":
+            return self.make(values, "cpu")
+        if self.kind == "tensor":
+            arg.copy_(torch.tensor(values, dtype=arg.dtype))
+            return arg
+        for t, v in zip(arg, values):
+            t.fill_(v)
+        return arg
+
+
+@st.composite
+def scale_forms(draw, kinds=("floats", "tensor", "tensors")):
+    kind = draw(st.sampled_from(kinds))
+    containers = [float, list, tuple] if kind == "floats" else [list, tuple]
+    return ScaleForm(kind, draw(st.sampled_from(containers)), draw(st.sampled_from([torch.float32, torch.float64])),
+                     draw(st.sampled_from([(), (1,)])))
+
+
+OVERLAPS = ("one_storage", "numpy", "frombuffer")
+
+
+@st.composite
+def overlapping(draw, first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contiguous copies of ``first`` and ``second`` (CPU; shapes, dtypes, values kept) in
+    memory that overlaps by at least one byte: views of one storage, or two storages over
+    one buffer (views of a numpy array, ``torch.frombuffer``), which comparing storages
+    cannot see. The second starts a multiple of 16 bytes from the first, either side."""
+    kind = draw(st.sampled_from(OVERLAPS))
+    na, nb = first.nbytes, second.nbytes
+    d = 16 * draw(st.integers(-((nb - 1) // 16), (na - 1) // 16))  # second's start from first's, in bytes
+    low = min(0, d)
+    buffer = np.zeros(max(na, d + nb) - low, dtype=np.uint8)
+    shared = torch.from_numpy(buffer)
+
+    def place(t: torch.Tensor, at: int) -> torch.Tensor:
+        if kind == "one_storage":
+            raw = shared[at:at + t.nbytes]
+        elif kind == "numpy":
+            raw = torch.from_numpy(buffer[at:at + t.nbytes])
+        else:
+            raw = torch.frombuffer(memoryview(buffer)[at:at + t.nbytes], dtype=torch.uint8)
+        view = raw.view(t.dtype).view(t.shape)
+        view.copy_(t)
+        return view
+
+    a = place(first, -low)
+    b = place(second, d - low)
+    a.copy_(first)  # the second copy may have overwritten part of the first
+    return a, b
+
+
+PLAN_COPIES = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": lambda plan: pickle.loads(pickle.dumps(plan))}
+
+
+def plan_copies():
+    """Ways a caller may copy a plan (each refused: plans are bound to their tensors' memory)."""
+    return st.sampled_from(sorted(PLAN_COPIES)).map(PLAN_COPIES.get)

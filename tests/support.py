@@ -32,3 +32,8 @@ def to_device(args: dict, device: str) -> dict:
             return type(value)(move(v) for v in value)
         return value
     return {k: move(v) for k, v in args.items()}
+
+# Every backend that runs on this machine's CPU tensors (rocm on a simulated architecture,
+# through the interpreter): what "on every backend" means for a CPU test.
+SERVING_HERE = ["reference", "cpu", pytest.param("triton", marks=needs_interpreter),
+                pytest.param("rocm", marks=needs_interpreter)]

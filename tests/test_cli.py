@@ -1,5 +1,7 @@
 """The dflash-rocm command: info, check (table, JSON, exit codes), help."""
 
+import csv
+import io
 import json
 import subprocess
 import sys
@@ -214,9 +216,58 @@ def test_check_refuses_a_truncated_checkpoint_in_one_line(tmp_path, capsys):
     assert "not a readable safetensors file" in one_line_refusal(capsys, "check", "--checkpoint", str(tmp_path))
 
 
-def test_an_unwritable_output_path_is_one_line(tmp_path, capsys, monkeypatch):
+def _never_run(*args, **kwargs):
+    raise AssertionError("the run started before its outputs were checked")
+
+
+def _unwritable(tmp_path, kind: str) -> str:
+    (tmp_path / "a_file").write_text("")
+    return str({"missing folder": tmp_path / "missing" / "out",
+                "a folder": tmp_path,
+                "under a file": tmp_path / "a_file" / "out"}[kind])
+
+
+@pytest.mark.parametrize("kind", ["missing folder", "a folder", "under a file"])
+@pytest.mark.parametrize("flag", ["--json", "--csv", "--plot"])
+def test_an_unwritable_output_path_is_refused_in_one_line_before_the_run(tmp_path, capsys, monkeypatch, flag, kind):
     from dflash_rocm import bench
 
-    monkeypatch.setattr(bench, "run_bench", lambda plan, progress=None: ([], "header"))
-    err = one_line_refusal(capsys, "bench", "--quiet", "--json", str(tmp_path / "missing" / "out.json"))
-    assert "No such file or directory" in err
+    monkeypatch.setattr(bench, "run_bench", _never_run)
+    err = one_line_refusal(capsys, "bench", "--quiet", flag, _unwritable(tmp_path, kind))
+    assert f"dflash-rocm bench: {flag} " in err
+
+
+@pytest.mark.parametrize("argv", [["bench", "--json", "-", "--csv", "-"], ["bench", "--plot", "-"],
+                                  ["bench", "--host", "--json", "-", "--csv", "out.csv"]])
+def test_outputs_that_cannot_all_be_written_are_refused_before_the_run(capsys, monkeypatch, argv):
+    from dflash_rocm import bench, host_bench
+
+    monkeypatch.setattr(bench, "run_bench", _never_run)
+    monkeypatch.setattr(host_bench, "host_rows", _never_run)
+    assert "dflash-rocm bench: " in one_line_refusal(capsys, *argv)
+
+
+def _csv_rows(text: str) -> list[dict]:
+    rows = list(csv.DictReader(io.StringIO(text)))
+    assert rows and all(set(r) == set(rows[0]) and r["op"] == "draft_attention" for r in rows), text
+    return rows
+
+
+@pytest.mark.parametrize("flag,parse", [("--json", json.loads), ("--csv", _csv_rows)])
+def test_an_output_to_stdout_is_all_that_stdout_holds(capsys, monkeypatch, flag, parse):
+    from dflash_rocm import bench
+    from dflash_rocm.bench import BenchRow
+
+    rows = [BenchRow(op="draft_attention", shape="s", case="B=1", backend="cpu", us=12.5)]
+    monkeypatch.setattr(bench, "run_bench", lambda plan, progress=None: (rows, "header"))
+    rc, out, _ = run_cli(capsys, "bench", "--quiet", "--op", "attention", flag, "-")
+    assert rc == 0 and parse(out)
+
+
+def test_bench_host_json_to_stdout_parses(capsys, monkeypatch):
+    from dflash_rocm import host_bench
+
+    row = host_bench.HostRow("draft_attention", "triton", False, "call", 10.0, 1, None, None, 25.0)
+    monkeypatch.setattr(host_bench, "host_rows", lambda *a, **k: [row])
+    rc, out, _ = run_cli(capsys, "bench", "--host", "--json", "-")
+    assert rc == 0 and json.loads(out)[0]["host_us"] == 10.0

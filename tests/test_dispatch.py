@@ -185,3 +185,16 @@ def test_choice_is_remembered_per_support_key(monkeypatch):
     before = len(walks)
     dflash_rocm.draft_attention(**args)
     assert walks[before:] == ["reference"]
+
+
+def test_remembered_choices_stay_bounded_as_caches_come_and_go():
+    """The precompute's support key holds its caches' addresses: a server that re-creates
+    its caches (or a test suite) makes a new key each time, and the memo of choices must
+    not grow with them."""
+    args = precompute_args()
+    alive = []  # each set of caches at addresses of its own
+    for _ in range(dispatch._CHOICES_KEPT + 40):
+        alive.append([torch.zeros_like(c) for c in args["key_caches"] + args["value_caches"]])
+        dflash_rocm.precompute_and_store_context_kv(**{**args, "key_caches": alive[-1][:2],
+                                                       "value_caches": alive[-1][2:]}, backend="reference")
+    assert 0 < len(dispatch._choices) <= dispatch._CHOICES_KEPT

@@ -6,11 +6,14 @@ wrong silently or crashed before the validation learned about it.
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import dflash_rocm
-from checks import bits, rel_err
-from strategies import relayout
-from support import needs_interpreter
+from checks import bits, check_attention, check_precompute, rel_err
+from dflash_rocm.platform import simulate_platform
+from strategies import CPU_SIZES, attention_cases, precompute_cases, relayout, with_numpy_scalars
+from support import SERVING_HERE, needs_interpreter
 from test_validation import attention_args, precompute_args
 
 BACKENDS = ["reference", pytest.param("triton", marks=needs_interpreter)]
@@ -171,6 +174,18 @@ def test_scalars_out_of_range_are_refused(name, value, error):
         dflash_rocm.draft_attention(**attention_args(), **{name: value})
 
 
+@pytest.mark.parametrize("backend", SERVING_HERE)
+@pytest.mark.parametrize("scale", [0.0, -0.125, -float("inf"), 1e-45, 1e39])
+def test_a_scale_that_is_not_a_positive_float32_is_refused_on_every_backend(backend, scale):
+    """Kernels apply the scale in each exponent, in float32: a non-positive one made every
+    row NaN, and one that float32 flushes to 0 or inf would too."""
+    args = attention_args()
+    before = args["out"].clone()
+    with simulate_platform("gfx942"), pytest.raises(ValueError, match="scale: expected a positive finite scale"):
+        dflash_rocm.draft_attention(**args, scale=scale, backend=backend)
+    assert torch.equal(args["out"], before)
+
+
 def test_meta_tensors_are_refused_with_a_clear_error():
     args = {k: v.to("meta") for k, v in attention_args().items()}
     with pytest.raises(ValueError, match="meta device"):
@@ -198,3 +213,33 @@ def test_aliasing_is_judged_per_call_not_only_per_structure():
     p["context_states"] = p["key_caches"][1].view(-1)[:p["context_states"].numel()].view(p["context_states"].shape)
     with pytest.raises(ValueError, match="context_states"):
         dflash_rocm.precompute_and_store_context_kv(**p)
+
+
+@pytest.mark.parametrize("backend", SERVING_HERE)
+@given(data=st.data())
+def test_numpy_scalars_are_served_as_the_python_numbers_they_hold(backend, data):
+    with simulate_platform("gfx942"):
+        check_attention(data.draw(with_numpy_scalars(data.draw(attention_cases(CPU_SIZES)))), backend)
+        check_precompute(data.draw(with_numpy_scalars(data.draw(precompute_cases(CPU_SIZES)))), backend)
+
+
+@pytest.mark.parametrize("backend", SERVING_HERE)
+def test_a_written_tensor_that_requires_grad_is_refused_on_every_backend(backend):
+    """The operations write in place and have no backward: reference and cpu raised
+    autograd's RuntimeError mid-call. Each is first served without grad, so the refusal
+    cannot come from a check that ran once for the call's shapes."""
+    args, p = attention_args(), precompute_args()
+    with simulate_platform("gfx942"):
+        dflash_rocm.draft_attention(**args, backend=backend)
+        dflash_rocm.precompute_and_store_context_kv(**p, backend=backend)
+        plan = dflash_rocm.plan_draft_attention(**args, backend=backend)
+        out = args["out"].clone().requires_grad_()
+        with pytest.raises(ValueError, match="out: requires grad"):
+            dflash_rocm.draft_attention(**{**args, "out": out}, backend=backend)
+        with pytest.raises(ValueError, match="requires grad"):
+            plan.run(args["query"], args["key_cache"], args["value_cache"], out=out)
+        p["value_caches"][1].requires_grad_()
+        before = [bits(c.detach()).clone() for c in p["key_caches"] + p["value_caches"]]
+        with pytest.raises(ValueError, match=r"value_caches\[1\]: requires grad"):
+            dflash_rocm.precompute_and_store_context_kv(**p, backend=backend)
+    assert all(torch.equal(b, bits(c.detach())) for b, c in zip(before, p["key_caches"] + p["value_caches"]))

@@ -9,12 +9,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import dflash_rocm
-from checks import check_precompute, clone_arg, poison, rel_err
+from checks import check_attention, check_precompute, clone_arg, poison, rel_err
 from dflash_rocm.contract import FP8_DTYPES
 from dflash_rocm.contract import spec_tolerance as tolerance
 from dflash_rocm.paged import PackedCache
 from dflash_rocm.platform import simulate_platform
-from strategies import CPU_SIZES, PACKINGS, attention_cases, make_generator, precompute_cases
+from strategies import CPU_SIZES, PACKINGS, attention_cases, make_generator, plan_copies, precompute_cases
 from support import needs_interpreter
 from test_validation import attention_args, precompute_args
 
@@ -176,3 +176,45 @@ def test_a_precompute_plan_refuses_states_that_share_memory_with_a_cache():
     states = cache.view(-1)[:p["context_states"].numel()].view_as(p["context_states"])
     with pytest.raises(ValueError, match="shares memory with context_states"):
         plan.run(states, p["positions"], p["slot_mapping"])
+
+
+@pytest.mark.parametrize("backend", PRECOMPUTE_BACKENDS)
+@given(data=st.data())
+def test_a_plan_refuses_to_be_copied_or_pickled_and_the_original_keeps_serving(backend, data):
+    """A plan is bound to its tensors' memory: a deep copy wrote the original's caches
+    (its key holds their addresses), and some backends' plans could not be pickled at all."""
+    case = data.draw(precompute_cases(CPU_SIZES))
+    states, positions, weights, key_caches, value_caches, slot_mapping = case.args
+    kwargs = dict(case.kwargs)
+    return_kv = kwargs.pop("return_kv")
+    attention = data.draw(attention_cases(CPU_SIZES))
+    with simulate_platform("gfx942"):
+        precompute_plan = dflash_rocm.plan_context_kv(weights, key_caches, value_caches, **kwargs, backend=backend)
+        attention_plan = dflash_rocm.plan_draft_attention(*attention.args, **attention.kwargs, backend=backend)
+        for plan in (precompute_plan, attention_plan):
+            with pytest.raises(TypeError, match="cannot be copied or pickled"):
+                data.draw(plan_copies())(plan)
+        check_precompute(case, backend, run=lambda call: precompute_plan.run(states, positions, slot_mapping,
+                                                                             return_kv=return_kv))
+        query, key_cache, value_cache = attention.args[:3]
+        check_attention(attention, backend, run=lambda call: attention_plan.run(query, key_cache, value_cache,
+                                                                                out=call.out))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(data=st.data())
+def test_a_plan_reads_the_batch_written_into_its_tensors_strided_or_not(backend, data):
+    """The next batch written in place into the planned block table, sequence lengths and
+    sinks (within the planned bounds) is what the next run attends over, whether those
+    tensors are contiguous or strided views (which validation copies)."""
+    case = data.draw(attention_cases(CPU_SIZES))  # index tensors contiguous, padded or column-major
+    query, key_cache, value_cache, block_table, _, seq_lens = case.args
+    g = make_generator(data.draw(st.integers(0, 2 ** 31 - 1)), "cpu")
+    with simulate_platform("gfx942"):
+        plan = dflash_rocm.plan_draft_attention(*case.args, **case.kwargs, backend=backend)
+        block_table.copy_(torch.randint(0, key_cache.shape[0], block_table.shape, generator=g))
+        shorter = [q + int(torch.randint(0, s - q + 1, (), generator=g)) for q, s in zip(case.q_lens, case.seq_lens)]
+        seq_lens.copy_(torch.tensor(shorter))
+        if case.kwargs["sinks"] is not None:
+            case.kwargs["sinks"].copy_(torch.randn(case.kwargs["sinks"].shape, generator=g))
+        check_attention(case, backend, run=lambda call: plan.run(query, key_cache, value_cache, out=call.out))

@@ -6,8 +6,6 @@ for CPU tensors, as device-side asserts for GPU tensors, skipped by ``validate=F
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass
 
 import torch
@@ -15,8 +13,9 @@ import torch
 from ...contract import FP8_DTYPES, QUERY_DTYPES
 from ... import launches
 from ...validation import (IndexChecks, LayoutMemo, cache_arg, check_device, check_disjoint, check_dtype,
-                           check_layout_once, check_scale_values, check_shape, check_writable, index_tensor, int_bound,
-                           scale_tensor, signature, storages_apart, tensor_arg)
+                           check_layout_once, check_scale_values, check_shape, check_writable, holds_tensor, index_tensor,
+                           int_bound, positive_float, scale_tensor, signature, storage_range, storages_apart,
+                           tensor_arg)
 from .call import AttentionCall
 
 
@@ -28,6 +27,7 @@ class _Derived:
     """What the structural checks of one call structure settle for every call of it."""
 
     scale: float
+    sliding_window: int | None  # a Python int: kernels take numpy integers as tensors
     k_scale: torch.Tensor | None  # the fp8 scale as a device tensor when given as a float
     v_scale: torch.Tensor | None
 
@@ -51,10 +51,9 @@ def attention_call(query, key_cache, value_cache, block_table, query_start_loc, 
             _STRUCTURES.remember(key, derived)
     else:
         key, derived = known
-    if out is None:
+    fresh_out = out is None
+    if fresh_out:
         out = torch.empty_like(query)
-    else:
-        check_out_apart(out, query, key_cache, value_cache)
     if max_query_len is not None:
         max_query_len = int_bound("max_query_len", max_query_len, low=0)
     if max_seq_len is not None:
@@ -80,11 +79,14 @@ def attention_call(query, key_cache, value_cache, block_table, query_start_loc, 
         if checks.on_host and seq_lens.shape[0]:  # free on the host: exact bounds size the launch
             max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
             max_seq_len = int(seq_lens.max())
-    return AttentionCall(query=query, key_cache=key_cache, value_cache=value_cache,
+    call = AttentionCall(query=query, key_cache=key_cache, value_cache=value_cache,
                          block_table=block_table, query_start_loc=query_start_loc, seq_lens=seq_lens,
-                         out=out, scale=derived.scale, causal=causal, sliding_window=sliding_window,
+                         out=out, scale=derived.scale, causal=causal, sliding_window=derived.sliding_window,
                          sinks=sinks, k_scale=k_scale_t, v_scale=v_scale_t,
                          max_query_len=max_query_len, max_seq_len=max_seq_len, layout=key)
+    if not fresh_out:
+        check_out_apart(call)
+    return call
 
 
 def _check_structure(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, sinks, scale,
@@ -137,35 +139,50 @@ def _check_structure(query, key_cache, value_cache, block_table, query_start_loc
         check_shape("sinks", sinks, (Hq,), f"[num_q_heads={Hq}]")
         check_device("sinks", sinks, device)
     if sliding_window is not None:
-        int_bound("sliding_window", sliding_window, low=1)
+        sliding_window = int_bound("sliding_window", sliding_window, low=1)
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected bool, got {type(causal).__name__}")
-    if scale is None:
-        scale = D ** -0.5
-    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
-        raise ValueError(f"scale: expected a finite float, got {scale!r}")
+    # Positive: kernels keep the scores' running max unscaled and apply the scale in each
+    # exponent (the max commutes only with a positive factor; a masked key's -inf score
+    # times a non-positive scale is NaN). No attention layer scales by a non-positive factor.
+    scale = D ** -0.5 if scale is None else positive_float("scale", scale)
     scales = [None, None]
     if key_cache.dtype in FP8_DTYPES:
         for i, (name, given) in enumerate((("k_scale", k_scale), ("v_scale", v_scale))):
             t = scale_tensor(name, 1.0 if given is None else given, 1, device)  # checks a tensor's form too
-            if not isinstance(given, torch.Tensor):
+            if not holds_tensor(given):
                 scales[i] = t  # a float: constant for every call of this structure
-    return _Derived(float(scale), *scales)
+    return _Derived(scale, sliding_window, *scales)
 
 
-def check_out_apart(out, query, key_cache, value_cache) -> None:
-    """``out`` shares no memory with what the call reads: free when it has a storage of
-    its own (the usual case), else judged once per layout (addresses, shapes, strides)."""
-    if not storages_apart(out, query, key_cache, value_cache):
-        check_layout_once("attention out", (out, query, key_cache, value_cache),
-                          lambda: _check_out_memory(out, query, key_cache, value_cache))
+_READ = ("query", "key_cache", "value_cache", "sinks", "k_scale", "v_scale", "block_table", "query_start_loc",
+         "seq_lens")  # every tensor an attention call reads; the batch's index tensors last
+_BATCH = 3
 
 
-def _check_out_memory(out, query, key_cache, value_cache) -> None:
-    """``out`` shares no memory with anything the call reads (it does not alias itself:
-    a structural check)."""
-    for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
-        check_disjoint("out", out, name, t)
+def batch_memory(call: AttentionCall) -> tuple:
+    """The storage ranges of the call's index tensors: what a plan keeps for every run."""
+    return tuple(storage_range(getattr(call, name)) for name in _READ[-_BATCH:])
+
+
+def check_out_apart(call: AttentionCall, batch: tuple | None = None) -> None:
+    """``call.out`` shares no memory with anything the call reads: free when its storage's
+    memory meets none of theirs (the usual case), else judged once per layout (addresses,
+    shapes, strides). ``batch``: :func:`batch_memory`, when a plan kept it. That ``out``
+    does not alias itself is a structural check."""
+    c = call
+    index = (c.block_table, c.query_start_loc, c.seq_lens) if batch is None else ()
+    if not storages_apart(c.out, c.query, c.key_cache, c.value_cache, c.sinks, c.k_scale, c.v_scale, *index,
+                          known=batch or ()):
+        read = [getattr(c, name) for name in _READ]
+        check_layout_once("attention out", [c.out, *(t for t in read if t is not None)],
+                          lambda: _check_out_memory(c.out, read))
+
+
+def _check_out_memory(out, read: list) -> None:
+    for name, t in zip(_READ, read):
+        if t is not None:
+            check_disjoint("out", out, name, t)
 
 
 def _check_indices(checks: IndexChecks, qsl, seq_lens, block_table, T, num_blocks, block_size) -> None:

@@ -13,9 +13,9 @@ import torch
 
 from ...contract import FP8_DTYPES, QUERY_DTYPES
 from ... import launches
-from ...validation import (IndexChecks, LayoutMemo, Structure, cache_arg, check_device, check_disjoint, check_dtype,
-                           check_layout_once, check_scale_values, check_shape, check_writable, index_tensor, per_layer,
-                           scale_tensor, signature, storages_apart, tensor_arg)
+from ...validation import (IndexChecks, LayoutMemo, Structure, byte_span, cache_arg, check_device, check_disjoint,
+                           check_dtype, check_layout_once, check_scale_values, check_shape, check_writable,
+                           holds_tensor, index_tensor, per_layer, scale_tensor, signature, storages_apart, tensor_arg)
 from ...paged import PackedCache, cache_packing, memory_of
 from ...weights import ContextKVWeights
 from .call import PrecomputeCall
@@ -28,6 +28,10 @@ _STRUCTURES = LayoutMemo()
 class _Derived:
     """What the structural checks of one call structure settle for every call of it."""
 
+    fp8: bool  # the written caches are fp8: scales are used
+    # The written caches' bytes (exact spans: the structure holds their addresses, shapes and
+    # strides): a read tensor whose storage meets none of them needs no overlap test.
+    written_memory: tuple
     k_scales: torch.Tensor | None  # fp8 scales as a device tensor when given as floats (or defaulted)
     v_scales: torch.Tensor | None
 
@@ -46,18 +50,14 @@ class ModelArguments:
     k_scales: object
     v_scales: object
     key: Structure | tuple  # their signatures and the caches' addresses (hashed once)
-    storages: frozenset  # the caches' storages: states outside all of them need no overlap test
 
 
 def model_arguments(weights, key_caches, value_caches, k_scales=None, v_scales=None) -> ModelArguments:
     frozen = [tuple(c) if isinstance(c, (list, tuple)) else c for c in (key_caches, value_caches, k_scales, v_scales)]
     key_caches, value_caches, k_scales, v_scales = frozen
-    caches = [c for group in (key_caches, value_caches) if isinstance(group, tuple) for c in group
-              if isinstance(c, (torch.Tensor, PackedCache))]
-    key = (_weights_signature(weights), _caches(key_caches), _caches(value_caches), _sequence(k_scales),
-           _sequence(v_scales))
-    return ModelArguments(weights, key_caches, value_caches, k_scales, v_scales, LayoutMemo.structure(key) or key,
-                          frozenset(memory_of(c).untyped_storage().data_ptr() for c in caches))
+    key = (_weights_signature(weights), _caches(key_caches), _caches(value_caches), signature(k_scales),
+           signature(v_scales))
+    return ModelArguments(weights, key_caches, value_caches, k_scales, v_scales, LayoutMemo.structure(key) or key)
 
 
 def precompute_call(context_states, positions, weights, key_caches, value_caches, slot_mapping, *,
@@ -92,19 +92,22 @@ def bound_precompute_call(model: ModelArguments, context_states, positions, slot
         slots = tuple(None if s is None else _contiguous(s) for s in slot_mapping)
     kcs = tuple(key_caches) if key_caches is not None else (None,) * L
     vcs = tuple(value_caches) if value_caches is not None else (None,) * L
-    written = [kcs[i] for i, s in enumerate(slots) if s is not None] + [
-        vcs[i] for i, s in enumerate(slots) if s is not None]
-    if written and memory_of(context_states).untyped_storage().data_ptr() in model.storages and not storages_apart(
-            context_states, *written):
-        check_layout_once("precompute states", [context_states, *written],
-                          lambda: _check_states_apart(context_states, written))
     device = context_states.device
     ks, vs = derived.k_scales, derived.v_scales
-    if ks is None and isinstance(k_scales, torch.Tensor):
+    if derived.fp8 and ks is None:
         ks = scale_tensor("k_scales", k_scales, L, device)
-    if vs is None and isinstance(v_scales, torch.Tensor):
+    if derived.fp8 and vs is None:
         vs = scale_tensor("v_scales", v_scales, L, device)
     positions = _contiguous(positions)
+    written = [kcs[i] for i, s in enumerate(slots) if s is not None] + [
+        vcs[i] for i, s in enumerate(slots) if s is not None]
+    shared = isinstance(slot_mapping, torch.Tensor)
+    reads = (context_states, positions, ks, vs, *(slots[:1] if shared else slots))
+    if written and not all(storages_apart(t, known=derived.written_memory) for t in reads if t is not None):
+        names = ("context_states", "positions", "k_scales", "v_scales",
+                 *(["slot_mapping"] if shared else [f"slot_mapping[{i}]" for i in range(L)]))
+        named = [(name, t) for name, t in zip(names, reads) if t is not None]
+        check_layout_once("precompute reads", [t for _, t in named] + written, lambda: _check_reads_apart(named, written))
     if validate:
         checks = IndexChecks(device)
         _check_indices(checks, positions, weights.max_position, slots, kcs)
@@ -131,11 +134,11 @@ def _weights_signature(weights) -> tuple:
 
 
 def _sequence(value) -> tuple:
-    """The signature of an argument that may be a sequence (per-layer slots or scales),
-    with which entries are the same object (layers sharing a mapping may not share a cache)."""
+    """The signature of an argument that may be a sequence (per-layer slots), with which
+    entries are the same object (layers sharing a mapping may not share a cache)."""
     if isinstance(value, (list, tuple)):
-        firsts = {}
-        return type(value), tuple(map(signature, value)), tuple(firsts.setdefault(id(v), i) for i, v in enumerate(value))
+        firsts: dict[int, int] = {}
+        return signature(value), tuple(firsts.setdefault(id(v), i) for i, v in enumerate(value))
     return signature(value)
 
 
@@ -213,13 +216,14 @@ def _check_structure(context_states, positions, weights, key_caches, value_cache
         raise ValueError(f"key_caches/value_caches: every written layer must use one page layout; got "
                          f"(row pack, dim pack) of (K, V) per layer {[cache_packing(kcs[i], vcs[i]) for i in written]}")
     _check_caches_apart([kcs[i] for i in written], [vcs[i] for i in written], written, slots)
+    memory = tuple(byte_span(memory_of(c)) for c in [kcs[i] for i in written] + [vcs[i] for i in written])
     if cache_dtype not in FP8_DTYPES:
-        return _Derived(None, None)
+        return _Derived(False, memory, None, None)
     scales = []
     for name, given in (("k_scales", k_scales), ("v_scales", v_scales)):
         t = scale_tensor(name, [1.0] * L if given is None else given, L, device)  # checks the form of a tensor too
-        scales.append(None if isinstance(given, torch.Tensor) else t)
-    return _Derived(*scales)
+        scales.append(None if holds_tensor(given) else t)
+    return _Derived(True, memory, *scales)
 
 
 def _check_indices(checks: IndexChecks, positions, max_position, slots, caches) -> None:
@@ -267,6 +271,8 @@ def _same_view(a, b) -> bool:
     return a.data_ptr() == b.data_ptr() and signature(a) == signature(b)
 
 
-def _check_states_apart(states: torch.Tensor, caches: list) -> None:
-    for c in caches:
-        check_disjoint("a written cache", c, "context_states", states)
+def _check_reads_apart(reads: list, caches: list) -> None:
+    """No written cache shares memory with a tensor the call reads (``reads``: name, tensor)."""
+    for name, t in reads:
+        for c in caches:
+            check_disjoint("a written cache", c, name, t)
