@@ -1,7 +1,11 @@
-"""Tiny random models for vLLM's DFlash path on CPU: a Qwen3 target and a DFlash draft.
+"""Tiny random models for vLLM's DFlash path on CPU: a Qwen3 target and a DFlash draft,
+and drafts of the other members of vLLM's DFlash family (``write_dflash2``,
+``write_muse_glimmer``, ``write_qwen3_dspark``, ``write_lilicorr``, ``write_laguna``): each
+the DFlash draft plus what that member's vLLM class reads, for the same target.
 
-Written on the fly (a few hundred KB) by the vLLM end-to-end tests and by
-``dflash-rocm bench --vllm``, so neither needs a download.
+Written on the fly (float32: a 3.3 MB target, a 1.3 MB draft to which a member adds at
+most 170 KB) by the vLLM end-to-end tests and by ``dflash-rocm bench --vllm``, so neither
+needs a download.
 
 The target is almost a bigram model (lm_head reads dims 0-63); draft layer 0 makes every
 mask slot attend to the bonus token through a marker direction in low-frequency RoPE

@@ -174,3 +174,32 @@ def test_a_plan_made_for_max_model_len_serves_every_shorter_replay(backend, arch
             ref = dflash_rocm.draft_attention(*inputs.args(), **inputs.kwargs, backend="reference")
             err = rel_err(out, ref)
             assert err <= spec_tolerance(torch.float16, torch.float16), f"{backend} replay {contexts}: {err:.2e}"
+
+
+@pytest.mark.parametrize("backend,arch", TARGETS)
+def test_a_context_kv_plan_serves_replays_with_new_states_positions_and_slots(backend, arch):
+    """The precompute's plan (weights and caches taken once) run over new states, positions
+    and slot mappings written into the same tensors, padding rows on slot -1 as a captured
+    batch pads them: each run writes what the reference writes, and nothing else."""
+    inputs = precompute_inputs(SHAPE, 24, torch.float16, torch.float16, torch.device("cpu"))
+    caches = inputs.key_caches + inputs.value_caches
+    capacity = caches[0].shape[0] * caches[0].shape[1]
+    with simulate_platform(arch) if arch else contextlib.nullcontext():
+        plan = dflash_rocm.plan_context_kv(inputs.weights, inputs.key_caches, inputs.value_caches, backend=backend)
+        for seed, padding in enumerate((0, 7, 24)):
+            g = make_generator(seed + 100, "cpu")
+            inputs.states.copy_(torch.randn(inputs.states.shape, generator=g))
+            inputs.positions.copy_(torch.randint(0, 4096, inputs.positions.shape, generator=g))
+            slots = torch.randperm(capacity, generator=g)[:inputs.slot_mapping.numel()]
+            slots[slots.numel() - padding:] = -1
+            inputs.slot_mapping.copy_(slots)
+            for c in caches:
+                c.zero_()
+            plan.run(inputs.states, inputs.positions, inputs.slot_mapping)
+            expected = [torch.zeros_like(c) for c in caches]
+            dflash_rocm.precompute_and_store_context_kv(inputs.states, inputs.positions, inputs.weights,
+                                                        expected[:SHAPE.layers], expected[SHAPE.layers:],
+                                                        inputs.slot_mapping, backend="reference")
+            for got, want in zip(caches, expected):
+                assert rel_err(got, want) <= spec_tolerance(torch.float16, torch.float16), (backend, seed)
+                assert torch.equal(got == 0, want == 0), (backend, seed)  # the same rows written
