@@ -83,9 +83,9 @@ def test_vllm_off_in_any_spelling_leaves_vllm_untouched(word, monkeypatch):
     fake.ModelRegistry = types.SimpleNamespace(register_model=lambda *a: registered.append(a))
     monkeypatch.setitem(sys.modules, "vllm", fake)
     monkeypatch.setenv("DFLASH_ROCM_VLLM", word)
-    monkeypatch.setattr(vllm_plugin, "_registered", False)
+    monkeypatch.setattr(vllm_plugin, "_originals", {})
     vllm_plugin.register()
-    assert registered == [] and not vllm_plugin._registered
+    assert registered == [] and not vllm_plugin._originals
     assert f"DFLASH_ROCM_VLLM={word}" in vllm_plugin.plugin_status()["reasons"]
 
 

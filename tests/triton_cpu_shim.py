@@ -18,6 +18,14 @@ class _ActiveDriver:
         return True
 
 
+class _NoCompiler:
+    """Compiles for no target, so Triton's own compile path never picks the stand-in."""
+
+    @staticmethod
+    def supports_target(target) -> bool:
+        return False
+
+
 def install() -> None:
     """Idempotent; requires the interpreter (set by conftest on machines without a GPU)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -26,7 +34,7 @@ def install() -> None:
         import triton.backends
     except ImportError:
         return
-    triton.backends.backends.setdefault("cpu", SimpleNamespace(driver=_ActiveDriver, compiler=None))
+    triton.backends.backends.setdefault("cpu", SimpleNamespace(driver=_ActiveDriver, compiler=_NoCompiler))
     _type_comparisons_as_int1()
 
 
