@@ -20,7 +20,6 @@ Every message names the argument, what was expected and what was received.
 
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Any, Callable, Sequence
 

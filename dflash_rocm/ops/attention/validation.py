@@ -12,9 +12,9 @@ import torch
 
 from ...contract import FP8_DTYPES, QUERY_DTYPES
 from ...validation import (IndexChecks, LayoutMemo, cache_arg, check_device, check_disjoint, check_dtype,
-                           check_layout_once, check_scale_values, check_shape, check_writable, holds_tensor, index_tensor,
-                           int_bound, positive_float, scale_tensor, signature, storage_range, storages_apart,
-                           tensor_arg)
+                           check_layout_once, check_scale_values, check_shape, check_writable, holds_tensor,
+                           index_tensor, int_bound, positive_float, scale_tensor, signature, storage_range,
+                           storages_apart, tensor_arg)
 from .call import AttentionCall
 
 
@@ -153,14 +153,13 @@ def _check_structure(query, key_cache, value_cache, block_table, query_start_loc
     return _Derived(scale, sliding_window, *scales)
 
 
-_READ = ("query", "key_cache", "value_cache", "sinks", "k_scale", "v_scale", "block_table", "query_start_loc",
-         "seq_lens")  # every tensor an attention call reads; the batch's index tensors last
-_BATCH = 3
+_INDEX = ("block_table", "query_start_loc", "seq_lens")  # the batch
+_READ = ("query", "key_cache", "value_cache", "sinks", "k_scale", "v_scale", *_INDEX)  # every tensor a call reads
 
 
 def batch_memory(call: AttentionCall) -> tuple:
     """The storage ranges of the call's index tensors: what a plan keeps for every run."""
-    return tuple(storage_range(getattr(call, name)) for name in _READ[-_BATCH:])
+    return tuple(storage_range(getattr(call, name)) for name in _INDEX)
 
 
 def check_out_apart(call: AttentionCall, batch: tuple | None = None) -> None:

@@ -105,7 +105,8 @@ def bound_precompute_call(model: ModelArguments, context_states, positions, slot
         names = ("context_states", "positions", "k_scales", "v_scales",
                  *(["slot_mapping"] if shared else [f"slot_mapping[{i}]" for i in range(L)]))
         named = [(name, t) for name, t in zip(names, reads) if t is not None]
-        check_layout_once("precompute reads", [t for _, t in named] + written, lambda: _check_reads_apart(named, written))
+        check_layout_once("precompute reads", [t for _, t in named] + written,
+                          lambda: _check_reads_apart(named, written))
     if validate:
         checks = IndexChecks(device)
         _check_indices(checks, positions, weights.max_position, slots, kcs)
