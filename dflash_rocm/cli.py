@@ -457,8 +457,6 @@ def build_parser() -> argparse.ArgumentParser:
                     "captured with max_seq_len = max_model_len) beside their eager plans. Every "
                     "assumption is printed; nothing is measured. Compiled facts are cached on disk.",
         **_examples(("dflash-rocm inspect", "the whole sweep (a few minutes cold, seconds from the cache)"),
-                    ("dflash-rocm inspect --target gfx942 --op attention --batch 1 --context 8192",
-                     "one case on MI300X"),
                     ("dflash-rocm inspect --target sm_90 --op attention --batch 1,8 --context 1024,8192 "
                      "--planned 32768,131072", "those cases under plans captured for 32k and 128k on H200"),
                     ("dflash-rocm inspect --json audit.json", "every fact, machine-readable")))

@@ -20,7 +20,6 @@ Every message names the argument, what was expected and what was received.
 
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Any, Callable, Sequence
 
@@ -273,23 +272,35 @@ def storage_range(t: torch.Tensor | PackedCache) -> tuple[int, int]:
     return start, start + storage.nbytes()
 
 
-def storages_apart(written: torch.Tensor | PackedCache, *others: torch.Tensor | PackedCache | None,
-                   known: Sequence[tuple[int, int]] = ()) -> bool:
-    """The cheap sufficient test: the memory of ``written``'s storage meets none of
-    ``others``' storages (None entries skipped) nor the ``known`` byte ranges. Addresses,
-    not storage identities: two storages may share memory (numpy views, DLPack). Runs on
-    every call: :func:`storage_range` inlined."""
-    start, end = storage_range(written)
-    for o in others:
-        if o is not None:
-            storage = (o.view if type(o) is PackedCache else o).untyped_storage()
-            o_start = storage.data_ptr()
-            if o_start < end and start < o_start + storage.nbytes():
-                return False
-    for k_start, k_end in known:
-        if k_start < end and start < k_end:
-            return False
-    return True
+def merged_ranges(ranges) -> tuple[tuple[int, int], ...]:
+    """Byte ranges ``[start, end)`` sorted and merged where they meet: what
+    :func:`storages_meet` tests against."""
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return tuple(merged)
+
+
+def storages_meet(tensors: Sequence[torch.Tensor | PackedCache | None], ranges: Sequence[tuple[int, int]]) -> bool:
+    """The cheap sufficient test of the overlap checks, run on every call: whether the
+    memory of the storage under any of ``tensors`` (None skipped) meets one of ``ranges``
+    (:func:`merged_ranges`; their hull is tested first). False proves the tensors apart from
+    that memory. Addresses, not storage identities: two storages may share memory (numpy
+    views, DLPack)."""
+    if not ranges:
+        return False
+    low, high = ranges[0][0], ranges[-1][1]
+    for t in tensors:
+        if t is not None:
+            storage = (t.view if type(t) is PackedCache else t).untyped_storage()
+            start = storage.data_ptr()
+            end = start + storage.nbytes()
+            if start < high and low < end and any(r_start < end and start < r_end for r_start, r_end in ranges):
+                return True
+    return False
 
 
 _LAYOUTS_KEPT = 256

@@ -160,9 +160,10 @@ def seq_layouts(draw, sizes: Sizes, block_size: int):
 @st.composite
 def attention_cases(draw, sizes: Sizes = CPU_SIZES, dtypes=(torch.float32, torch.float16, torch.bfloat16),
                     cache_dtypes=CACHE_DTYPE_CHOICES, allow_out: bool = True,
-                    packings=("plain",)) -> AttentionCase:
+                    packings=("plain",), invisible_fills=INVISIBLE_FILLS) -> AttentionCase:
     """One call; the cache rows no query sees hold NaN, +-Inf or the dtype's largest value
-    when ``invisible`` is drawn (they must never reach the output)."""
+    when ``invisible`` is drawn (they must never reach the output). A test that later
+    points the batch at other rows draws with ``invisible_fills=(None,)``."""
     device = sizes.device
     block_size = draw(st.sampled_from(sizes.block_sizes))
     layout = draw(seq_layouts(sizes, block_size))
@@ -179,7 +180,7 @@ def attention_cases(draw, sizes: Sizes = CPU_SIZES, dtypes=(torch.float32, torch
     scale = draw(st.none() | st.floats(0.05, 0.5))
     memory = draw(st.sampled_from(LAYOUTS))
     packing = draw(st.sampled_from(packings))
-    invisible = draw(st.sampled_from(INVISIBLE_FILLS))
+    invisible = draw(st.sampled_from(invisible_fills))
     seed = draw(st.integers(0, 2**31 - 1))
 
     g = make_generator(seed, device)

@@ -287,7 +287,7 @@ def test_entry_point_is_installed_and_register_is_idempotent():
     from vllm import ModelRegistry
     vllm_plugin.register()
     vllm_plugin.register()
-    assert ModelRegistry.models["DFlashDraftModel"].module_name == "dflash_rocm.vllm_plugin.family"
+    assert ModelRegistry.models["DFlashDraftModel"].module_name == "dflash_rocm.vllm_plugin.model"
 
 
 def test_off_switch_leaves_vllm_untouched(monkeypatch):
@@ -319,7 +319,7 @@ def test_a_vllm_outside_the_known_range_is_left_alone_with_a_warning(monkeypatch
     assert any("steps aside" in r.getMessage() and "0.35.1" in r.getMessage() for r in caplog.records)
     monkeypatch.undo()
     vllm_plugin.register()
-    assert ModelRegistry.models["DFlashDraftModel"].module_name == "dflash_rocm.vllm_plugin.family"
+    assert ModelRegistry.models["DFlashDraftModel"].module_name == "dflash_rocm.vllm_plugin.model"
 
 
 def test_the_version_gate_reads_the_range(monkeypatch):

@@ -2,8 +2,8 @@
 
 Installed, the package exposes :func:`register` as a ``vllm.general_plugins`` entry
 point; vLLM calls it in every process (user, engine core, workers). It points every
-speculative architecture whose vLLM module builds on ``qwen3_dflash`` at
-:mod:`.family`, which hands vLLM a subclass of vLLM's own class (the proposers check
+speculative architecture whose vLLM module builds on ``qwen3_dflash`` (:mod:`.family`) at
+:mod:`.model`, which hands vLLM a subclass of vLLM's own class (the proposers check
 ``isinstance``) whose precompute and draft-layer attention dispatch through dflash_rocm
 where the draft's structure is DFlash's, so ``DFLASH_ROCM_BACKEND`` picks the backend.
 ``DFLASH_ROCM_VLLM=0`` leaves vLLM untouched; so does a vLLM the plugin does not know
@@ -23,6 +23,7 @@ from .compat import incompatibility, vllm_version
 logger = logging.getLogger("dflash_rocm")
 
 PLUGIN_NAME = "dflash_rocm"
+SERVED_MODULE = "dflash_rocm.vllm_plugin.model"  # its __getattr__ resolves an architecture to the served class
 
 _lock = threading.Lock()
 _originals: dict[str, object] = {}  # architecture -> vLLM's registry entry, while ours is in place
@@ -52,7 +53,7 @@ def register() -> None:
             return
         for arch in candidates:
             _originals[arch] = ModelRegistry.models.get(arch)
-            ModelRegistry.register_model(arch, f"{family.MODULE}:{arch}")
+            ModelRegistry.register_model(arch, f"{SERVED_MODULE}:{arch}")
         _forget_resolved_drafts()
     logger.info("dflash_rocm serves vLLM's DFlash-family drafts where their structure is DFlash's (%s)",
                 ", ".join(sorted(candidates)))

@@ -4,8 +4,8 @@ vLLM ships a family of block drafters (DFlash, DFlash2, Muse Glimmer, DSpark, Li
 XPress, Laguna, ...), most of them built on ``DFlashQwen3Model`` and so on the same two
 operations. The plugin does not keep a list of names. At registration it wraps every
 speculative-decoding architecture whose vLLM module builds on ``qwen3_dflash`` (a text
-check of the module's source: nothing is imported); when vLLM resolves one, this module's
-``__getattr__`` imports vLLM's class and returns :func:`~.model.served_class` of it, or
+check of the module's source: nothing is imported); when vLLM resolves one, the ``__getattr__``
+of :mod:`.model` imports vLLM's class and returns :func:`~.model.served_class` of it, or
 vLLM's class itself when it has no DFlash precompute. On each built model,
 :func:`precompute_support` and :func:`attention_support` say whether the instance's
 precompute and attention are ``DFlashQwen3Model``'s: a class that overrides them keeps
@@ -24,7 +24,6 @@ import logging
 
 logger = logging.getLogger("dflash_rocm")
 
-MODULE = __name__
 # What a family member's module names: DFlash's classes, or the modules it builds on
 # (vLLM 0.34's ricursive_dflash2 imports only DFlash2's classes, from qwen3_dflash2).
 _DFLASH_MARKS = ("DFlashQwen3", "qwen3_dflash")
@@ -70,23 +69,6 @@ def vllm_class(arch: str) -> type:
     """vLLM's own class for a speculative architecture."""
     module, cls = _speculative_entries()[arch]
     return getattr(importlib.import_module(module), cls)
-
-
-def __getattr__(arch: str):
-    """What vLLM gets for ``dflash_rocm.vllm_plugin.family:<arch>``."""
-    if arch.startswith("__"):
-        raise AttributeError(arch)
-    try:
-        entries = _speculative_entries()
-    except Exception as exc:  # vLLM moved its registry: nothing of ours to resolve
-        raise AttributeError(f"{arch}: {exc}") from exc
-    if arch not in entries:
-        raise AttributeError(f"{MODULE} has no architecture {arch!r}")
-    original = vllm_class(arch)
-    if not hasattr(original, "precompute_and_store_context_kv"):
-        return original
-    from .model import served_class
-    return served_class(original)
 
 
 def _rule_for_precompute(top: type, inner: type | None) -> str | None:

@@ -161,6 +161,21 @@ class ServedDraft:
         return super().precompute_and_store_context_kv(context_states, context_positions, context_slot_mapping)
 
 
+def __getattr__(arch: str):
+    """What vLLM gets for ``dflash_rocm.vllm_plugin.model:<arch>`` (registered lazily by
+    :func:`dflash_rocm.vllm_plugin.register`): the served subclass of vLLM's class for that
+    speculative architecture, or vLLM's class itself when it has no DFlash precompute."""
+    if arch.startswith("__"):
+        raise AttributeError(arch)
+    try:
+        original = family.vllm_class(arch)
+    except Exception as exc:  # not one of vLLM's speculative architectures, or a moved registry
+        raise AttributeError(f"{__name__} has no architecture {arch!r} ({type(exc).__name__}: {exc})") from exc
+    if not hasattr(original, "precompute_and_store_context_kv"):
+        return original
+    return served_class(original)
+
+
 @functools.lru_cache(maxsize=None)
 def served_class(vllm_cls: type) -> type:
     """vLLM's draft class with both operations dispatched through dflash_rocm where its

@@ -13,9 +13,9 @@ import torch
 from ...contract import FP8_DTYPES, QUERY_DTYPES
 from ... import launches
 from ...validation import (IndexChecks, LayoutMemo, cache_arg, check_device, check_disjoint, check_dtype,
-                           check_layout_once, check_scale_values, check_shape, check_writable, holds_tensor, index_tensor,
-                           int_bound, positive_float, scale_tensor, signature, storage_range, storages_apart,
-                           tensor_arg)
+                           check_layout_once, check_scale_values, check_shape, check_writable, holds_tensor,
+                           index_tensor, int_bound, merged_ranges, positive_float, scale_tensor, signature,
+                           storage_range, storages_meet, tensor_arg)
 from .call import AttentionCall
 
 
@@ -155,14 +155,14 @@ def _check_structure(query, key_cache, value_cache, block_table, query_start_loc
     return _Derived(scale, sliding_window, *scales)
 
 
-_READ = ("query", "key_cache", "value_cache", "sinks", "k_scale", "v_scale", "block_table", "query_start_loc",
-         "seq_lens")  # every tensor an attention call reads; the batch's index tensors last
-_BATCH = 3
+_INDEX = ("block_table", "query_start_loc", "seq_lens")  # the batch
+_READ = ("query", "key_cache", "value_cache", "sinks", "k_scale", "v_scale", *_INDEX)  # every tensor a call reads
 
 
 def batch_memory(call: AttentionCall) -> tuple:
-    """The storage ranges of the call's index tensors: what a plan keeps for every run."""
-    return tuple(storage_range(getattr(call, name)) for name in _READ[-_BATCH:])
+    """The memory of the call's index tensors' storages (:func:`merged_ranges`): what a
+    plan keeps for every run."""
+    return merged_ranges(storage_range(getattr(call, name)) for name in _INDEX)
 
 
 def check_out_apart(call: AttentionCall, batch: tuple | None = None) -> None:
@@ -171,9 +171,10 @@ def check_out_apart(call: AttentionCall, batch: tuple | None = None) -> None:
     shapes, strides). ``batch``: :func:`batch_memory`, when a plan kept it. That ``out``
     does not alias itself is a structural check."""
     c = call
+    start, end = storage_range(c.out)
     index = (c.block_table, c.query_start_loc, c.seq_lens) if batch is None else ()
-    if not storages_apart(c.out, c.query, c.key_cache, c.value_cache, c.sinks, c.k_scale, c.v_scale, *index,
-                          known=batch or ()):
+    if storages_meet((c.query, c.key_cache, c.value_cache, c.sinks, c.k_scale, c.v_scale, *index), ((start, end),)) \
+            or any(b_start < end and start < b_end for b_start, b_end in batch or ()):
         read = [getattr(c, name) for name in _READ]
         check_layout_once("attention out", [c.out, *(t for t in read if t is not None)],
                           lambda: _check_out_memory(c.out, read))

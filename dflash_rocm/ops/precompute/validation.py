@@ -15,7 +15,8 @@ from ...contract import FP8_DTYPES, QUERY_DTYPES
 from ... import launches
 from ...validation import (IndexChecks, LayoutMemo, Structure, byte_span, cache_arg, check_device, check_disjoint,
                            check_dtype, check_layout_once, check_scale_values, check_shape, check_writable,
-                           holds_tensor, index_tensor, per_layer, scale_tensor, signature, storages_apart, tensor_arg)
+                           holds_tensor, index_tensor, merged_ranges, per_layer, scale_tensor, signature, storages_meet,
+                           tensor_arg)
 from ...paged import PackedCache, cache_packing, memory_of
 from ...weights import ContextKVWeights
 from .call import PrecomputeCall
@@ -29,8 +30,8 @@ class _Derived:
     """What the structural checks of one call structure settle for every call of it."""
 
     fp8: bool  # the written caches are fp8: scales are used
-    # The written caches' bytes (exact spans: the structure holds their addresses, shapes and
-    # strides): a read tensor whose storage meets none of them needs no overlap test.
+    # The written caches' bytes (exact spans, merged: the structure holds their addresses,
+    # shapes and strides): a read tensor whose storage meets none of them needs no overlap test.
     written_memory: tuple
     k_scales: torch.Tensor | None  # fp8 scales as a device tensor when given as floats (or defaulted)
     v_scales: torch.Tensor | None
@@ -103,11 +104,12 @@ def bound_precompute_call(model: ModelArguments, context_states, positions, slot
         vcs[i] for i, s in enumerate(slots) if s is not None]
     shared = isinstance(slot_mapping, torch.Tensor)
     reads = (context_states, positions, ks, vs, *(slots[:1] if shared else slots))
-    if written and not all(storages_apart(t, known=derived.written_memory) for t in reads if t is not None):
+    if written and storages_meet(reads, derived.written_memory):
         names = ("context_states", "positions", "k_scales", "v_scales",
                  *(["slot_mapping"] if shared else [f"slot_mapping[{i}]" for i in range(L)]))
         named = [(name, t) for name, t in zip(names, reads) if t is not None]
-        check_layout_once("precompute reads", [t for _, t in named] + written, lambda: _check_reads_apart(named, written))
+        check_layout_once("precompute reads", [t for _, t in named] + written,
+                          lambda: _check_reads_apart(named, written))
     if validate:
         checks = IndexChecks(device)
         _check_indices(checks, positions, weights.max_position, slots, kcs)
@@ -216,7 +218,7 @@ def _check_structure(context_states, positions, weights, key_caches, value_cache
         raise ValueError(f"key_caches/value_caches: every written layer must use one page layout; got "
                          f"(row pack, dim pack) of (K, V) per layer {[cache_packing(kcs[i], vcs[i]) for i in written]}")
     _check_caches_apart([kcs[i] for i in written], [vcs[i] for i in written], written, slots)
-    memory = tuple(byte_span(memory_of(c)) for c in [kcs[i] for i in written] + [vcs[i] for i in written])
+    memory = merged_ranges(byte_span(memory_of(c)) for c in [kcs[i] for i in written] + [vcs[i] for i in written])
     if cache_dtype not in FP8_DTYPES:
         return _Derived(False, memory, None, None)
     scales = []
