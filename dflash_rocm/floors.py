@@ -53,5 +53,6 @@ def attention_cost(*, batch: int, query_len: int, seq_len: int, q_heads: int, kv
                    elem_bytes: int, cache_bytes: int, sliding_window: int | None = None) -> Cost:
     """The visible K/V once, the queries read and the output written once."""
     visible = seq_len if sliding_window is None else min(seq_len, sliding_window + query_len - 1)
-    moved = batch * visible * kv_heads * head_dim * 2 * cache_bytes + 2 * batch * query_len * q_heads * head_dim * elem_bytes
+    moved = (batch * visible * kv_heads * head_dim * 2 * cache_bytes
+             + 2 * batch * query_len * q_heads * head_dim * elem_bytes)
     return Cost(moved, 4.0 * batch * query_len * visible * q_heads * head_dim)

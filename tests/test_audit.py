@@ -596,7 +596,8 @@ def test_a_captured_plan_costs_within_the_target_of_the_eager_plan(audit):
 def test_a_rerun_reads_every_compiled_fact_from_the_cache(audit, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-m", "dflash_rocm", "inspect", "--quiet", "--target", "gfx942",
-                             "--op", "precompute", "--tokens", "16,256", "--csv", "-", "--json", str(tmp_path / "a.json"),
+                             "--op", "precompute", "--tokens", "16,256", "--csv", "-",
+                             "--json", str(tmp_path / "a.json"),
                              "--cache-dir", str(audit["_cache"])],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -90,7 +90,8 @@ def test_views_into_separate_parts_of_one_buffer_are_accepted():
     k, v = fa.transpose(1, 2).split(d, dim=-1)
     out = dflash_rocm.draft_attention(**{**args, "key_cache": k, "value_cache": v, "out": None}, backend="reference")
     buffer = torch.zeros(2 * out.numel())
-    dflash_rocm.draft_attention(**{**args, "key_cache": k, "value_cache": v, "out": buffer[out.numel():].view(out.shape)},
+    dflash_rocm.draft_attention(**{**args, "key_cache": k, "value_cache": v,
+                                   "out": buffer[out.numel():].view(out.shape)},
                                 backend="reference")
 
     def cpu_layout():  # vLLM CPU: per (block, head) page, K^T [D, bs] then V [bs, D]

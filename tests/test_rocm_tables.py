@@ -61,7 +61,8 @@ def test_configs_are_valid_for_every_shape(arch, group, d):
                 xcds = 8 if p.family == "cdna" else 1  # MI300/MI355 deal programs to XCDs round-robin
 
                 def fits(rows):
-                    return rows <= cfg.block_m and -(-tiles_heads * cfg.block_m // rows // xcds) < p.compute_units // xcds
+                    mergers = -(-tiles_heads * cfg.block_m // rows // xcds)
+                    return rows <= cfg.block_m and mergers < p.compute_units // xcds
 
                 if cfg.num_segments <= IN_KERNEL_MERGE_SEGMENTS and tables.select_rule(w).last_merges:
                     assert (cfg.merge, cfg.merge_rows) == ("last", 0)

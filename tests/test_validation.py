@@ -178,7 +178,8 @@ def test_weights_refuse_inconsistent_shapes():
                            (dict(hidden_norm_weight=torch.ones(3, 24)), "hidden_norm_weight"),
                            (dict(hidden_norm_weight=torch.ones(2, 24, 1)), "hidden_norm_weight"),
                            (dict(rope_layers=(True,)), "rope_layers"), (dict(rope_layers=(1, 0)), "rope_layers"),
-                           (dict(rope_layers=True), "rope_layers"), (dict(round_k_before_rope=1), "round_k_before_rope")]:
+                           (dict(rope_layers=True), "rope_layers"),
+                           (dict(round_k_before_rope=1), "round_k_before_rope")]:
         with pytest.raises((ValueError, TypeError)) as info:
             dflash_rocm.ContextKVWeights(**{**fields, **change})
         assert needle in str(info.value)

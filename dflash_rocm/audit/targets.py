@@ -2,7 +2,8 @@
 
 Every number here is an assumption of the model, printed beside every modelled figure:
 bandwidths and dense bf16 peaks, wave size, compute units and the fp8 format come from the
-architecture's record (:mod:`dflash_rocm.arch`, vendor figures); clocks are the vendors' peak engine clocks; per-cycle matrix rates
+architecture's record (:mod:`dflash_rocm.arch`, vendor figures); clocks are the vendors' peak engine
+clocks; per-cycle matrix rates
 are derived from those peaks (peak / (units x SIMDs x clock)), so a kernel that kept
 every matrix unit busy would reach the vendor figure exactly. Cache sizes, cache
 bandwidths, latencies and launch gaps are public figures or estimates, marked as such.
