@@ -563,8 +563,9 @@ def _case(audit, arch, label, cache=""):
     ("gfx942", "pre N=64 bf16", "", 76), ("gfx950", "pre N=64 fp8", "", 69), ("gfx942", "pre N=4096 fp8", "", 84),
     # Held where later changes brought them: fp16 products for fp8 caches on NVIDIA (from 76),
     # gfx950's per-value squares and 128-token tiles (from 52, 65), the precompute table's
-    # cliffs (from 68, 38)
-    ("sm_90", "attn b8 8k fp8", "", 90), ("gfx950", "pre N=1024 bf16", "", 65), ("gfx950", "pre N=4096 bf16", "", 84),
+    # cliffs (from 68, 38); gfx950 N = 4096 pays 0.03 points for the epilogue's row scale (the
+    # exact power-of-two rescale that keeps a float16 fold of a large hidden norm finite)
+    ("sm_90", "attn b8 8k fp8", "", 90), ("gfx950", "pre N=1024 bf16", "", 65), ("gfx950", "pre N=4096 bf16", "", 83),
     ("gfx942", "pre N=32 bf16", "", 78), ("gfx950", "pre N=512 bf16", "", 58)])
 def test_modelled_share_of_the_floor(audit, arch, label, cache, floor_pct):
     """The *modelled* share of the hardware floor (assumptions in dflash_rocm.audit.targets)

@@ -55,8 +55,6 @@ def test_a_written_cache_over_memory_the_precompute_reads_is_refused(backend, re
     key_caches, value_caches = list(key_caches), list(value_caches)
     args = dict(context_states=states, positions=positions, slot_mapping=slot_mapping)
     kwargs = dict(case.kwargs)
-    if read == "slot_mapping":
-        assume(isinstance(slot_mapping, torch.Tensor))
     if read == "k_scales":
         assume(kwargs["k_scales"] is not None)
         kwargs["k_scales"] = torch.tensor(kwargs["k_scales"])
@@ -65,6 +63,12 @@ def test_a_written_cache_over_memory_the_precompute_reads_is_refused(backend, re
         other = value_caches if cache is key_caches else key_caches
         other[layer], cache[layer] = data.draw(overlapping(other[layer], cache[layer]))
         written, needle = [other[layer], cache[layer]], "shares memory with"
+    elif read == "slot_mapping" and not isinstance(slot_mapping, torch.Tensor):  # per-layer: the written layer's
+        mappings = list(slot_mapping)
+        mappings[layer], cache[layer] = data.draw(overlapping(mappings[layer], cache[layer]))
+        args["slot_mapping"] = mappings
+        written = [mappings[layer], cache[layer]]
+        needle = f"a written cache: shares memory with slot_mapping\\[{layer}\\]"
     else:
         source = args if read in args else kwargs
         source[read], cache[layer] = data.draw(overlapping(source[read], cache[layer]))

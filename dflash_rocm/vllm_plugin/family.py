@@ -18,9 +18,9 @@ read from a class's code before anything is built (:func:`class_support`), answe
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import inspect
 import logging
+from pathlib import Path
 
 logger = logging.getLogger("dflash_rocm")
 
@@ -42,16 +42,29 @@ def _speculative_entries() -> dict[str, tuple[str, str]]:
             for arch, (module, cls) in registry._SPECULATIVE_DECODING_MODELS.items()}
 
 
+def _source_file(module_name: str) -> Path | None:
+    """Where a vLLM module's source is, found without importing anything: ``find_spec`` of
+    a submodule imports its parent packages, and some of vLLM's model packages import heavy
+    libraries (numba, ...) at import time, in every process the plugin registers in."""
+    import vllm
+
+    parts = module_name.split(".")
+    if parts[0] != "vllm":
+        return None
+    for root in vllm.__path__:
+        base = Path(root).joinpath(*parts[1:])
+        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+            if candidate.is_file():
+                return candidate
+    return None
+
+
 def _builds_on_dflash(module_name: str) -> bool:
-    try:
-        spec = importlib.util.find_spec(module_name)
-    except (ImportError, ValueError):
-        return False
-    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+    path = _source_file(module_name)
+    if path is None:
         return False
     try:
-        with open(spec.origin, encoding="utf-8") as f:
-            text = f.read()
+        text = path.read_text(encoding="utf-8")
     except OSError:
         return False
     return any(mark in text for mark in _DFLASH_MARKS)
