@@ -18,6 +18,7 @@ read from a class's code before anything is built (:func:`class_support`), answe
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import logging
 from pathlib import Path
@@ -43,15 +44,20 @@ def _speculative_entries() -> dict[str, tuple[str, str]]:
 
 
 def _source_file(module_name: str) -> Path | None:
-    """Where a vLLM module's source is, found without importing anything: ``find_spec`` of
-    a submodule imports its parent packages, and some of vLLM's model packages import heavy
-    libraries (numba, ...) at import time, in every process the plugin registers in."""
-    import vllm
-
+    """Where a module's source is, found without importing anything: ``find_spec`` of a
+    submodule imports its parent packages, and some of vLLM's model packages import heavy
+    libraries (numba, ...) at import time, in every process the plugin registers in. Only
+    the top-level name is looked up (which imports nothing); the rest is a path below it."""
     parts = module_name.split(".")
-    if parts[0] != "vllm":
+    try:
+        top = importlib.util.find_spec(parts[0])
+    except (ImportError, ValueError):
         return None
-    for root in vllm.__path__:
+    if top is None:
+        return None
+    if len(parts) == 1:
+        return Path(top.origin) if top.origin and top.origin.endswith(".py") else None
+    for root in top.submodule_search_locations or ():
         base = Path(root).joinpath(*parts[1:])
         for candidate in (base.with_suffix(".py"), base / "__init__.py"):
             if candidate.is_file():
