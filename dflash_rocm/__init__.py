@@ -14,32 +14,7 @@ Public API::
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import sys
-from pathlib import Path
-
-
-def _map_source_backends() -> None:
-    """Let a source checkout (``PYTHONPATH=repo``) import ``dflash_rocm.backends``.
-
-    The design card keeps vendor backends in the top-level ``backends/`` folder and the
-    wheel maps it to ``dflash_rocm.backends``; an installed or editable package finds it
-    itself, so this only acts when nothing else provides the subpackage.
-    """
-    if importlib.util.find_spec(__name__ + ".backends") is not None:
-        return
-    source = Path(__file__).resolve().parent.parent / "backends"
-    if not (source / "__init__.py").is_file():
-        return
-    spec = importlib.util.spec_from_file_location(
-        __name__ + ".backends", source / "__init__.py", submodule_search_locations=[str(source)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-
-
-_map_source_backends()
 
 
 def _configure_logging() -> None:
