@@ -1,4 +1,4 @@
-"""The public operations (docs/SPEC.md): validate once, choose a backend, run it."""
+"""The public operations (docs/SPEC.md): validate, get or make the call's plan, run it."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def draft_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                                 scale=scale, causal=causal, sliding_window=sliding_window, sinks=sinks,
                                 k_scale=k_scale, v_scale=v_scale, out=out, validate=validate,
                                 max_query_len=max_query_len, max_seq_len=max_seq_len)
-    dispatch.run(ATTENTION, call, backend)
+    dispatch.planned(ATTENTION, call, backend)(call)
     return call.out
 
 
@@ -46,7 +46,7 @@ def precompute_and_store_context_kv(context_states: torch.Tensor, positions: tor
     """
     call = PRECOMPUTE.build_call(context_states, positions, weights, key_caches, value_caches, slot_mapping,
                                  k_scales=k_scales, v_scales=v_scales, return_kv=return_kv, validate=validate)
-    return dispatch.run(PRECOMPUTE, call, backend)
+    return dispatch.planned(PRECOMPUTE, call, backend)(call)
 
 
 def explain(op: str, *args, **kwargs) -> dict[str, list[str]]:

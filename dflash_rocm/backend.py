@@ -1,27 +1,30 @@
-"""The interface every backend implements, in the style of xformers' ``ops/fmha``.
+"""What a backend is, in the style of xformers' ``ops/fmha``: one implementation class per
+(backend, op), and one small per-backend object for what is not per op.
 
-A backend declares which ops it implements (``OPS``) and what it supports in class
-attributes; the generic checks below turn those into human-readable reasons, and a
-backend adds its own (device, missing library, kernel limits) by extending
-``*_not_supported_reasons``. An empty list means "I can serve this call". Dispatch
-never calls a backend that gave a reason; not implementing an op is a reason too.
+An :class:`Implementation` serves one op. It declares what it supports in class
+attributes, turns them (and its own limits) into human-readable reasons in
+:meth:`~Implementation.not_supported_reasons` (an empty list: it can serve the call), and
+:meth:`~Implementation.plan` does the host work for every call of one structure once
+(launch configuration, compiled launches, scratch sizes, the split-merge decision),
+returning what runs such a call. Dispatch keeps that plan in its one plan cache.
 
-Hooks let the tools above (CLI, bench, the vLLM plugin) talk to a backend without
-importing its internals: :meth:`configure` passes what a serving engine knows,
-:meth:`warm_up` does startup work for a layer's call spec, :meth:`tune` runs a backend's
-tuner by hand, :meth:`status` reports backend-specific state for ``info``.
+A :class:`Backend` names its implementations (one per op it serves: a backend without
+an implementation of an op is never chosen for it), says what it needs of the device
+(:meth:`~Backend.device_not_supported_reasons`: no GPU, library missing) and carries the
+hooks the tools above talk to without importing its internals: :meth:`~Backend.configure`
+passes what a serving engine knows, :meth:`~Backend.warm_up` does startup work for a
+layer's call spec, :meth:`~Backend.tune` runs its tuner by hand, :meth:`~Backend.status`
+reports its state for ``info``.
 """
 
 from __future__ import annotations
-
-import functools
 
 from typing import Any, Callable, ClassVar
 
 import torch
 
 from .contract import FP8_DTYPES, QUERY_DTYPES, dtype_name
-from .ops import Op
+from .ops import ATTENTION, PRECOMPUTE, Op
 from .ops.attention import AttentionCall, AttentionSpec
 from .ops.precompute import PrecomputeCall
 from .platform import Platform, platform_for
@@ -30,28 +33,113 @@ from .platform import Platform, platform_for
 SETTINGS = ("query_limit", "batch_limit", "max_model_len", "layer_causal")
 
 
-class Backend:
-    name: ClassVar[str] = "?"
-    description: ClassVar[str] = ""
-    OPS: ClassVar[frozenset[str]] = frozenset({"draft_attention", "precompute_and_store_context_kv"})
+class Implementation:
+    """One backend's implementation of one op (subclass :class:`AttentionImplementation`
+    or :class:`PrecomputeImplementation`)."""
 
+    op: ClassVar[Op]
     QUERY_DTYPES: ClassVar[tuple[torch.dtype, ...]] = QUERY_DTYPES
     FP8_CACHE_DTYPES: ClassVar[tuple[torch.dtype, ...]] = FP8_DTYPES
     MAX_HEAD_DIM: ClassVar[int | None] = None
     HEAD_DIM_MULTIPLE: ClassVar[int] = 1
+    SUPPORTS_PACKED_CACHES: ClassVar[bool] = False  # dflash_rocm.PackedCache (vLLM's ROCM_ATTN layout)
+
+    @classmethod
+    def not_supported_reasons(cls, call, platform: Platform) -> list[str]:
+        """Why this implementation cannot serve ``call`` on ``platform`` (empty: it can).
+        Dispatch asks only where the backend accepts the device."""
+        raise NotImplementedError
+
+    @classmethod
+    def plan(cls, call) -> Callable[[Any], Any]:
+        """The host work for every call of ``call``'s structure (its arguments' shapes,
+        strides, dtypes, devices, host bounds), done once: returns what runs one such call,
+        which dispatch then hands calls that differ from ``call`` only in tensor values and
+        addresses of the same specialisation. The default keeps nothing but :meth:`run`."""
+        return cls.run
+
+    @classmethod
+    def run(cls, call) -> Any:
+        """Run one call (what the default :meth:`plan` returns)."""
+        raise NotImplementedError
+
+    @classmethod
+    def fp8_cache_reasons(cls, cache_dtype: torch.dtype, platform: Platform) -> list[str]:
+        """Why this implementation cannot read/write an fp8 cache of ``cache_dtype`` on ``platform``."""
+        if cache_dtype not in cls.FP8_CACHE_DTYPES:
+            return [f"fp8 cache dtype {dtype_name(cache_dtype)} not supported"]
+        return []
+
+    @classmethod
+    def common_reasons(cls, platform: Platform, dtype: torch.dtype, cache_dtype: torch.dtype | None,
+                       head_dim: int, packing, what: str) -> list[str]:
+        """The reasons every op shares: input dtype, fp8 cache, head dim, packed pages."""
+        reasons = []
+        if dtype not in cls.QUERY_DTYPES:
+            reasons.append(f"{what} dtype {dtype_name(dtype)} not supported")
+        if cache_dtype in FP8_DTYPES:
+            reasons += cls.fp8_cache_reasons(cache_dtype, platform)
+        if cls.MAX_HEAD_DIM is not None and head_dim > cls.MAX_HEAD_DIM:
+            reasons.append(f"head_dim {head_dim} > {cls.MAX_HEAD_DIM}")
+        elif head_dim % cls.HEAD_DIM_MULTIPLE:
+            reasons.append(f"head_dim {head_dim} is not a multiple of {cls.HEAD_DIM_MULTIPLE}")
+        if packing is not None and not cls.SUPPORTS_PACKED_CACHES:
+            reasons.append(f"packed cache pages (row/dim packing of K, V: {packing}) not supported")
+        return reasons
+
+
+class AttentionImplementation(Implementation):
+    """An implementation of ``draft_attention``: writes ``call.out``."""
+
+    op = ATTENTION
     MAX_QUERIES_PER_KV: ClassVar[int | None] = None
     SUPPORTS_SINKS: ClassVar[bool] = True
     SUPPORTS_SLIDING_WINDOW: ClassVar[bool] = True
-    SUPPORTS_PACKED_CACHES: ClassVar[bool] = False  # dflash_rocm.PackedCache (vLLM's ROCM_ATTN layout)
 
-    # -- what it supports ------------------------------------------------------------------
     @classmethod
-    def not_supported_reasons(cls, op: Op, call) -> list[str]:
-        """Why this backend cannot serve ``call`` of ``op`` (empty: it can)."""
-        if op.name not in cls.OPS:  # device reasons first: they are what a user can act on
-            return cls.device_not_supported_reasons(call.device, platform_for(call.device)) + [
-                f"does not implement {op.name}"]
-        return getattr(cls, op.reasons_method)(call)
+    def not_supported_reasons(cls, call: AttentionCall, platform: Platform) -> list[str]:
+        reasons = cls.common_reasons(platform, call.dtype, call.cache_dtype, call.head_dim, call.packing, "query")
+        if cls.MAX_QUERIES_PER_KV is not None and call.num_queries_per_kv > cls.MAX_QUERIES_PER_KV:
+            reasons.append(f"GQA ratio {call.num_queries_per_kv} > {cls.MAX_QUERIES_PER_KV}")
+        if call.sinks is not None and not cls.SUPPORTS_SINKS:
+            reasons.append("attention sinks not supported")
+        if call.sliding_window is not None and not cls.SUPPORTS_SLIDING_WINDOW:
+            reasons.append("sliding window not supported")
+        return reasons
+
+
+class PrecomputeImplementation(Implementation):
+    """An implementation of ``precompute_and_store_context_kv``: writes the caches and
+    returns ``(k, v)`` iff ``call.return_kv``."""
+
+    op = PRECOMPUTE
+
+    @classmethod
+    def not_supported_reasons(cls, call: PrecomputeCall, platform: Platform) -> list[str]:
+        return cls.common_reasons(platform, call.dtype, call.cache_dtype, call.weights.head_dim, call.packing,
+                                  "context_states")
+
+
+class Backend:
+    """A backend: its implementations, what it needs of the device, its hooks."""
+
+    name: ClassVar[str] = "?"
+    description: ClassVar[str] = ""
+    implementations: ClassVar[tuple[type[Implementation], ...]] = ()  # at most one per op
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        ops = [impl.op.name for impl in cls.implementations]
+        if len(set(ops)) != len(ops):
+            raise TypeError(f"{cls.__name__}: one implementation per op (got {ops})")
+
+    @classmethod
+    def implementation(cls, op: Op) -> type[Implementation] | None:
+        """This backend's implementation of ``op`` (None: it does not implement it)."""
+        for impl in cls.implementations:
+            if impl.op is op:
+                return impl
+        return None
 
     @classmethod
     def device_not_supported_reasons(cls, device: torch.device, platform: Platform) -> list[str]:
@@ -59,65 +147,15 @@ class Backend:
         return []
 
     @classmethod
-    def fp8_cache_reasons(cls, cache_dtype: torch.dtype, platform: Platform) -> list[str]:
-        """Why this backend cannot read/write an fp8 cache of ``cache_dtype`` on ``platform``."""
-        if cache_dtype not in cls.FP8_CACHE_DTYPES:
-            return [f"fp8 cache dtype {dtype_name(cache_dtype)} not supported"]
-        return []
-
-    @classmethod
-    def _common_reasons(cls, device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype | None,
-                        head_dim: int, what: str) -> list[str]:
-        platform = platform_for(device)
-        reasons = cls.device_not_supported_reasons(device, platform)
-        if dtype not in cls.QUERY_DTYPES:
-            reasons.append(f"{what} dtype {dtype_name(dtype)} not supported")
-        if cache_dtype in FP8_DTYPES:
-            reasons += cls.fp8_cache_reasons(cache_dtype, platform)
-        return reasons + cls._head_dim_reasons(head_dim)
-
-    @classmethod
-    def attention_not_supported_reasons(cls, call: AttentionCall) -> list[str]:
-        reasons = cls._common_reasons(call.device, call.dtype, call.cache_dtype, call.head_dim, "query")
-        if cls.MAX_QUERIES_PER_KV is not None and call.num_queries_per_kv > cls.MAX_QUERIES_PER_KV:
-            reasons.append(f"GQA ratio {call.num_queries_per_kv} > {cls.MAX_QUERIES_PER_KV}")
-        if call.sinks is not None and not cls.SUPPORTS_SINKS:
-            reasons.append("attention sinks not supported")
-        if call.sliding_window is not None and not cls.SUPPORTS_SLIDING_WINDOW:
-            reasons.append("sliding window not supported")
-        return reasons + cls._packing_reasons(call.packing)
-
-    @classmethod
-    def precompute_not_supported_reasons(cls, call: PrecomputeCall) -> list[str]:
-        return cls._common_reasons(call.device, call.dtype, call.cache_dtype, call.weights.head_dim,
-                                   "context_states") + cls._packing_reasons(call.packing)
-
-    @classmethod
-    def _packing_reasons(cls, packing) -> list[str]:
-        if packing is not None and not cls.SUPPORTS_PACKED_CACHES:
-            return [f"packed cache pages (row/dim packing of K, V: {packing}) not supported"]
-        return []
-
-    @classmethod
-    def _head_dim_reasons(cls, head_dim: int) -> list[str]:
-        if cls.MAX_HEAD_DIM is not None and head_dim > cls.MAX_HEAD_DIM:
-            return [f"head_dim {head_dim} > {cls.MAX_HEAD_DIM}"]
-        if head_dim % cls.HEAD_DIM_MULTIPLE:
-            return [f"head_dim {head_dim} is not a multiple of {cls.HEAD_DIM_MULTIPLE}"]
-        return []
-
-    # -- running ---------------------------------------------------------------------------
-    @classmethod
-    def run(cls, op: Op, call):
-        return getattr(cls, op.run_method)(call)
-
-    @classmethod
-    def plan(cls, op: Op, call) -> Callable[[Any], Any]:
-        """Host work for every call of ``call``'s structure and batch, done once (launch
-        configuration, lookups): returns what runs one such call. :mod:`dflash_rocm.plan`
-        hands it calls that differ from ``call`` only in tensors of the same layout. The
-        default keeps nothing."""
-        return functools.partial(cls.run, op)
+    def not_supported_reasons(cls, op: Op, call) -> list[str]:
+        """Why this backend cannot serve ``call`` of ``op`` (empty: it can): the device's
+        reasons first (what a user can act on), then the implementation's."""
+        platform = platform_for(call.device)
+        reasons = cls.device_not_supported_reasons(call.device, platform)
+        impl = cls.implementation(op)
+        if impl is None:
+            return reasons + [f"does not implement {op.name}"]
+        return reasons or impl.not_supported_reasons(call, platform)
 
     # -- hooks for the tools above ---------------------------------------------------------
     @classmethod

@@ -1,13 +1,18 @@
-"""Choosing a backend per call: a priority walk over the registry, reasons for every no.
+"""From a call to its plan: a priority walk over the registry, reasons for every no, and
+the one plan cache.
 
 ``auto`` takes the first backend of the platform's priority list (``registry.PRIORITIES``)
 that supports the call; a named backend that cannot serve raises
-:class:`BackendUnavailable` with its reasons. The choice is remembered per (op, requested
-name, the call's support key), so a hot loop of same-shaped calls walks the reasons
-once; the memo is bounded, as the precompute's support keys hold cache addresses. Each
-new (op, backend, call signature) is logged once with the reasons of the backends passed
-over, and every served call is counted (``dispatch_counts()``), which is how tests and
-users confirm what ran. All shared state is guarded by one lock.
+:class:`BackendUnavailable` with its reasons. The chosen backend's implementation then
+plans the call (:meth:`dflash_rocm.backend.Implementation.plan`), and the plan is kept in
+one cache keyed by (op, requested backend name, the call's ``plan_key()``: structure,
+host bounds, alignment, platform): every call of :func:`dflash_rocm.draft_attention`,
+:func:`dflash_rocm.plan_draft_attention` and their precompute pair is "get or make the
+plan, run it". The cache is bounded (the precompute's keys hold cache addresses, the
+attention's its host bounds). Each new (op, backend, call summary) is logged once with the
+reasons of the backends passed over, and every served call is counted
+(``dispatch_counts()``), which is how tests and users confirm what ran. All shared state
+is guarded by one lock.
 """
 
 from __future__ import annotations
@@ -15,16 +20,15 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
-from . import envs, registry
+from . import envs, launches, registry
 from .backend import SETTINGS, Backend
 from .ops import Op
 from .ops.attention import AttentionSpec
 from .platform import platform_for
-from .validation import LayoutMemo
 
 logger = logging.getLogger("dflash_rocm")
 
@@ -38,11 +42,27 @@ class BackendUnavailable(RuntimeError):
         super().__init__(f"backend {backend!r} cannot serve {op}:\n  " + "\n  ".join(lines))
 
 
+class Planned:
+    """A call structure's plan: the backend that serves it and what runs one call."""
+
+    __slots__ = ("backend", "op", "run")
+
+    def __init__(self, backend: str, op: Op, run: Callable[[Any], Any]):
+        self.backend, self.op, self.run = backend, op, run
+
+    def __call__(self, call):
+        """Run ``call`` (of the planned structure) and count who served it."""
+        result = self.run(call)
+        with _lock:
+            _counts[(self.op.name, self.backend)] += 1
+        return result
+
+
 _lock = threading.Lock()
 _logged: set[tuple[str, str, str]] = set()
 _counts: collections.Counter = collections.Counter()
-_CHOICES_KEPT = 1024
-_choices = LayoutMemo(_CHOICES_KEPT)  # (op, requested name, support key) -> backend class
+PLANS_KEPT = 1024
+_plans: dict[tuple, Planned] = {}
 
 
 def resolve_name(backend: str | None) -> str:
@@ -70,26 +90,34 @@ def priority(call) -> tuple[str, ...]:
     return registry.priority_for(platform_for(call.device), call.device.type)
 
 
-def choose(op: Op, call, backend: str | None) -> type[Backend]:
-    """The backend class for ``call`` (remembered per support key)."""
+def planned(op: Op, call, backend: str | None) -> Planned:
+    """The plan of ``call`` for the requested ``backend`` (``None``: the environment's
+    choice, else ``auto``): kept per plan key, made on first use."""
     name = resolve_name(backend)
-    key = (op.name, name, call.support_key())
-    known = _choices.get(key)
-    if known is not None:
-        return known[1]
-    chosen = _choose(op, call, name)
+    key = call.plan_key()
+    if key is not None:
+        found = _plans.get((op.name, name, key))
+        if found is not None:
+            return found
+    chosen = choose(op, call, name)
+    made = Planned(chosen.name, op, chosen.implementation(op).plan(call))
+    if key is not None and not launches.graph_capturing(call.device):  # a capture's plan may hold its own memory
+        with _lock:
+            if len(_plans) >= PLANS_KEPT:
+                _plans.clear()
+            _plans[(op.name, name, key)] = made
+    return made
+
+
+def forget_plans() -> None:
+    """Drop every kept plan (after changing what backends can see or how they are set up)."""
     with _lock:
-        _choices.remember(key, chosen)
-    return chosen
+        _plans.clear()
 
 
-def forget_choices() -> None:
-    """Drop remembered choices (after changing what backends can see, e.g. in tests)."""
-    with _lock:
-        _choices.forget()
-
-
-def _choose(op: Op, call, name: str) -> type[Backend]:
+def choose(op: Op, call, name: str) -> type[Backend]:
+    """The backend ``name`` (or ``auto``'s first that can) for ``call``, with the reasons of
+    every backend that cannot."""
     if name != "auto":
         reasons = reasons_for(name, op, call)
         if reasons:
@@ -107,7 +135,7 @@ def _choose(op: Op, call, name: str) -> type[Backend]:
 
 
 def _log_choice(op: Op, name: str, call, passed_over: dict[str, list[str]], explicit: bool) -> None:
-    key = (op.name, name, call.signature())
+    key = (op.name, name, call.summary())
     with _lock:
         if key in _logged:
             return
@@ -115,20 +143,6 @@ def _log_choice(op: Op, name: str, call, passed_over: dict[str, list[str]], expl
     why = "named explicitly" if explicit else "auto"
     skipped = "".join(f"; {n} passed over: {', '.join(r)}" for n, r in passed_over.items())
     logger.info("%s [%s] -> %s (%s)%s", op.name, key[2], name, why, skipped)
-
-
-def run(op: Op, call, backend: str | None):
-    """Choose a backend for ``call``, run it and count who served it."""
-    cls = choose(op, call, backend)
-    result = cls.run(op, call)
-    counted(op, cls.name)
-    return result
-
-
-def counted(op: Op, name: str) -> None:
-    """Count one call of ``op`` served by backend ``name`` (``dispatch_counts()``)."""
-    with _lock:
-        _counts[(op.name, name)] += 1
 
 
 def explain_call(op: Op, call) -> dict[str, list[str]]:
@@ -157,6 +171,12 @@ def device_reasons(device: torch.device | str | None = None) -> dict[str, list[s
     return result
 
 
+def implemented_ops(name: str) -> list[str]:
+    """The ops backend ``name`` implements (none when it cannot be imported here)."""
+    cls = registry.load(name)
+    return [] if cls is None else [impl.op.name for impl in cls.implementations]
+
+
 def backend(name: str) -> type[Backend] | None:
     """A backend class by name, for its hooks (None when it cannot be imported here)."""
     return registry.load(name)
@@ -169,6 +189,7 @@ def configure(device: torch.device | None = None, **settings: Any) -> None:
         raise ValueError(f"unknown setting(s) {', '.join(sorted(unknown))}; known: {', '.join(SETTINGS)}")
     for cls in _candidates(device):
         cls.configure(**settings)
+    forget_plans()  # plans hold launch configurations the settings may change
 
 
 def warm_up(op: Op, spec: AttentionSpec, device: torch.device) -> None:
@@ -179,6 +200,7 @@ def warm_up(op: Op, spec: AttentionSpec, device: torch.device) -> None:
             cls.warm_up(op, spec, device)
         except Exception as exc:  # warm-up is an optimisation
             logger.warning("%s warm-up failed for %s: %s", cls.name, spec, exc)
+    forget_plans()  # tuning may have found configurations the kept plans do not use
 
 
 def _candidates(device: torch.device | None) -> list[type[Backend]]:

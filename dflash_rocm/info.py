@@ -9,6 +9,7 @@ import importlib.util
 import torch
 
 from . import dispatch, envs, registry
+from .ops import OPS
 from .platform import platform_for
 from .report import WIDTH, Style, format_table, join_blocks, wrap
 from .version import __version__
@@ -45,7 +46,7 @@ def collect_info() -> dict:
         "torch_build": {"cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None)},
         "device": {"type": device.type, "vendor": p.vendor, "arch": p.arch, "family": p.family,
                    "wave_size": p.wave_size, "compute_units": p.compute_units, "name": p.name},
-        "backends": {name: {"available": not reasons, "reasons": reasons}
+        "backends": {name: {"available": not reasons, "reasons": reasons, "ops": dispatch.implemented_ops(name)}
                      for name, reasons in dispatch.device_reasons(device).items()},
         "auto_order": list(registry.priority_for(p, device.type)),
         "environment": {v.name: environment_entry(v) for v in envs.ALL},
@@ -86,8 +87,9 @@ def format_info(info: dict, width: int | None = WIDTH, style: Style = Style()) -
     device = wrap(f"device: {d['name']} ({d['type']}; vendor {d['vendor']}, arch {d['arch']}, family {d['family']}, "
                   f"wave {d['wave_size']}, {d['compute_units']} compute units)", width)
     backends = format_table(
-        ["backend", "available", "why not"],
-        [(n, style.paint("yes", "green") if b["available"] else style.paint("no", "dim"), "; ".join(b["reasons"]))
+        ["backend", "ops", "available", "why not"],
+        [(n, ", ".join(OPS[op].short for op in b["ops"]),
+          style.paint("yes", "green") if b["available"] else style.paint("no", "dim"), "; ".join(b["reasons"]))
          for n, b in info["backends"].items()], width=width, wrap_columns=["why not"], omit_empty=["why not"])
     plugin = info["vllm_plugin"]
     loads = "vLLM will load it" if plugin["will_load"] else "not loaded: " + "; ".join(plugin["reasons"])

@@ -1,11 +1,14 @@
 """Plan once, run many (FlashInfer's model) for both operations.
 
+Both operations go through dispatch's one plan cache (:mod:`dflash_rocm.dispatch`); the
+plans here bind a cache entry to the arguments a caller fixes, so that a run checks only
+what changes.
+
 A DFlash step runs the same attention for every draft layer: one batch (block table,
 query start offsets, sequence lengths, host bounds), and per layer only the query, that
 layer's caches, its fp8 scales and sinks, and the output change. :func:`plan_draft_attention`
 does the host work of the batch once: every check :func:`dflash_rocm.draft_attention`
-makes (index checks included, asynchronous on a GPU), the backend choice and the
-backend's own planning (launch configuration, table and tuner lookups).
+makes (index checks included, asynchronous on a GPU) and getting the batch's plan.
 :meth:`DraftAttentionPlan.run` then checks only what a layer changes: each tensor's
 shape, strides, dtype and device against the planned ones (a mismatch is a
 :class:`PlanMismatch`, raised before anything is written) and that ``out`` shares no
@@ -47,17 +50,16 @@ class _BoundToMemory:
 class DraftAttentionPlan(_BoundToMemory):
     """The host work of one batch's draft-attention calls, done once (see the module)."""
 
-    __slots__ = ("_call", "_runner", "backend", "_planned", "_validate", "_scales", "_refresh", "_batch_memory")
+    __slots__ = ("_call", "_plan", "backend", "_planned", "_validate", "_scales", "_refresh", "_batch_memory")
 
     def __init__(self, call, backend: str | None, validate: bool, given: dict):
         """``given``: the tensors the caller planned with, by name (index tensors, sinks,
         fp8 scales). A plan reads them at every run, as a call would: the fp8 scales are
         normalised again when a run gives none, and the contiguous copies validation made
         of strided views are refreshed from them."""
-        cls = dispatch.choose(ATTENTION, call, backend)
         self._call = call
-        self.backend = cls.name  # the backend that serves every run
-        self._runner = cls.plan(ATTENTION, call)
+        self._plan = dispatch.planned(ATTENTION, call, backend)
+        self.backend = self._plan.backend  # the backend that serves every run
         self._validate = validate
         self._scales = {name: given[name] for name in ("k_scale", "v_scale") if holds_tensor(given[name])}
         self._refresh = tuple((name, given[name], getattr(call, name)) for name in _COPIED
@@ -105,8 +107,7 @@ class DraftAttentionPlan(_BoundToMemory):
         for name, source, copy in self._refresh:  # strided views the caller may have written since
             if name not in tensors:
                 copy.copy_(source)
-        self._runner(call)
-        dispatch.counted(ATTENTION, self.backend)
+        self._plan(call)
         return out
 
 
@@ -144,30 +145,19 @@ def plan_draft_attention(query: torch.Tensor, key_cache, value_cache, block_tabl
 class ContextKVPlan(_BoundToMemory):
     """The precompute of one model's weights into one set of caches (see the module)."""
 
-    __slots__ = ("_model", "_backend", "_runners")
-    _RUNNERS_KEPT = 64  # structures (token counts, mappings) kept per plan
+    __slots__ = ("_model", "_backend")
 
     def __init__(self, model: ModelArguments, backend: str | None):
-        self._model, self._backend, self._runners = model, backend, {}
+        self._model, self._backend = model, backend
 
     def run(self, context_states: torch.Tensor, positions: torch.Tensor, slot_mapping, *, return_kv: bool = False,
             validate: bool = True):
         """:func:`dflash_rocm.precompute_and_store_context_kv` with the planned weights,
-        caches and scales. The backend and its launch configuration are chosen at the
-        first run of each structure (token count, which layers are written) and kept."""
+        caches and scales; each new structure (token count, which layers are written) is
+        planned on its first run and kept."""
         call = bound_precompute_call(self._model, context_states, positions, slot_mapping, return_kv=return_kv,
                                      validate=validate)
-        if call.layout is None:  # an argument that cannot key a memo: nothing kept
-            return dispatch.run(PRECOMPUTE, call, self._backend)
-        found = self._runners.get(call.layout)
-        if found is None:
-            cls = dispatch.choose(PRECOMPUTE, call, self._backend)
-            if len(self._runners) >= self._RUNNERS_KEPT:
-                self._runners.clear()
-            found = self._runners[call.layout] = (cls.name, cls.plan(PRECOMPUTE, call))
-        result = found[1](call)
-        dispatch.counted(PRECOMPUTE, found[0])
-        return result
+        return dispatch.planned(PRECOMPUTE, call, self._backend)(call)
 
 
 def plan_context_kv(weights, key_caches, value_caches, *, k_scales=None, v_scales=None,

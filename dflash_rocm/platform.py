@@ -89,6 +89,12 @@ def platform_for(device: torch.device | str | None = None) -> Platform:
                    name=device.type)
 
 
+def simulated_platform() -> Platform | None:
+    """The platform :func:`simulate_platform` pins for CPU tensors now (None: none): part
+    of every plan's key, as it changes what CPU tensors are served as."""
+    return _simulated
+
+
 @contextlib.contextmanager
 def simulate_platform(arch: str, compute_units: int | None = None) -> Iterator[Platform]:
     """Make CPU tensors report ``arch`` (e.g. ``'gfx942'``) inside the block.

@@ -208,7 +208,8 @@ def signature(x: Any) -> tuple:
 
 class Structure:
     """A call's structure (the tuple of its arguments' :func:`signature`), hashed once: it
-    keys the structure memo here and backend choices in dispatch on every call."""
+    keys the structural checks' memo here and, inside a call's ``plan_key()``, dispatch's
+    plan cache."""
 
     __slots__ = ("parts", "_hash")
 
@@ -227,9 +228,9 @@ class Structure:
         return f"Structure({self.parts!r})"
 
 
-class LayoutMemo:
-    """What was derived once per call structure: the structural checks' results (defaults,
-    constant scale tensors), dispatch's backend choices. A server makes the same few call
+class StructureMemo:
+    """What the structural checks derived once per call structure (defaults, constant
+    scale tensors). A server makes the same few call
     structures over and over: each is worked out once. Bounded (structures that hold
     addresses, as the precompute's caches do, would otherwise grow it without end); a lost
     race between threads only means working one out twice."""

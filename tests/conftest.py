@@ -39,12 +39,12 @@ _SKIPS = {
 
 
 @pytest.fixture(autouse=True)
-def _fresh_dispatch_choices():
-    """Tests swap backends and platforms: no remembered choice crosses a test."""
+def _fresh_dispatch_plans():
+    """Tests swap backends and platforms: no kept plan crosses a test."""
     from dflash_rocm import dispatch
-    dispatch.forget_choices()
+    dispatch.forget_plans()
     yield
-    dispatch.forget_choices()
+    dispatch.forget_plans()
 
 
 def pytest_collection_modifyitems(config, items):

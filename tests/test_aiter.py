@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import dflash_rocm
+from dflash_rocm.ops import ATTENTION, PRECOMPUTE
 from dflash_rocm.backends.aiter import AiterBackend
 from dflash_rocm.backends.aiter import attention as aiter_attention
 from dflash_rocm.platform import platform_for_arch
@@ -129,7 +130,7 @@ def test_the_backend_reports_the_probe_and_implements_attention_only(fake_aiter)
                                                             dtype=torch.bfloat16))["aiter"]
     assert reasons == ["aiter runs on GPU tensors only (tensors on cpu)"] or "targets CDNA" in reasons[0]
     assert "usable" in AiterBackend.status()["aiter"]
-    assert "draft_attention" in AiterBackend.OPS and "precompute_and_store_context_kv" not in AiterBackend.OPS
+    assert AiterBackend.implementation(ATTENTION) is not None and AiterBackend.implementation(PRECOMPUTE) is None
 
 
 @pytest.mark.parametrize("kwargs", [dict(), dict(causal=True), dict(sliding_window=40),

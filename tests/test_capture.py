@@ -65,10 +65,9 @@ def test_a_precompute_first_called_in_a_capture_builds_its_cache_table_for_that_
     """The cache table is a host-to-device copy, which a capture cannot record: the graph
     writes it by fills, and neither it nor the plan holding it is kept; the first eager
     call then builds the table that later calls share."""
-    from dflash_rocm.backends.triton import launch, precompute
+    from dflash_rocm.backends.triton import precompute
 
     monkeypatch.setattr(precompute, "_TABLES", OrderedDict())
-    monkeypatch.setattr(precompute, "_PLANS", launch.PlanMemo(64))
     inputs = precompute_inputs(SHAPE, 24, torch.float16, torch.float16, torch.device("cpu"))
     ref_k, ref_v = dflash_rocm.precompute_and_store_context_kv(inputs.states, inputs.positions, inputs.weights,
                                                                None, None, None, return_kv=True, backend="reference")

@@ -11,7 +11,7 @@ import torch
 
 from dflash_rocm import cli, registry
 from dflash_rocm.ops import OPS
-from dflash_rocm.backends.reference import ReferenceBackend
+from dflash_rocm.backends.reference import ReferenceAttention, ReferenceBackend, ReferencePrecompute
 from support import needs_interpreter
 
 
@@ -96,13 +96,16 @@ def test_check_passes_and_reports_every_backend(capsys):
             assert rows[(op, name)]["status"] == "SKIP" and rows[(op, name)]["note"]
 
 
+class ZeroAttention(ReferenceAttention):
+    @classmethod
+    def run(cls, call):
+        call.out.zero_()
+
+
 class AlwaysZero(ReferenceBackend):
     """A backend that computes something else: check must catch it."""
     name = "triton"
-
-    @classmethod
-    def draft_attention(cls, call):
-        call.out.zero_()
+    implementations = (ZeroAttention, ReferencePrecompute)
 
 
 def test_check_exits_1_when_a_backend_disagrees(capsys, monkeypatch):

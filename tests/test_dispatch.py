@@ -10,7 +10,7 @@ from dflash_rocm import dispatch, registry
 from dflash_rocm.backend import Backend
 from dflash_rocm.ops import ATTENTION, PRECOMPUTE
 from dflash_rocm.platform import simulate_platform
-from dflash_rocm.backends.reference import ReferenceBackend
+from dflash_rocm.backends.reference import ReferenceAttention, ReferenceBackend
 from test_validation import attention_args, precompute_args
 
 
@@ -25,6 +25,7 @@ def fresh_registry(monkeypatch):
 
 class Refuses(Backend):
     name = "cuda"
+    implementations = ReferenceBackend.implementations
 
     @classmethod
     def device_not_supported_reasons(cls, device, platform):
@@ -124,9 +125,9 @@ def test_explain_covers_every_backend_for_both_ops():
 
 
 def test_a_backend_that_does_not_implement_an_op_says_so_and_is_passed_over(fresh_registry):
-    class AttentionOnly(ReferenceBackend):
+    class AttentionOnly(Backend):
         name = "triton"
-        OPS = frozenset({ATTENTION.name})
+        implementations = (ReferenceAttention,)
     fresh_registry.setitem(registry.PRIORITIES, "cpu", ("triton", "reference"))
     fresh_registry.setitem(registry._classes, "triton", AttentionOnly)
     reasons = dflash_rocm.explain("precompute_and_store_context_kv", **precompute_args())
@@ -134,9 +135,50 @@ def test_a_backend_that_does_not_implement_an_op_says_so_and_is_passed_over(fres
     assert dflash_rocm.explain("draft_attention", **attention_args())["triton"] == []
     dflash_rocm.reset_dispatch_counts()
     dflash_rocm.precompute_and_store_context_kv(**precompute_args())
-    assert dflash_rocm.dispatch_counts() == {(PRECOMPUTE.name, "reference"): 1}
+    dflash_rocm.draft_attention(**attention_args())
+    assert dflash_rocm.dispatch_counts() == {(PRECOMPUTE.name, "reference"): 1, (ATTENTION.name, "triton"): 1}
     with pytest.raises(dflash_rocm.BackendUnavailable, match="does not implement"):
         dflash_rocm.precompute_and_store_context_kv(**precompute_args(), backend="triton")
+    with pytest.raises(dflash_rocm.BackendUnavailable, match="does not implement"):
+        dflash_rocm.plan_context_kv(**{k: v for k, v in precompute_args().items() if k in (
+            "weights", "key_caches", "value_caches")}, backend="triton").run(
+            *(precompute_args()[k] for k in ("context_states", "positions", "slot_mapping")))
+
+
+def test_a_new_attention_only_backend_is_one_folder_and_one_registry_line(fresh_registry, tmp_path, monkeypatch):
+    """What docs/adding-a-backend.md promises: a package with a Backend naming one
+    implementation, and one record; ``auto`` never gives it the op it does not implement."""
+    folder = tmp_path / "my_attention_backend"
+    folder.mkdir()
+    (folder / "__init__.py").write_text(
+        "from dflash_rocm.backend import AttentionImplementation, Backend\n"
+        "from dflash_rocm.ops.attention import reference\n\n\n"
+        "class MyAttention(AttentionImplementation):\n"
+        "    @classmethod\n"
+        "    def run(cls, call):\n"
+        "        reference(call)\n\n\n"
+        "class MyBackend(Backend):\n"
+        "    name = 'mine'\n"
+        "    implementations = (MyAttention,)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    record = registry.BackendRecord("mine", "my_attention_backend:MyBackend")
+    fresh_registry.setattr(registry, "RECORDS", registry.RECORDS + (record,))
+    fresh_registry.setitem(registry.BY_NAME, "mine", record)
+    fresh_registry.setattr(registry, "NAMES", registry.NAMES + ("mine",))
+    fresh_registry.setitem(registry.PRIORITIES, "cpu", ("mine", "reference"))
+    dflash_rocm.reset_dispatch_counts()
+    out = dflash_rocm.draft_attention(**attention_args())
+    dflash_rocm.precompute_and_store_context_kv(**precompute_args())
+    assert dflash_rocm.dispatch_counts() == {(ATTENTION.name, "mine"): 1, (PRECOMPUTE.name, "reference"): 1}
+    assert torch.isfinite(out).all()
+    assert dflash_rocm.explain("precompute_and_store_context_kv", **precompute_args())["mine"] == [
+        "does not implement precompute_and_store_context_kv"]
+
+
+def test_one_implementation_per_op():
+    with pytest.raises(TypeError, match="one implementation per op"):
+        class Twice(Backend):
+            implementations = (ReferenceAttention, ReferenceAttention)
 
 
 def test_aiter_is_a_backend_with_its_own_reasons():
@@ -170,31 +212,36 @@ def test_counts_both_ops():
                                              (PRECOMPUTE.name, "reference"): 2}
 
 
-def test_choice_is_remembered_per_support_key(monkeypatch):
-    walks = []
+def test_a_call_structure_is_planned_once(monkeypatch):
+    """The plan cache is behind both the function and the plan: one walk over the reasons
+    and one plan per (op, requested name, plan key)."""
+    walks, plans = [], []
     original = dispatch.reasons_for
     monkeypatch.setattr(dispatch, "reasons_for", lambda *a, **k: (walks.append(a[0]), original(*a, **k))[1])
+    plan = ReferenceAttention.plan
+    monkeypatch.setattr(ReferenceAttention, "plan", classmethod(lambda cls, call: (plans.append(call), plan(call))[1]))
+    monkeypatch.setenv("DFLASH_ROCM_BACKEND", "reference")
     args = attention_args()
     for _ in range(3):
         dflash_rocm.draft_attention(**args)
-    first = len(walks)
-    assert first > 0
-    dflash_rocm.draft_attention(**args, causal=True)  # another support key: walked again
-    assert len(walks) > first
-    monkeypatch.setenv("DFLASH_ROCM_BACKEND", "reference")  # another requested name: walked again
+    dflash_rocm.plan_draft_attention(**args).run(args["query"], args["key_cache"], args["value_cache"])
+    assert walks == ["reference"] and len(plans) == 1
+    dflash_rocm.draft_attention(**args, causal=True)  # another structure: planned again
+    assert len(plans) == 2
+    monkeypatch.setenv("DFLASH_ROCM_BACKEND", "auto")  # another requested name: walked again
     before = len(walks)
     dflash_rocm.draft_attention(**args)
-    assert walks[before:] == ["reference"]
+    assert len(walks) > before
 
 
-def test_remembered_choices_stay_bounded_as_caches_come_and_go():
-    """The precompute's support key holds its caches' addresses: a server that re-creates
-    its caches (or a test suite) makes a new key each time, and the memo of choices must
-    not grow with them."""
+def test_kept_plans_stay_bounded_as_caches_come_and_go():
+    """The precompute's plan key holds its caches' addresses: a server that re-creates
+    its caches (or a test suite) makes a new key each time, and the plan cache must not
+    grow with them."""
     args = precompute_args()
     alive = []  # each set of caches at addresses of its own
-    for _ in range(dispatch._CHOICES_KEPT + 40):
+    for _ in range(dispatch.PLANS_KEPT + 40):
         alive.append([torch.zeros_like(c) for c in args["key_caches"] + args["value_caches"]])
         dflash_rocm.precompute_and_store_context_kv(**{**args, "key_caches": alive[-1][:2],
                                                        "value_caches": alive[-1][2:]}, backend="reference")
-    assert 0 < len(dispatch._choices) <= dispatch._CHOICES_KEPT
+    assert 0 < len(dispatch._plans) <= dispatch.PLANS_KEPT

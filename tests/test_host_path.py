@@ -159,3 +159,37 @@ def test_no_device_sync_on_the_gpu(gpu, op):
         fn(**args)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("path", ["call", "plan.run"])
+def test_a_repeat_call_reaches_its_launch_through_the_plan_alone(monkeypatch, path):
+    """A call of a known structure is "get the kept plan, run it": from the public entry
+    to the launch it passes through at most 5 frames, and builds no plan."""
+    import inspect
+
+    from dflash_rocm import dispatch
+    from dflash_rocm.backends.triton import launch
+
+    args = {**attention_args(), "query": attention_args()["query"].half(),
+            "key_cache": attention_args()["key_cache"].half(), "value_cache": attention_args()["value_cache"].half(),
+            "out": None}
+    plan = dflash_rocm.plan_draft_attention(**args, backend="triton")
+    run = (lambda: dflash_rocm.draft_attention(**args, backend="triton")) if path == "call" else (
+        lambda: plan.run(args["query"], args["key_cache"], args["value_cache"]))
+    run()  # the first call of the structure makes its plan
+    depths, made = [], []
+    real_call = launch.LaunchPlan.__call__
+
+    entry = (dflash_rocm.api.draft_attention if path == "call" else dflash_rocm.DraftAttentionPlan.run).__code__
+
+    def recording_call(self, *tensors):  # frame 0: the launch; its depth below the public entry
+        depths.append(next(i for i, f in enumerate(inspect.stack()[:30]) if f.frame.f_code is entry))
+        return real_call(self, *tensors)
+
+    monkeypatch.setattr(launch.LaunchPlan, "__call__", recording_call)
+    monkeypatch.setattr(dispatch, "choose", lambda *a: made.append(a))
+    with launches.capture() as launched:
+        run()
+    assert launched and not made
+    assert max(depths) + 1 <= 5, depths  # frames from the entry to the launch, both counted

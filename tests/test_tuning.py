@@ -210,7 +210,7 @@ def test_rocm_backend_uses_the_tuned_config(monkeypatch):
 
             monkeypatch.setattr(tuner, "candidates", lambda d, g: [faster])
             tuner.tune_attention(platform, spec, torch.device("cpu"), runner_for=runner_for)
-            source, config = rocm.attention_config(call)
+            source, config = rocm.attention_choice(call)
             out = dflash_rocm.draft_attention(*args, backend="rocm")
         assert source == "tuned" and config == faster
         ref = dflash_rocm.draft_attention(*args, backend="reference")
@@ -287,7 +287,7 @@ def serve(times=3):
     for _ in range(times):
         out = dflash_rocm.draft_attention(*attn_args(), backend="rocm")
         assert dflash_rocm.contract.relative_error(out, ref) < 2e-3
-    return rocm.attention_config(attention_call(*attn_args()))
+    return rocm.attention_choice(attention_call(*attn_args()))
 
 
 def warnings_about(caplog, text):
@@ -497,16 +497,21 @@ def test_launch_config_checks_bounds(field, value, group, words):
 def test_a_tuned_config_that_fails_to_launch_is_dropped_and_the_call_served(rdna, caplog, monkeypatch):
     from dflash_rocm.backends import rocm
 
-    real = rocm.run_draft_attention
+    real = rocm.plan_attention
     failed = []
 
-    def launch(call, config):
-        if config.num_warps == 8:
-            failed.append(config)
-            raise RuntimeError("out of resources: shared memory")
-        real(call, config)
+    class FailsToLaunch:
+        def __init__(self, config):
+            self.config = config
 
-    monkeypatch.setattr(rocm, "run_draft_attention", launch)
+        def run(self, call):
+            failed.append(self.config)
+            raise RuntimeError("out of resources: shared memory")
+
+    def plan(call, config):
+        return FailsToLaunch(config) if config.num_warps == 8 else real(call, config)
+
+    monkeypatch.setattr(rocm, "plan_attention", plan)
     with caplog.at_level(logging.WARNING, logger="dflash_rocm"):
         source, _ = serve(times=3)
     assert len(failed) == 1 and source != "tuned"

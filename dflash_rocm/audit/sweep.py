@@ -197,7 +197,7 @@ def table_config(case: Case, target: Target, call):
 
         if case.op == "attention":
             return tables.attention_config(rocm.attention_workload(call, platform), case.query_len)
-        return "rocm-table", rocm.precompute_config(call, platform)
+        return "rocm-table", rocm.precompute_choice(call, platform)
     from dflash_rocm.backends.triton.attention import attention_config_for
     from dflash_rocm.backends.triton.precompute import precompute_config_for
 

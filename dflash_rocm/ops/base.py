@@ -2,8 +2,9 @@
 
 Each op is a small package beside this module (``ops/attention``, ``ops/precompute``)
 holding its call type, its validation (the only way to build a call), its plain-torch
-reference and its tolerance; this record ties them together so dispatch is generic:
-a backend implements an op by defining the methods the record names.
+reference and its tolerance; this record ties them together so dispatch is generic. A
+backend implements an op with an implementation class whose ``op`` is this record
+(:mod:`dflash_rocm.backend`).
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ class Op:
     name: str  # the public function's name: "draft_attention"
     short: str  # for CLI flags: "attention"
     label: str  # in tables, where the precompute's full name would take a third of a row
-    run_method: str  # the Backend classmethod that runs a call: "draft_attention"
-    reasons_method: str  # the Backend classmethod that says why it cannot: "attention_not_supported_reasons"
     build_call: Callable[..., Any]  # the public arguments -> a validated call
     reference: Callable[[Any], Any]  # the contract in plain torch: what every backend is checked against
     tolerance: Callable[[Any], float]  # the relative error the contract allows for a call

@@ -7,20 +7,35 @@ rocm backend's Triton kernel and a disagreement hands that signature to it for g
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from dflash_rocm.backend import Backend
-from dflash_rocm.backends.rocm import RocmBackend
+from dflash_rocm.backend import AttentionImplementation, Backend
+from dflash_rocm.backends.rocm import RocmAttention
 from dflash_rocm.ops.attention import AttentionCall
-from dflash_rocm.platform import Platform, platform_for
+from dflash_rocm.platform import Platform
 
 from . import attention
+
+
+class AiterAttention(AttentionImplementation):
+    """aiter's CK paged varlen attention, with the rocm backend's plan of the same call
+    behind it (the first-use check, and the calls that check hands back)."""
+
+    @classmethod
+    def not_supported_reasons(cls, call: AttentionCall, platform: Platform) -> list[str]:
+        return attention.call_reasons(call)
+
+    @classmethod
+    def plan(cls, call: AttentionCall):
+        return functools.partial(attention.run, fallback=RocmAttention.plan(call))
 
 
 class AiterBackend(Backend):
     name = "aiter"
     description = "AMD CDNA: aiter's CK paged attention (checked against the Triton kernel on first use)"
-    OPS = frozenset({"draft_attention"})
+    implementations = (AiterAttention,)
 
     @classmethod
     def device_not_supported_reasons(cls, device: torch.device, platform: Platform) -> list[str]:
@@ -30,18 +45,8 @@ class AiterBackend(Backend):
         return reasons
 
     @classmethod
-    def attention_not_supported_reasons(cls, call: AttentionCall) -> list[str]:
-        reasons = cls.device_not_supported_reasons(call.device, platform_for(call.device))
-        return reasons or attention.call_reasons(call)
-
-    @classmethod
-    def draft_attention(cls, call: AttentionCall) -> None:
-        attention.run(call, RocmBackend.draft_attention)
-
-    @classmethod
     def status(cls) -> dict[str, str]:
         features, why = attention.probe()
         if why:
             return {"aiter": why}
         return {"aiter": "usable (paged CK attention" + (", sinks" if features.sinks else ", no sinks") + ")"}
-

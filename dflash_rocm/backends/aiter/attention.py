@@ -118,7 +118,7 @@ def run(call: AttentionCall, fallback: Callable[[AttentionCall], None]) -> None:
     """aiter's attention; on the first call of a signature, checked against ``fallback``
     (see the module for calls captured in a CUDA graph before that check)."""
     features, _ = probe()
-    key = call.signature()
+    key = call.summary()
     with _lock:
         state = _verified.get(key)
     if state is None and launches.graph_capturing(call.device):

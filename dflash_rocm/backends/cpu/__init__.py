@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash_rocm.backend import Backend
+from dflash_rocm.backend import AttentionImplementation, Backend, PrecomputeImplementation
 from dflash_rocm.ops.attention import AttentionCall
 from dflash_rocm.ops.precompute import PrecomputeCall
 from dflash_rocm.platform import Platform
@@ -18,20 +18,29 @@ from .attention import run_draft_attention
 from .precompute import run_precompute
 
 
+class CpuAttention(AttentionImplementation):
+    """torch's CPU flash-attention kernel over the gathered pages."""
+
+    @classmethod
+    def run(cls, call: AttentionCall) -> None:
+        run_draft_attention(call)
+
+
+class CpuPrecompute(PrecomputeImplementation):
+    """One GEMM for every layer and a vectorised float32 epilogue."""
+
+    @classmethod
+    def run(cls, call: PrecomputeCall):
+        return run_precompute(call)
+
+
 class CpuBackend(Backend):
     name = "cpu"
     description = "CPU: torch's flash-attention kernel over gathered pages; one GEMM and a vectorised epilogue"
+    implementations = (CpuAttention, CpuPrecompute)
 
     @classmethod
     def device_not_supported_reasons(cls, device: torch.device, platform: Platform) -> list[str]:
         if device.type != "cpu":
             return [f"serves CPU tensors only (these are on {device.type})"]
         return []
-
-    @classmethod
-    def draft_attention(cls, call: AttentionCall) -> None:
-        run_draft_attention(call)
-
-    @classmethod
-    def precompute(cls, call: PrecomputeCall):
-        return run_precompute(call)

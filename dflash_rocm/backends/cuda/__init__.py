@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from dflash_rocm.backend import Backend
+from dflash_rocm.backend import AttentionImplementation, Backend, PrecomputeImplementation
 from dflash_rocm.ops.attention import AttentionCall
 from dflash_rocm.ops.precompute import PrecomputeCall
 from dflash_rocm.platform import Platform
@@ -31,26 +31,21 @@ def vllm_ops() -> tuple[VllmOps | None, str | None]:
         return None, f"vLLM's custom ops are not importable ({type(exc).__name__}: {exc})"
 
 
-class CudaBackend(Backend):
-    name = "cuda"
-    description = "vLLM's FlashAttention and CUDA ops (NVIDIA)"
+class CudaLimits:
+    """What vLLM's FlashAttention and CUDA ops take (mixed into both implementations)."""
+
     QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
     FP8_CACHE_DTYPES = (torch.float8_e4m3fn,)
     MAX_HEAD_DIM = 256
     HEAD_DIM_MULTIPLE = 8
 
-    @classmethod
-    def device_not_supported_reasons(cls, device: torch.device, platform: Platform) -> list[str]:
-        reasons = []
-        if platform.vendor != "cuda":
-            reasons.append(f"needs an NVIDIA GPU (tensors on {device.type}, platform {platform.vendor})")
-        if vllm_ops()[1]:
-            reasons.append(vllm_ops()[1])
-        return reasons
+
+class CudaAttention(CudaLimits, AttentionImplementation):
+    """vLLM's FlashAttention varlen kernel with the block table."""
 
     @classmethod
-    def attention_not_supported_reasons(cls, call: AttentionCall) -> list[str]:
-        reasons = super().attention_not_supported_reasons(call)
+    def not_supported_reasons(cls, call: AttentionCall, platform: Platform) -> list[str]:
+        reasons = super().not_supported_reasons(call, platform)
         if call.device.type != "cuda":
             reasons.append("FlashAttention runs on CUDA tensors only")
         fa, version, why = load_flash_attention()
@@ -74,10 +69,29 @@ class CudaBackend(Backend):
         return reasons
 
     @classmethod
-    def draft_attention(cls, call: AttentionCall) -> None:
+    def plan(cls, call: AttentionCall):
         fa, version, _ = load_flash_attention()
-        run_flash_attention(call, fa, version)
+        return functools.partial(run_flash_attention, flash_attn_varlen_func=fa, fa_version=version)
+
+
+class CudaPrecompute(CudaLimits, PrecomputeImplementation):
+    """vLLM's own sequence of ops around one GEMM (``dflash_rocm.unfused``)."""
 
     @classmethod
-    def precompute(cls, call: PrecomputeCall):
-        return unfused_precompute(call, vllm_ops()[0])
+    def plan(cls, call: PrecomputeCall):
+        return functools.partial(unfused_precompute, ops=vllm_ops()[0])
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+    description = "vLLM's FlashAttention and CUDA ops (NVIDIA)"
+    implementations = (CudaAttention, CudaPrecompute)
+
+    @classmethod
+    def device_not_supported_reasons(cls, device: torch.device, platform: Platform) -> list[str]:
+        reasons = []
+        if platform.vendor != "cuda":
+            reasons.append(f"needs an NVIDIA GPU (tensors on {device.type}, platform {platform.vendor})")
+        if vllm_ops()[1]:
+            reasons.append(vllm_ops()[1])
+        return reasons

@@ -6,19 +6,27 @@ speed; ``auto`` takes it only when nothing else serves.
 
 from __future__ import annotations
 
-from dflash_rocm.backend import Backend
+from dflash_rocm.backend import AttentionImplementation, Backend, PrecomputeImplementation
 from dflash_rocm.ops import attention, precompute
+
+
+class ReferenceAttention(AttentionImplementation):
+    SUPPORTS_PACKED_CACHES = True
+
+    @classmethod
+    def run(cls, call: attention.AttentionCall) -> None:
+        attention.reference(call)
+
+
+class ReferencePrecompute(PrecomputeImplementation):
+    SUPPORTS_PACKED_CACHES = True
+
+    @classmethod
+    def run(cls, call: precompute.PrecomputeCall):
+        return precompute.reference(call)
 
 
 class ReferenceBackend(Backend):
     name = "reference"
     description = "plain torch, float32; the executable form of SPEC.md (any device)"
-    SUPPORTS_PACKED_CACHES = True
-
-    @classmethod
-    def draft_attention(cls, call: attention.AttentionCall) -> None:
-        attention.reference(call)
-
-    @classmethod
-    def precompute(cls, call: precompute.PrecomputeCall):
-        return precompute.reference(call)
+    implementations = (ReferenceAttention, ReferencePrecompute)

@@ -4,15 +4,15 @@ tuning (on by default for RDNA) and a query limit. aiter is a backend of its own
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 
-from dflash_rocm.backends.triton import INTERPRETING, TritonBackend
-from dflash_rocm.backends.triton.attention import PlannedAttention, run_draft_attention
+from dflash_rocm.backend import Backend
+from dflash_rocm.backends.triton import INTERPRETING, TritonAttention, TritonPrecompute
+from dflash_rocm.backends.triton.attention import AttentionPlan, attention_runner, plan_attention
+from dflash_rocm.backends.triton.launch import prelude_seconds
 from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig, PrecomputeLaunchConfig
-from dflash_rocm.backends.triton.precompute import run_precompute
 from dflash_rocm.ops import ATTENTION, Op
 from dflash_rocm.ops.attention import AttentionCall, AttentionSpec
 from dflash_rocm.ops.precompute import PrecomputeCall
@@ -32,7 +32,7 @@ def attention_workload(call: AttentionCall, platform: Platform) -> tables.Attent
                                     call.num_kv_heads, call.head_dim, call.is_fp8, platform.compute_units)
 
 
-def attention_config(call: AttentionCall) -> tuple[str, AttentionLaunchConfig]:
+def attention_choice(call: AttentionCall) -> tuple[str, AttentionLaunchConfig]:
     """(where it came from, config): the table's rule, ``unsegmented`` past the query
     limit, or ``tuned`` when startup tuning found a clear winner for this workload."""
     platform = platform_for(call.device)
@@ -45,7 +45,7 @@ def attention_config(call: AttentionCall) -> tuple[str, AttentionLaunchConfig]:
     return name, config
 
 
-def precompute_config(call: PrecomputeCall, platform: Platform) -> PrecomputeLaunchConfig:
+def precompute_choice(call: PrecomputeCall, platform: Platform) -> PrecomputeLaunchConfig:
     """The ROCm table's precompute configuration for ``call`` on ``platform``."""
     w = call.weights
     return tables.precompute_config(platform.arch, num_tokens=call.num_tokens, hidden=w.hidden_size,
@@ -53,30 +53,60 @@ def precompute_config(call: PrecomputeCall, platform: Platform) -> PrecomputeLau
                                     compute_units=platform.compute_units)
 
 
-def run_tuned_or_table(call: AttentionCall, source: str, config: AttentionLaunchConfig) -> None:
-    """Launch ``config``; a tuned config that fails (a stale or crafted entry that passed
-    the checks but does not compile here) is dropped for this process with a warning and
-    the call runs again with the table's config: the tuner must never fail a call.
-    Rerunning is safe, the kernels write only ``out``."""
-    if source != "tuned":
-        run_draft_attention(call, config)
-        return
-    try:
-        run_draft_attention(call, config)
-    except Exception as exc:  # any launch failure of a tuned config
-        platform = platform_for(call.device)
-        logger.warning("tuned launch config %s failed (%s: %s); dropped, using the table's config",
-                       config, type(exc).__name__, exc)
-        tuner.forget_config(platform, call.spec, config)
-        run_draft_attention(call, tables.attention_config(attention_workload(call, platform),
-                                                          settings.query_limit())[1])
+class TunedAttention:
+    """A plan under a tuned configuration, with the table's behind it: a tuned config that
+    fails to launch (a stale or crafted entry that passed the checks but does not compile
+    here) is dropped for this process with a warning, and the call and every later one run
+    under the table's configuration: the tuner must never fail a call. Rerunning is safe,
+    the kernels write only ``out``."""
+
+    __slots__ = ("plan", "tuned")
+
+    def __init__(self, plan: AttentionPlan):
+        self.plan, self.tuned = plan, True
+
+    def __call__(self, call: AttentionCall) -> None:
+        if not self.tuned:
+            self.plan.run(call)
+            return
+        try:
+            self.plan.run(call)
+        except Exception as exc:  # any launch failure of a tuned config
+            platform = platform_for(call.device)
+            logger.warning("tuned launch config %s failed (%s: %s); dropped, using the table's config",
+                           self.plan.config, type(exc).__name__, exc)
+            tuner.forget_config(platform, call.spec, self.plan.config)
+            self.tuned = False
+            self.plan = plan_attention(call, tables.attention_config(attention_workload(call, platform),
+                                                                     settings.query_limit())[1])
+            self.plan.run(call)
 
 
-class RocmBackend(TritonBackend):
+class RocmAttention(TritonAttention):
+    """The Triton attention kernel under the architecture's table (or a tuned config)."""
+
+    @classmethod
+    def plan(cls, call: AttentionCall):
+        source, config = attention_choice(call)
+        if source == "tuned" and call.num_tokens:
+            return TunedAttention(plan_attention(call, config))
+        return attention_runner(call, config)
+
+
+class RocmPrecompute(TritonPrecompute):
+    """The fused context-KV kernel under the architecture's table."""
+
+    @classmethod
+    def launch_config(cls, call: PrecomputeCall) -> PrecomputeLaunchConfig:
+        return precompute_choice(call, platform_for(call.device))
+
+
+class RocmBackend(Backend):
     """The Triton backend's kernels and limits, launched the AMD way."""
 
     name = "rocm"
     description = "AMD: Triton kernels with per-architecture tables and startup tuning"
+    implementations = (RocmAttention, RocmPrecompute)
 
     @classmethod
     def device_not_supported_reasons(cls, device: torch.device, platform: Platform) -> list[str]:
@@ -90,24 +120,6 @@ class RocmBackend(TritonBackend):
         if device.type == "cuda" and INTERPRETING:
             return ["TRITON_INTERPRET=1 is set, so Triton cannot compile for the GPU"]
         return []
-
-    @classmethod
-    def draft_attention(cls, call: AttentionCall) -> None:
-        run_tuned_or_table(call, *attention_config(call))
-
-    @classmethod
-    def precompute(cls, call: PrecomputeCall):
-        return run_precompute(call, precompute_config(call, platform_for(call.device)))
-
-    @classmethod
-    def plan(cls, op: Op, call):
-        # The table (query limit, tuner) asked once for the call's structure.
-        if op is ATTENTION:
-            source, config = attention_config(call)
-            if source == "tuned":  # keeps the fallback to the table should the tuned config fail
-                return functools.partial(run_tuned_or_table, source=source, config=config)
-            return PlannedAttention(config)
-        return functools.partial(run_precompute, config=precompute_config(call, platform_for(call.device)))
 
     # -- hooks -----------------------------------------------------------------------------
     @classmethod
@@ -132,3 +144,7 @@ class RocmBackend(TritonBackend):
         limit = settings.query_limit()
         return {"rocm query limit": "none (8192)" if limit is None else str(limit),
                 "rocm tuning cache": str(cache_dir())}
+
+    @classmethod
+    def launch_overhead(cls, launch, arch: str) -> tuple[float, float] | None:
+        return prelude_seconds(launch, arch)

@@ -16,7 +16,7 @@ import torch
 from dflash_rocm.version import __version__
 from dflash_rocm import launches, tuning
 from dflash_rocm.backends.triton import attention_kernels
-from dflash_rocm.backends.triton.attention import run_draft_attention
+from dflash_rocm.backends.triton.attention import plan_attention, run_draft_attention
 from dflash_rocm.backends.triton.launch_config import MERGES, AttentionLaunchConfig
 from dflash_rocm.contract import dtype_name
 from dflash_rocm.ops.attention import AttentionCall, AttentionSpec, attention_call
@@ -68,7 +68,7 @@ def launch_config_from_dict(d: object, group: int, family: str) -> AttentionLaun
     ``block_m >= group`` (each tile holds whole query tokens), segments within the
     family's table limit, a warp count the compiler takes, stages >= 1 and waves per EU
     >= 0 within sane bounds. ``ValueError`` says what is wrong. (What still fails to
-    compile is caught at launch: see ``run_tuned_or_table`` in this package.)"""
+    compile is caught at launch: see ``TunedAttention`` in this package.)"""
     if not isinstance(d, dict):
         raise ValueError(f"config: expected an object, got {type(d).__name__}")
     fields = set(AttentionLaunchConfig.__dataclass_fields__)
@@ -187,7 +187,8 @@ def gpu_runner(spec: AttentionSpec, w: tuning.Workload, device: torch.device) ->
         return call.out
 
     def time(config):
-        return median_seconds(lambda _: run_draft_attention(call, config), device, warmup=2, repeats=10,
+        planned = plan_attention(call, config)  # the host work once, as a served call's plan does
+        return median_seconds(lambda _: planned.run(call), device, warmup=2, repeats=10,
                               setup=flush.zero_ if flush is not None else None)
 
     return tuning.Runner(run, time)

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from dflash_rocm.backend import Backend
-from dflash_rocm.ops import ATTENTION, Op
+from dflash_rocm.backend import AttentionImplementation, Backend, PrecomputeImplementation
 from dflash_rocm.ops.attention import AttentionCall
 from dflash_rocm.ops.precompute import PrecomputeCall
 from dflash_rocm.platform import Platform
 
-from .attention import PlannedAttention, attention_config_for, run_draft_attention
+from .attention import attention_config_for, attention_runner
 from .common import INTERPRETING
 from .launch import prelude_seconds
-from .precompute import MAX_NOPE_LAYER, precompute_config_for, run_precompute
+from .launch_config import AttentionLaunchConfig, PrecomputeLaunchConfig
+from .precompute import MAX_NOPE_LAYER, precompute_config_for, precompute_runner
 
 
 def fp8_reason(platform: Platform, dtype: torch.dtype) -> str | None:
@@ -26,34 +24,39 @@ def fp8_reason(platform: Platform, dtype: torch.dtype) -> str | None:
     return platform.arch_info.fp8_reason(dtype)
 
 
-class TritonBackend(Backend):
-    name = "triton"
-    description = "portable Triton kernels: split-KV paged attention, fused context-KV precompute"
+class TritonLimits:
+    """What the Triton kernels of both ops support (mixed into their implementations)."""
+
     MAX_HEAD_DIM = 256
     HEAD_DIM_MULTIPLE = 16
-    MAX_QUERIES_PER_KV = 16
-    SUPPORTS_PACKED_CACHES = True  # kernels address dflash_rocm.PackedCache pages in place
-
-    @classmethod
-    def device_not_supported_reasons(cls, device: torch.device, platform: Platform) -> list[str]:
-        if device.type == "cpu":
-            if not INTERPRETING:
-                return ["CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 before importing dflash_rocm"]
-            return []
-        if device.type != "cuda":
-            return [f"no Triton target for {device.type} tensors"]
-        if INTERPRETING:
-            return ["TRITON_INTERPRET=1 is set, so Triton cannot compile for the GPU"]
-        return []
+    SUPPORTS_PACKED_CACHES = True  # the kernels address dflash_rocm.PackedCache pages in place
 
     @classmethod
     def fp8_cache_reasons(cls, cache_dtype: torch.dtype, platform: Platform) -> list[str]:
         why = fp8_reason(platform, cache_dtype)
         return super().fp8_cache_reasons(cache_dtype, platform) + ([why] if why else [])
 
+
+class TritonAttention(TritonLimits, AttentionImplementation):
+    """The split-KV paged attention kernel, configured by the portable table."""
+
+    MAX_QUERIES_PER_KV = 16
+
     @classmethod
-    def precompute_not_supported_reasons(cls, call: PrecomputeCall) -> list[str]:
-        reasons = super().precompute_not_supported_reasons(call)
+    def launch_config(cls, call: AttentionCall) -> AttentionLaunchConfig:
+        return attention_config_for(call)
+
+    @classmethod
+    def plan(cls, call: AttentionCall):
+        return attention_runner(call, cls.launch_config(call))
+
+
+class TritonPrecompute(TritonLimits, PrecomputeImplementation):
+    """The fused context-KV kernel, configured by the portable table."""
+
+    @classmethod
+    def not_supported_reasons(cls, call: PrecomputeCall, platform: Platform) -> list[str]:
+        reasons = super().not_supported_reasons(call, platform)
         past = [layer for layer in call.weights.nope_layers if layer > MAX_NOPE_LAYER]
         if past:
             reasons.append(f"NoPE layers past layer {MAX_NOPE_LAYER} (rope_layers is False at {past}): the kernel "
@@ -61,19 +64,35 @@ class TritonBackend(Backend):
         return reasons
 
     @classmethod
-    def draft_attention(cls, call: AttentionCall) -> None:
-        run_draft_attention(call)
+    def launch_config(cls, call: PrecomputeCall) -> PrecomputeLaunchConfig:
+        return precompute_config_for(call)
 
     @classmethod
-    def precompute(cls, call: PrecomputeCall):
-        return run_precompute(call)
+    def plan(cls, call: PrecomputeCall):
+        return precompute_runner(call, cls.launch_config(call))
+
+
+def triton_device_reasons(device: torch.device) -> list[str]:
+    """Whether Triton can run kernels on ``device`` as this process is set up."""
+    if device.type == "cpu":
+        if not INTERPRETING:
+            return ["CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 before importing dflash_rocm"]
+        return []
+    if device.type != "cuda":
+        return [f"no Triton target for {device.type} tensors"]
+    if INTERPRETING:
+        return ["TRITON_INTERPRET=1 is set, so Triton cannot compile for the GPU"]
+    return []
+
+
+class TritonBackend(Backend):
+    name = "triton"
+    description = "portable Triton kernels: split-KV paged attention, fused context-KV precompute"
+    implementations = (TritonAttention, TritonPrecompute)
 
     @classmethod
-    def plan(cls, op: Op, call):
-        # The launch configuration depends on the call's structure alone (batch bounds included).
-        if op is ATTENTION:
-            return PlannedAttention(attention_config_for(call))
-        return functools.partial(run_precompute, config=precompute_config_for(call))
+    def device_not_supported_reasons(cls, device: torch.device, platform: Platform) -> list[str]:
+        return triton_device_reasons(device)
 
     @classmethod
     def launch_overhead(cls, launch, arch: str) -> tuple[float, float] | None:

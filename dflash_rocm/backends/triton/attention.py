@@ -1,10 +1,11 @@
-"""Host side of the Triton draft attention: plans (grids, constexprs, scalar arguments,
-partial-buffer sizes per call structure, made once) and the launches of each call."""
+"""Host side of the Triton draft attention: a call structure's plan (grids, constexprs,
+scalar arguments, partial-buffer sizes, the merge decision) and the launches of each call."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -16,7 +17,7 @@ from dflash_rocm.platform import Platform, platform_for
 from .attention_kernels import draft_attention_kernel, merge_segments_kernel
 from .common import fp32_math, next_pow2, packed_layout
 from .counters import split_scratch
-from .launch import LaunchPlan, PlanMemo, compiler_options
+from .launch import LaunchPlan, compiler_options
 from .launch_config import (AttentionLaunchConfig, default_attention_config, merge_load_segments, merge_program_rows,
                             tail_merge_fits)
 
@@ -91,19 +92,9 @@ class AttentionPlan:
             self.merge(part_out, part_lse, call.query_start_loc, call.seq_lens, sinks, out)
 
 
-_PLANS = PlanMemo(256)
-
-
 def plan_attention(call: AttentionCall, config: AttentionLaunchConfig, merge: str | None = None) -> AttentionPlan:
-    """The plan of ``call``'s structure under ``config`` (``merge`` overriding its merge):
-    made once, kept (calls built outside validation carry no structure and get a fresh
-    plan)."""
-    merge = merge or config.merge
-    key = None
-    if call.layout is not None:
-        key = (call.layout, config, merge, call.query_len_bound, memory_of(call.key_cache).data_ptr() & 15,
-               memory_of(call.value_cache).data_ptr() & 15)
-    return _PLANS.get_or_make(key, lambda: _make_plan(call, config, merge))
+    """The plan of ``call``'s structure under ``config`` (``merge`` overriding its merge)."""
+    return _make_plan(call, config, merge or config.merge)
 
 
 def _make_plan(call: AttentionCall, config: AttentionLaunchConfig, merge: str) -> AttentionPlan:
@@ -156,29 +147,20 @@ def _make_plan(call: AttentionCall, config: AttentionLaunchConfig, merge: str) -
                          segments * call.num_tokens * call.num_q_heads if split else 0)
 
 
-class PlannedAttention:
-    """:func:`run_draft_attention` with one configuration for the calls of one planned
-    batch (:func:`dflash_rocm.plan_draft_attention`): their launch plan differs only with
-    the caches' 16-byte alignment, so it is looked up once per alignment."""
+def attention_runner(call: AttentionCall, config: AttentionLaunchConfig) -> Callable[[AttentionCall], None]:
+    """What runs every call of ``call``'s structure under ``config``: its plan's ``run``
+    (nothing, for a batch without queries)."""
+    if call.num_tokens == 0:
+        return _no_queries
+    return plan_attention(call, config).run
 
-    __slots__ = ("config", "_plans")
 
-    def __init__(self, config: AttentionLaunchConfig):
-        self.config, self._plans = config, {}
-
-    def __call__(self, call: AttentionCall) -> None:
-        if call.num_tokens == 0:
-            return
-        alignment = (memory_of(call.key_cache).data_ptr() & 15, memory_of(call.value_cache).data_ptr() & 15)
-        plan = self._plans.get(alignment)
-        if plan is None:
-            plan = self._plans[alignment] = plan_attention(call, self.config)
-        plan.run(call)
+def _no_queries(call: AttentionCall) -> None:
+    return None
 
 
 def run_draft_attention(call: AttentionCall, config: AttentionLaunchConfig | None = None) -> None:
-    """Write ``call.out`` with the split-KV kernel (plus the merge kernel when the tile is
-    split and the configuration does not merge in the same launch)."""
-    if call.num_tokens == 0:
-        return
-    plan_attention(call, config or attention_config_for(call)).run(call)
+    """Write ``call.out`` under ``config`` (default: the portable table's), planned for
+    this call alone: for tools and tests that pick a configuration. Served calls go
+    through dispatch's plan cache."""
+    attention_runner(call, config or attention_config_for(call))(call)

@@ -20,7 +20,7 @@ entry point for compiled kernels.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -169,26 +169,6 @@ class LaunchPlan:
         dynamic = tensor_specialization(tensors, self.amd)
         spec = None if dynamic is None or self.static_spec is None else (dynamic, self.static_spec)
         self.direct.run(self.grid, args, spec)
-
-
-class PlanMemo:
-    """Launch plans kept by key: bounded (cleared when full), safe across threads (a lost
-    race only makes a plan twice). A None key (a call without a structure) keeps nothing."""
-
-    def __init__(self, capacity: int):
-        self._capacity, self._plans, self._lock = capacity, {}, threading.Lock()
-
-    def get_or_make(self, key: tuple | None, make: Callable[[], Any], keep: bool = True) -> Any:
-        """The plan kept for ``key``, else ``make()``'s, kept unless ``keep`` is False."""
-        plan = None if key is None else self._plans.get(key)
-        if plan is None:
-            plan = make()
-            if key is not None and keep:
-                with self._lock:
-                    if len(self._plans) >= self._capacity:
-                        self._plans.clear()
-                    self._plans[key] = plan
-        return plan
 
 
 def prelude_seconds(launch, arch: str, repeats: int = 2000) -> tuple[float, float]:

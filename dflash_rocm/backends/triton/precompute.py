@@ -4,10 +4,12 @@ CUDA graph is captured with too few arrival counters)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -20,7 +22,7 @@ from dflash_rocm.weights import ContextKVWeights
 
 from .common import INTERPRETING, TL_DTYPES, fp32_math, next_pow2, packed_layout
 from .counters import split_scratch
-from .launch import LaunchPlan, PlanMemo, compiler_options
+from .launch import LaunchPlan, compiler_options
 from .launch_config import PrecomputeLaunchConfig, default_precompute_config
 from .precompute_kernels import META_COLS, context_kv_kernel, context_kv_split_epilogue_kernel
 
@@ -250,33 +252,20 @@ class PrecomputePlan:
             self.epilogue(part_acc, part_ss, fused.row_scale, call.positions, *tail)
 
 
-_PLANS = PlanMemo(64)
-
-
 def plan_precompute(call: PrecomputeCall, config: PrecomputeLaunchConfig, merge_in_kernel: bool | None = None
                     ) -> PrecomputePlan:
-    """The plan of ``call``'s structure under ``config``: made once, kept (calls built
-    outside validation carry no structure and get a fresh plan; a plan made while a CUDA
-    graph is captured serves that call alone: its cache table may be the graph's own)."""
-    w = call.weights
+    """The plan of ``call``'s structure under ``config``: the grid split, whether split
+    parts are merged in the same launch (``merge_in_kernel``; default: when split) and
+    whether they add into one atomic sum, decided here once."""
     grid_t = -(-call.num_tokens // config.block_t)
-    tiles = grid_t * 2 * w.num_layers * w.num_kv_heads // config.heads
+    tiles = grid_t * 2 * call.weights.num_layers * call.weights.num_kv_heads // config.heads
     whole = min(config.whole_tiles, tiles) if config.split_k > 1 else tiles
     split_k = config.split_k if whole < tiles else 1
     merge_in_kernel = split_k > 1 if merge_in_kernel is None else merge_in_kernel
     # Parts add into one sum unless torch was asked for bitwise-reproducible results (fp32
     # atomics add in arrival order); the merge then reads one tile instead of split_k.
     atomic_sum = merge_in_kernel and split_k > 1 and not torch.are_deterministic_algorithms_enabled()
-    key = None
-    if call.layout is not None:
-        written = [s for s in call.slot_mappings if s is not None]
-        # the layout holds the caches' addresses (validation judges aliasing with it), so a
-        # plan, whose cache table holds them too, serves exactly one cache set
-        key = (call.layout, config, merge_in_kernel, atomic_sum,
-               w.kv_bias is None, w.v_scale, w.is_neox, w.eps, w.rotary_dim, w.rope_layers, w.round_k_before_rope,
-               tuple(s is None for s in call.slot_mappings), all(s is written[0] for s in written))
-    return _PLANS.get_or_make(key, lambda: _make_plan(call, config, grid_t, whole, split_k, merge_in_kernel,
-                                                      atomic_sum), keep=not launches.graph_capturing(call.device))
+    return _make_plan(call, config, grid_t, whole, split_k, merge_in_kernel, atomic_sum)
 
 
 def _make_plan(call: PrecomputeCall, config: PrecomputeLaunchConfig, grid_t: int, whole: int, split_k: int,
@@ -320,14 +309,32 @@ def _make_plan(call: PrecomputeCall, config: PrecomputeLaunchConfig, grid_t: int
                           parts * block_d, parts)
 
 
-def run_precompute(call: PrecomputeCall, config: PrecomputeLaunchConfig | None = None):
+def precompute_runner(call: PrecomputeCall, config: PrecomputeLaunchConfig) -> Callable[[PrecomputeCall], Any]:
+    """What runs every call of ``call``'s structure under ``config`` (nothing to launch
+    when it has no tokens or neither writes nor returns)."""
+    if call.num_tokens == 0 or not (call.writes or call.return_kv):
+        return _outputs
+    return functools.partial(_run_planned, plan_precompute(call, config))
+
+
+def _outputs(call: PrecomputeCall):
+    """The ``(k, v)`` a call returns (uninitialised ``[L, N, Hk, D]``) iff it asks, else None."""
+    if not call.return_kv:
+        return None
     w = call.weights
-    N, L, Hk, D = call.num_tokens, w.num_layers, w.num_kv_heads, w.head_dim
-    out_k = out_v = None
-    if call.return_kv:
-        out_k = torch.empty(L, N, Hk, D, dtype=call.dtype, device=call.device)
-        out_v = torch.empty(L, N, Hk, D, dtype=call.dtype, device=call.device)
-    if N == 0 or not (call.writes or call.return_kv):
-        return (out_k, out_v) if call.return_kv else None
-    plan_precompute(call, config or precompute_config_for(call)).run(call, out_k, out_v)
-    return (out_k, out_v) if call.return_kv else None
+    shape = (w.num_layers, call.num_tokens, w.num_kv_heads, w.head_dim)
+    return (torch.empty(shape, dtype=call.dtype, device=call.device),
+            torch.empty(shape, dtype=call.dtype, device=call.device))
+
+
+def _run_planned(plan: PrecomputePlan, call: PrecomputeCall):
+    out = _outputs(call)
+    plan.run(call, *(out or (None, None)))
+    return out
+
+
+def run_precompute(call: PrecomputeCall, config: PrecomputeLaunchConfig | None = None):
+    """The precompute of ``call`` under ``config`` (default: the portable table's), planned
+    for this call alone: for tools and tests that pick a configuration. Served calls go
+    through dispatch's plan cache."""
+    return precompute_runner(call, config or precompute_config_for(call))(call)

@@ -6,8 +6,8 @@ from .call import AttentionCall, AttentionSpec
 from .reference import attention as reference
 from .validation import attention_call
 
-OP = Op(name="draft_attention", short="attention", label="draft_attention", run_method="draft_attention",
-        reasons_method="attention_not_supported_reasons", build_call=attention_call, reference=reference,
+OP = Op(name="draft_attention", short="attention", label="draft_attention",
+        build_call=attention_call, reference=reference,
         tolerance=lambda call: spec_tolerance(call.dtype, call.cache_dtype))
 
 __all__ = ["OP", "AttentionCall", "AttentionSpec", "attention_call", "reference"]

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from ...contract import FP8_DTYPES, dtype_name
-from ...paged import PackedCache, cache_packing
-from ...platform import platform_for
+from ...paged import PackedCache, cache_packing, memory_of
+from ...platform import simulated_platform
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class AttentionCall:
     max_seq_len: int | None
     # Every argument's shape, strides, dtype and device (and the scalars): what the
     # structural checks read, and so everything a backend's reasons may depend on.
-    layout: object = None
+    structure: object = None
 
     def with_tensors(self, **tensors) -> "AttentionCall":
         """This call with other tensors of the same structure (a plan's ``run``, which has
@@ -137,12 +137,18 @@ class AttentionCall:
         return AttentionSpec(self.num_q_heads, self.num_kv_heads, self.head_dim, self.block_size, self.dtype,
                              self.cache_dtype, self.causal, self.sliding_window, self.sinks is not None)
 
-    def support_key(self) -> tuple:
-        """What a backend's ``*_not_supported_reasons`` may read: the call's structure and
-        its platform. Dispatch remembers its choice per key."""
-        return self.layout, platform_for(self.device)
+    def plan_key(self) -> tuple | None:
+        """What a plan of this call depends on, and so what dispatch keys its plan cache
+        by: the structure (everything the checks and a backend's reasons read), the host
+        bounds (they size the launch), the caches' 16-byte alignment (the kernels' stride
+        unit) and a simulated platform. None: the call carries no structure (built outside
+        validation), so nothing may be kept for it."""
+        if self.structure is None:
+            return None
+        return (self.structure, self.max_query_len, self.max_seq_len, memory_of(self.key_cache).data_ptr() & 15,
+                memory_of(self.value_cache).data_ptr() & 15, simulated_platform())
 
-    def signature(self) -> str:
+    def summary(self) -> str:
         """A readable summary of the call's shape: logged once per distinct value."""
         parts = [f"q={dtype_name(self.dtype)}", f"kv={dtype_name(self.cache_dtype)}",
                  f"Hq={self.num_q_heads}", f"Hk={self.num_kv_heads}", f"D={self.head_dim}",

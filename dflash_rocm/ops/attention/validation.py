@@ -12,14 +12,14 @@ import torch
 
 from ...contract import FP8_DTYPES, QUERY_DTYPES
 from ... import launches
-from ...validation import (IndexChecks, LayoutMemo, cache_arg, check_device, check_disjoint, check_dtype,
+from ...validation import (IndexChecks, StructureMemo, cache_arg, check_device, check_disjoint, check_dtype,
                            check_layout_once, check_scale_values, check_shape, check_writable, holds_tensor,
                            index_tensor, int_bound, merged_ranges, positive_float, scale_tensor, signature,
                            storage_range, storages_meet, tensor_arg)
 from .call import AttentionCall
 
 
-_STRUCTURES = LayoutMemo()
+_STRUCTURES = StructureMemo()
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def attention_call(query, key_cache, value_cache, block_table, query_start_loc, 
                          block_table=block_table, query_start_loc=query_start_loc, seq_lens=seq_lens,
                          out=out, scale=derived.scale, causal=causal, sliding_window=derived.sliding_window,
                          sinks=sinks, k_scale=k_scale_t, v_scale=v_scale_t,
-                         max_query_len=max_query_len, max_seq_len=max_seq_len, layout=key)
+                         max_query_len=max_query_len, max_seq_len=max_seq_len, structure=key)
     if not fresh_out:
         check_out_apart(call)
     return call

@@ -7,8 +7,8 @@ from .call import PrecomputeCall
 from .reference import precompute as reference
 from .validation import precompute_call
 
-OP = Op(name="precompute_and_store_context_kv", short="precompute", label="precompute", run_method="precompute",
-        reasons_method="precompute_not_supported_reasons", build_call=precompute_call, reference=reference,
+OP = Op(name="precompute_and_store_context_kv", short="precompute", label="precompute",
+        build_call=precompute_call, reference=reference,
         tolerance=lambda call: spec_tolerance(call.dtype, call.cache_dtype))
 
 __all__ = ["OP", "PrecomputeCall", "precompute_call", "reference"]

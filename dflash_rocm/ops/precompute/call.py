@@ -12,7 +12,7 @@ import torch
 
 from ...contract import FP8_DTYPES, dtype_name
 from ...paged import PackedCache, cache_packing
-from ...platform import platform_for
+from ...platform import simulated_platform
 from ...weights import ContextKVWeights
 
 
@@ -27,7 +27,7 @@ class PrecomputeCall:
     k_scales: torch.Tensor | None  # float32 [L] on the device; set iff the caches are fp8
     v_scales: torch.Tensor | None
     return_kv: bool
-    layout: object = None  # the call's structure, as the structural checks read it (see AttentionCall)
+    structure: object = None  # the call's structure, as the structural checks read it (see AttentionCall)
 
     @property
     def num_tokens(self) -> int:
@@ -71,11 +71,15 @@ class PrecomputeCall:
             return cache_packing(self.key_caches[i], self.value_caches[i])
         return None
 
-    def support_key(self) -> tuple:
-        """See :meth:`AttentionCall.support_key`."""
-        return self.layout, platform_for(self.device)
+    def plan_key(self) -> tuple | None:
+        """See :meth:`AttentionCall.plan_key`: the structure (the caches' addresses
+        included), a simulated platform, and whether torch asks for bitwise-reproducible
+        results (a split sum then keeps its parts apart instead of adding them atomically)."""
+        if self.structure is None:
+            return None
+        return self.structure, simulated_platform(), torch.are_deterministic_algorithms_enabled()
 
-    def signature(self) -> str:
+    def summary(self) -> str:
         w = self.weights
         parts = [f"x={dtype_name(self.dtype)}", f"kv={dtype_name(self.cache_dtype)}",
                  f"L={w.num_layers}", f"Hk={w.num_kv_heads}", f"D={w.head_dim}", f"R={w.rotary_dim}",

@@ -13,7 +13,7 @@ import torch
 
 from ...contract import FP8_DTYPES, QUERY_DTYPES
 from ... import launches
-from ...validation import (IndexChecks, LayoutMemo, Structure, byte_span, cache_arg, check_device, check_disjoint,
+from ...validation import (IndexChecks, StructureMemo, Structure, byte_span, cache_arg, check_device, check_disjoint,
                            check_dtype, check_layout_once, check_scale_values, check_shape, check_writable,
                            holds_tensor, index_tensor, merged_ranges, per_layer, scale_tensor, signature, storages_meet,
                            tensor_arg)
@@ -22,7 +22,7 @@ from ...weights import ContextKVWeights
 from .call import PrecomputeCall
 
 
-_STRUCTURES = LayoutMemo()
+_STRUCTURES = StructureMemo()
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ def model_arguments(weights, key_caches, value_caches, k_scales=None, v_scales=N
     key_caches, value_caches, k_scales, v_scales = frozen
     key = (_weights_signature(weights), _caches(key_caches), _caches(value_caches), signature(k_scales),
            signature(v_scales))
-    return ModelArguments(weights, key_caches, value_caches, k_scales, v_scales, LayoutMemo.structure(key) or key)
+    return ModelArguments(weights, key_caches, value_caches, k_scales, v_scales, StructureMemo.structure(key) or key)
 
 
 def precompute_call(context_states, positions, weights, key_caches, value_caches, slot_mapping, *,
@@ -118,7 +118,7 @@ def bound_precompute_call(model: ModelArguments, context_states, positions, slot
             check_scale_values("v_scales", vs, checks)
     return PrecomputeCall(states=context_states, positions=positions, weights=weights, key_caches=kcs,
                           value_caches=vcs, slot_mappings=slots, k_scales=ks, v_scales=vs,
-                          return_kv=return_kv, layout=key)
+                          return_kv=return_kv, structure=key)
 
 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -129,10 +129,11 @@ def _weights_signature(weights) -> tuple:
     if not isinstance(weights, ContextKVWeights):
         return (type(weights),)
     w = weights.kv_weight
-    # the family variants too: whether a backend serves a call may depend on them
+    # every field a backend's reasons or plan read (the tensors' values excepted)
     return (ContextKVWeights, weights.num_layers, weights.num_kv_heads, weights.head_dim, w.shape, w.dtype, w.device,
             weights.cos_sin_cache.shape, weights.per_layer_hidden_norm, weights.rope_layers,
-            weights.round_k_before_rope)
+            weights.round_k_before_rope, weights.kv_bias is None, weights.v_scale, weights.is_neox, weights.eps,
+            weights.rotary_dim)
 
 
 def _sequence(value) -> tuple:
