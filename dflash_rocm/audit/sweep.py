@@ -206,8 +206,9 @@ def table_config(case: Case, target: Target, call):
     return "portable", precompute_config_for(call, platform)
 
 
-def capture_case(case: Case, target: Target) -> CaseLaunches:
-    """Every launch the host code makes for ``case`` on ``target``."""
+def capture_case(case: Case, target: Target, config=None) -> CaseLaunches:
+    """Every launch the host code makes for ``case`` on ``target`` with ``config`` (None:
+    the table's, :func:`table_config`)."""
     result = CaseLaunches(case, target)
     if case.fp8 and target.fp8_dtype is None:
         result.skipped = f"{target.arch} has no fp8 conversion"
@@ -221,7 +222,10 @@ def capture_case(case: Case, target: Target) -> CaseLaunches:
     else:
         call = precompute_call(case, target)
         run = run_precompute
-    result.config_name, config = table_config(case, target, call)
+    if config is None:
+        result.config_name, config = table_config(case, target, call)
+    else:
+        result.config_name = "given"
     result.config = config.as_dict()
     with capture() as launches:
         run(call, config)
