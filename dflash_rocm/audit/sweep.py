@@ -31,12 +31,12 @@ ATTENTION_BATCHES = (1, 8, 64)
 ATTENTION_CONTEXTS = (1024, 8192, 32768)
 PRECOMPUTE_TOKENS = (16, 32, 64, 256, 512, 1024, 4096)
 # Captured plans: vLLM captures its CUDA graphs with max_seq_len = max_model_len, so real
-# contexts run under a plan made for a far longer span. Issue 25's cases (batch 1 and 8 at
-# 1k and 8k under plans for 32k and 128k) are in the default sweep; `--planned` plans the
+# contexts run under a plan made for a far longer span. Batch 1 and 8 at 1k and 8k under
+# plans for 32k and 128k are in the default sweep; `--planned` plans the
 # cases of any other sweep for the spans it names.
 PLANNED_SPANS = (32768, 131072)
 PLANNED_ATTENTION = tuple((b, c, span) for b in (1, 8) for c in (1024, 8192) for span in PLANNED_SPANS)
-# Extra attention cases: batch 64 at 4k (issue 10's target), and the captured plans.
+# Extra attention cases: batch 64 at 4k (a large batch, DRAM-bound), and the captured plans.
 EXTRA_ATTENTION = ((64, 4096, None),) + PLANNED_ATTENTION
 # vLLM ROCM_ATTN's packed pages (its default backend on AMD; AMD targets only), short names
 # for the tables: x-packed K with plain V, and with interleaved V. One attention and one
