@@ -25,7 +25,8 @@ from .platform import platform_for, simulate_platform
 from .timing import host_median_seconds
 from .workloads import SHAPES, attention_inputs, precompute_inputs
 
-# The budget on a 2-core CPU, launches included (modelled GPU work per call is 10-20 us).
+# Host time a call may take on a 2-core CPU, launches included (the GPU work a call
+# launches is 10-20 us, modelled).
 TARGET_US = {ATTENTION.name: 25.0, PRECOMPUTE.name: 30.0}
 
 

@@ -1,4 +1,9 @@
-"""The ROCm launch tables as pure functions, for every listed architecture."""
+"""The ROCm launch tables as pure functions, for every listed architecture: the structure
+of the tables (every architecture has rows, rows ordered, every row reachable, a row for
+every workload, within the stage limit and the LDS) and the rules the picking code adds."""
+
+import dataclasses
+import itertools
 
 import pytest
 
@@ -201,38 +206,6 @@ def test_precompute_sums_squares_a_value_at_a_time_only_on_gfx950(arch):
         PrecomputeLaunchConfig(square_group=4)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_precompute_tiles_follow_the_token_count(arch):
-    """A single token tile of 32 takes 4 warps on CDNA (8 would split its rows below a
-    matrix instruction's 16); CDNA moves to 64-token tiles past 352 tokens (224 on gfx950),
-    and sooner where they leave a last round of a few tiles split 16 ways (gfx942 N = 256,
-    not N = 224, whose last tile would be half empty); gfx942's of 4 warps where no tile is
-    split below 1024 tokens (the split path's registers would leave 2 waves), prefetching a
-    step ahead while a split grid fills at most two rounds; gfx950's prefetching a step
-    ahead while they fill at most two rounds, and from 640 tokens 128 tokens deep."""
-    def config(tokens):
-        return tables.precompute_config(arch, num_tokens=tokens, hidden=4096, num_heads_total=80, head_dim=128)
-
-    cdna = arch.startswith("gfx9")
-    assert config(32).block_t == 32 and config(32).num_warps == (4 if cdna else 8)
-    assert config(64).num_warps == 8
-    if arch == "gfx942":
-        assert config(352).block_t == 32 and config(384).block_t == 64
-        assert config(224).block_t == 32 and config(256).block_t == 64
-        assert (config(256).num_warps, config(256).num_stages) == (8, 2)
-        assert (config(448).split_k, config(448).num_warps, config(448).num_stages) == (1, 4, 1)
-        assert (config(1472).split_k, config(1472).num_stages) == (16, 1)  # six rounds: one stage
-        assert config(512).split_k > 1 and config(512).num_warps == 8
-        assert config(4096).num_warps == 8
-    assert config(4096).heads == (2 if arch.startswith("gfx12") else 1)  # RDNA4: a KV head's K and V together
-    assert config(512).heads == 1
-    if arch == "gfx950":
-        assert config(224).block_t == 32 and config(256).block_t == 64 and config(576).block_t == 64
-        assert config(256).num_stages == 2 and config(512).num_stages == 1
-        assert (config(640).block_t, config(640).num_warps, config(4096).block_t, config(4096).num_stages) == (
-            128, 4, 128, 1)
-
-
 def test_tail_split_spreads_only_a_short_last_round():
     from dflash_rocm.backends.triton.launch_config import tail_split
 
@@ -297,3 +270,106 @@ def test_grids_use_the_detected_compute_unit_count():
     small = tables.precompute_config("gfx942", num_tokens=16, hidden=4096, num_heads_total=80, head_dim=128,
                                      compute_units=8)
     assert small.split_k == 1  # 80 programs already cover 8 CUs
+
+
+# ---- the tables' structure ----------------------------------------------------------------
+
+def precompute_workloads(arch):
+    """A grid of precompute calls on ``arch``: token counts on both sides of every row's
+    bounds, head totals that fill a device from a fraction of a round to many rounds."""
+    tokens = (1, 16, 17, 32, 33, 64, 65, 96, 128, 192, 224, 225, 256, 320, 352, 353, 384, 448, 512, 576, 639, 640,
+              704, 768, 1023, 1024, 1472, 2048, 4096, 8192, 16384)
+    for n, heads, d, cus in itertools.product(tokens, (8, 40, 80, 86, 156, 172, 320, 2000), (64, 128, 256), (None, 16)):
+        yield tables.PrecomputeWorkload(arch, n, 4096, heads, d, cus)
+
+
+def attention_workloads(arch):
+    for batch, q, span, (hq, hk), d, fp8 in itertools.product((1, 8, 64), (1, 4, 16), (100, 8192, 131072),
+                                                              ((32, 8), (8, 8), (64, 4)), (64, 128, 256),
+                                                              (False, True)):
+        yield workload(arch, batch, q, span, hq, hk, d, fp8)
+
+
+CONDITIONS = {"precompute": ("min_tokens", "max_tokens", "max_head_dim", "max_rounds", "tail_ways", "full_tiles"),
+              "attention": ("archs", "min_head_dim", "fp8", "max_query_rows")}
+
+
+def unconditional(rule, kind):
+    defaults = {f.name: f.default for f in dataclasses.fields(rule)}
+    return all(getattr(rule, name) == defaults[name] for name in CONDITIONS[kind])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_arch_has_tables_whose_last_row_has_no_condition(arch):
+    """A row applies to every workload: each table ends in a row with no condition."""
+    assert unconditional(tables.precompute_table(arch).rules[-1], "precompute")
+    assert unconditional(tables.rules_for(arch)[-1], "attention")
+    assert sum(unconditional(r, "precompute") for r in tables.precompute_table(arch).rules) == 1
+
+
+def test_every_precompute_table_serves_a_supported_arch_and_rows_have_unique_names():
+    served = {id(tables.precompute_table(arch)) for arch in ARCHS}
+    assert served == {id(t) for t in tables.PRECOMPUTE_TABLES.values()}
+    for table in tables.PRECOMPUTE_TABLES.values():
+        names = [r.name for r in table.rules]
+        assert len(set(names)) == len(names)
+    with pytest.raises(ValueError, match="no ROCm precompute table"):
+        tables.precompute_table("sm_90")
+
+
+@pytest.mark.parametrize("key", list(tables.PRECOMPUTE_TABLES))
+def test_precompute_rows_are_ordered_by_their_token_bound(key):
+    """A row for fewer tokens comes first: token bounds never fall down the table (no bound
+    counts as unbounded), so a wider row cannot hide a narrower one that follows it."""
+    bounds = [r.max_tokens if r.max_tokens is not None else float("inf") for r in tables.PRECOMPUTE_TABLES[key].rules]
+    assert bounds == sorted(bounds)
+
+
+@pytest.mark.parametrize("table", [tables.CDNA_RULES, tables.RDNA_RULES, *tables.PRECOMPUTE_TABLES.values()],
+                         ids=["cdna", "rdna", *tables.PRECOMPUTE_TABLES])
+def test_every_row_is_picked_by_some_workload(table):
+    """No row is shadowed by the rows before it, on the architectures that use the table."""
+    if isinstance(table, tables.PrecomputeTable):
+        archs = [a for a in ARCHS if tables.precompute_table(a) is table]
+        picked = {tables.select_precompute_rule(w).name for a in archs for w in precompute_workloads(a)}
+        rows = table.rules
+    else:
+        archs = [a for a in ARCHS if tables.rules_for(a) is table]
+        picked = {tables.select_rule(w).name for a in archs for w in attention_workloads(a)}
+        rows = table
+    assert archs and picked == {r.name for r in rows}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_no_row_takes_more_stages_than_the_arch_allows(arch):
+    """gfx12 takes one stage everywhere (:func:`tables.stage_limit`); the rows say so themselves."""
+    assert tables.stage_limit(arch) == (1 if arch.startswith("gfx12") else 2)
+    rows = tables.precompute_table(arch).rules + tables.rules_for(arch)
+    assert all(r.num_stages <= tables.stage_limit(arch) for r in rows
+               if not getattr(r, "archs", ()) or arch.startswith(r.archs))
+
+
+def operand_bytes(rows, cols_a, cols_b, stages, elem_bytes=2):
+    """LDS a loop's two matrix operands take at the least, one buffer per pipeline stage."""
+    return stages * (rows + cols_b) * cols_a * elem_bytes
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_config_fits_the_arch_lds(arch):
+    """The operand tiles of every config the tables give, one buffer per stage, fit the
+    architecture's LDS (the compiled LDS of the audited sweep: tests/test_audit.py)."""
+    lds = platform_for_arch(arch).lds_bytes
+    for w in precompute_workloads(arch):
+        c = tables.precompute_config(arch, num_tokens=w.num_tokens, hidden=w.hidden, num_heads_total=w.num_heads_total,
+                                     head_dim=w.head_dim, compute_units=w.compute_units)
+        assert operand_bytes(c.block_t, c.block_k, c.heads * w.head_dim, c.num_stages) <= lds, (w, c)
+    for w in attention_workloads(arch):
+        c = tables.attention_config(w, 16)[1]
+        assert operand_bytes(c.block_m, w.head_dim, 2 * c.block_n, c.num_stages) <= lds, (w, c)
+
+
+def test_rows_are_keyword_data():
+    with pytest.raises(TypeError):
+        tables.PrecomputeRule("x", 64, 8, 1)
+    with pytest.raises(ValueError, match="split: expected one of"):
+        tables.PrecomputeRule(name="x", block_t=64, num_warps=8, num_stages=1, split="rows")

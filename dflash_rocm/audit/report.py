@@ -103,7 +103,7 @@ def format_results(audit: Audit) -> str:
     return "\n".join(lines)
 
 
-CAPTURE_TARGET = 1.2  # issue 25: a captured plan costs within this factor of the eager one (modelled)
+CAPTURE_TARGET = 1.2  # a captured plan's modelled cost stays within this factor of the eager plan's
 
 
 def captured_plans(audit: Audit) -> list[dict]:

@@ -151,9 +151,10 @@ class _Pending:
         return facts
 
 
-def model_case(case: sweep.Case, target: Target, cache: FactsCache) -> CaseResult:
-    """One case, captured, compiled (or read from the cache) and modelled."""
-    captured = sweep.capture_case(case, target)
+def model_case(case: sweep.Case, target: Target, cache: FactsCache, config=None) -> CaseResult:
+    """One case, captured with ``config`` (None: the table's), compiled (or read from the
+    cache) and modelled."""
+    captured = sweep.capture_case(case, target, config)
     result = CaseResult(target, case, captured.config_name, captured.config, skipped=captured.skipped)
     pending = [_Pending.of(launch, target) for launch in captured.launches]
     facts, _ = compile_all([spec for p in pending for spec in p.specs()], cache)

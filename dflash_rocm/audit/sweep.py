@@ -31,12 +31,12 @@ ATTENTION_BATCHES = (1, 8, 64)
 ATTENTION_CONTEXTS = (1024, 8192, 32768)
 PRECOMPUTE_TOKENS = (16, 32, 64, 256, 512, 1024, 4096)
 # Captured plans: vLLM captures its CUDA graphs with max_seq_len = max_model_len, so real
-# contexts run under a plan made for a far longer span. Issue 25's cases (batch 1 and 8 at
-# 1k and 8k under plans for 32k and 128k) are in the default sweep; `--planned` plans the
+# contexts run under a plan made for a far longer span. Batch 1 and 8 at 1k and 8k under
+# plans for 32k and 128k are in the default sweep; `--planned` plans the
 # cases of any other sweep for the spans it names.
 PLANNED_SPANS = (32768, 131072)
 PLANNED_ATTENTION = tuple((b, c, span) for b in (1, 8) for c in (1024, 8192) for span in PLANNED_SPANS)
-# Extra attention cases: batch 64 at 4k (issue 10's target), and the captured plans.
+# Extra attention cases: batch 64 at 4k (a large batch, DRAM-bound), and the captured plans.
 EXTRA_ATTENTION = ((64, 4096, None),) + PLANNED_ATTENTION
 # vLLM ROCM_ATTN's packed pages (its default backend on AMD; AMD targets only), short names
 # for the tables: x-packed K with plain V, and with interleaved V. One attention and one
@@ -206,8 +206,9 @@ def table_config(case: Case, target: Target, call):
     return "portable", precompute_config_for(call, platform)
 
 
-def capture_case(case: Case, target: Target) -> CaseLaunches:
-    """Every launch the host code makes for ``case`` on ``target``."""
+def capture_case(case: Case, target: Target, config=None) -> CaseLaunches:
+    """Every launch the host code makes for ``case`` on ``target`` with ``config`` (None:
+    the table's, :func:`table_config`)."""
     result = CaseLaunches(case, target)
     if case.fp8 and target.fp8_dtype is None:
         result.skipped = f"{target.arch} has no fp8 conversion"
@@ -221,7 +222,10 @@ def capture_case(case: Case, target: Target) -> CaseLaunches:
     else:
         call = precompute_call(case, target)
         run = run_precompute
-    result.config_name, config = table_config(case, target, call)
+    if config is None:
+        result.config_name, config = table_config(case, target, call)
+    else:
+        result.config_name = "given"
     result.config = config.as_dict()
     with capture() as launches:
         run(call, config)

@@ -4,8 +4,9 @@ The kernels are the Triton backend's; what differs per architecture is how they 
 launched. CDNA (gfx942/gfx950, wave64, 64 KiB LDS on gfx942 and 160 KiB on gfx950,
 256-304 CUs) wants wide tiles and many key segments to fill the device; RDNA (gfx11/gfx12,
 wave32, 128 KiB LDS, 32-96 CUs) wants smaller tiles and few segments (vLLM's segmented
-table, tuned on gfx1201, is the starting point). Every table is a list of named rules
-tried in order, so each entry can be listed, tested and reported by name.
+table, tuned on gfx1201, is the starting point). Every table is data: a tuple of named
+rows tried in order, each with condition fields (all must hold) and launch fields, so each
+row can be listed, tested and reported by name; one small function per table picks the row.
 
 All functions here are pure: (architecture, call shape) -> launch configuration.
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable
 
 from dflash_rocm.backends.triton.common import next_pow2
 from dflash_rocm.backends.triton.launch_config import (AttentionLaunchConfig, PrecomputeLaunchConfig,
@@ -48,45 +48,54 @@ class AttentionWorkload:
         return platform_for_arch(self.arch, compute_units=self.compute_units)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TileRule:
+    """One row of an attention table: the conditions under which it applies (all must hold;
+    a condition left at its default always holds) and the launch it gives."""
+
     name: str
-    applies: Callable[[AttentionWorkload], bool]
+    # Conditions
+    archs: tuple[str, ...] = ()  # architecture name prefixes ("gfx11", "gfx950"); empty: any of the table's
+    min_head_dim: int = 0
+    fp8: bool | None = None  # True: an fp8 cache only; False: a 16-bit cache only; None: either
+    max_query_rows: int | None = None  # longest query x group (a request's rows of one KV head)
+    # Launch
     block_m: int
     block_n: int
     num_warps: int
-    num_stages: int
-    matrix_instr_nonkdim: int  # CDNA: 16 gives 16-row MFMA tiles, so 4 warps share a 64-row tile without replication
-    min_keys_per_segment: int  # below this a segment's merge costs more than it saves
-    programs_per_cu: float  # how many (tile, head, segment) programs to aim for per CU
+    num_stages: int = 1
+    matrix_instr_nonkdim: int = 0  # CDNA: 16 gives 16-row MFMA tiles: 4 warps share a 64-row tile, none replicated
+    min_keys_per_segment: int = 256  # below this a segment's merge costs more than it saves
+    programs_per_cu: float = 1.0  # how many (tile, head, segment) programs to aim for per CU
     last_merges: bool = True  # the last segment may merge a split tile (False: its merge code would spill)
 
-
-def _rdna3(w: AttentionWorkload) -> bool:
-    return w.arch.startswith("gfx11")
+    def applies(self, w: AttentionWorkload) -> bool:
+        return ((not self.archs or w.arch.startswith(self.archs)) and w.head_dim >= self.min_head_dim
+                and (self.fp8 is None or w.fp8 == self.fp8)
+                and (self.max_query_rows is None or w.query_len * w.group <= self.max_query_rows))
 
 
 # Every rule compiles without spills for the sweep `dflash-rocm inspect` audits (tests/test_audit.py).
-# CDNA: one 64-row tile (16 queries x 4 heads) per request on 4 warps with 16x16 MFMA; aim for one
-# program per CU (a second one per CU only shares the SIMDs). RDNA3's WMMA keeps operands twice in
-# registers: 8 warps and 16-key tiles stay under 256 VGPRs; RDNA4 takes 32-key tiles, and 16-key
-# tiles on 4 warps for fp8 (every warp widens the fp8 tiles it reads: 4 warps widen half as often
-# as 8; compiled gfx1201, 8 x 840 -> 4 x 1035 vector cycles a trip; modelled b8 8k 36 -> 58 %,
-# b1 8k 34 -> 49 %), whose split tiles are not merged by their last segment (20 VGPRs spill).
-# gfx950 with an fp8 cache: the two-stage loop's LDS layout takes the fp8 tiles in words, not
-# bytes (compiled for gfx950: 142 -> 24 LDS instructions per loop trip; modelled fp8 b64 4k
-# 55 -> 86 % of the floor).
+# CDNA: one 64-row tile (16 queries x 4 heads) per request on 4 warps with 16x16 MFMA; one program
+# per CU (a second one per CU only shares the SIMDs). gfx950 with an fp8 cache takes the two-stage
+# loop, whose LDS layout takes the fp8 tiles in words, not bytes (a sixth of the LDS instructions a
+# trip, compiled). RDNA3's WMMA keeps operands twice in registers: 8 warps and 16-key tiles stay
+# under 256 VGPRs. RDNA4 takes 32-key tiles, and 16-key tiles on 4 warps for fp8: every warp widens
+# the fp8 tiles it reads, so 4 warps widen half as often as 8; their split tiles are not merged by
+# their last segment (that merge code spills 20 VGPRs, compiled gfx1201).
 CDNA_RULES = (
-    TileRule("cdna-d256", lambda w: w.head_dim > 128, 32, 32, 2, 1, 16, 256, 1.0),
-    TileRule("cdna-gfx950-fp8", lambda w: w.fp8 and w.arch == "gfx950", 64, 64, 4, 2, 16, 256, 1.0),
-    TileRule("cdna-default", lambda w: True, 64, 64, 4, 1, 16, 256, 1.0),
+    TileRule(name="cdna-d256", min_head_dim=129, block_m=32, block_n=32, num_warps=2, matrix_instr_nonkdim=16),
+    TileRule(name="cdna-gfx950-fp8", archs=("gfx950",), fp8=True, block_m=64, block_n=64, num_warps=4, num_stages=2,
+             matrix_instr_nonkdim=16),
+    TileRule(name="cdna-default", block_m=64, block_n=64, num_warps=4, matrix_instr_nonkdim=16),
 )
 RDNA_RULES = (
-    TileRule("rdna-d256", lambda w: w.head_dim > 128, 16, 16, 4, 1, 0, 256, 1.0),
-    TileRule("rdna-short-query", lambda w: w.query_len * w.group <= 16, 16, 32, 4, 1, 0, 128, 1.0),
-    TileRule("rdna3-default", _rdna3, 64, 16, 8, 1, 0, 256, 1.0),
-    TileRule("rdna4-fp8", lambda w: w.fp8, 64, 16, 4, 1, 0, 256, 1.0, last_merges=False),
-    TileRule("rdna4-default", lambda w: True, 64, 32, 4, 1, 0, 256, 1.0),
+    TileRule(name="rdna-d256", min_head_dim=129, block_m=16, block_n=16, num_warps=4),
+    TileRule(name="rdna-short-query", max_query_rows=16, block_m=16, block_n=32, num_warps=4,
+             min_keys_per_segment=128),
+    TileRule(name="rdna3-default", archs=("gfx11",), block_m=64, block_n=16, num_warps=8),
+    TileRule(name="rdna4-fp8", fp8=True, block_m=64, block_n=16, num_warps=4, last_merges=False),
+    TileRule(name="rdna4-default", block_m=64, block_n=32, num_warps=4),
 )
 MAX_SEGMENTS = {"cdna": 64, "rdna": 32}
 
@@ -152,98 +161,189 @@ def attention_config(w: AttentionWorkload, query_limit: int | None) -> tuple[str
     return segmented_config(w)
 
 
+@dataclass(frozen=True)
+class PrecomputeWorkload:
+    """What a precompute launch decision may depend on."""
+
+    arch: str
+    num_tokens: int
+    hidden: int
+    num_heads_total: int  # K and V head rows of every layer
+    head_dim: int
+    compute_units: int | None = None  # the device's own count (None: the architecture's flagship)
+
+    @property
+    def platform(self) -> Platform:
+        return platform_for_arch(self.arch, compute_units=self.compute_units)
+
+    @property
+    def block_k(self) -> int:
+        """Hidden columns a loop step: 64, or 32 past head_dim 128 (the tile's registers)."""
+        return 64 if self.head_dim <= 128 else 32
+
+    def tiles(self, block_t: int) -> int:
+        return -(-self.num_tokens // block_t) * self.num_heads_total
+
+    def tail(self, block_t: int) -> tuple[int, int]:
+        """(whole tiles, split) of ``block_t``-token tiles (:func:`tail_split`)."""
+        return tail_split(self.tiles(block_t), self.platform.compute_units)
+
+
+# How a row splits the hidden size: "heads": a single token tile's, until the heads fill the CUs
+# (:func:`split_k_for`); "tail": a last partial round's tiles (:func:`tail_split`); "none": never.
+SPLITS = ("heads", "tail", "none")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecomputeRule:
+    """One row of a precompute table: the conditions under which it applies (all must hold;
+    a condition left at its default always holds), judged on the row's own ``block_t``-token
+    tiles, and the launch it gives."""
+
+    name: str
+    # Conditions
+    min_tokens: int = 0
+    max_tokens: int | None = None
+    max_head_dim: int | None = None
+    max_rounds: int | None = None  # the tiles fill at most this many rounds of the CUs
+    tail_ways: tuple[int, ...] = ()  # the last round's split is one of these (1: none); empty: any
+    full_tiles: bool = False  # the tokens fill the last token tile
+    # Launch
+    block_t: int
+    num_warps: int
+    num_stages: int
+    matrix_instr_nonkdim: int = 0
+    heads: int = 1
+    split: str = "tail"
+
+    def __post_init__(self) -> None:
+        if self.split not in SPLITS:
+            raise ValueError(f"split: expected one of {SPLITS}, got {self.split!r}")
+
+    def applies(self, w: PrecomputeWorkload) -> bool:
+        return (self.min_tokens <= w.num_tokens and (self.max_tokens is None or w.num_tokens <= self.max_tokens)
+                and (self.max_head_dim is None or w.head_dim <= self.max_head_dim)
+                and (self.max_rounds is None or w.tiles(self.block_t) <= self.max_rounds * w.platform.compute_units)
+                and (not self.tail_ways or w.tail(self.block_t)[1] in self.tail_ways)
+                and (not self.full_tiles or w.num_tokens % self.block_t == 0))
+
+    def split_for(self, w: PrecomputeWorkload) -> tuple[int, int]:
+        """(whole tiles, split_k) of the launch."""
+        if self.split == "heads":
+            return 0, split_k_for(w.num_heads_total, w.hidden, w.block_k, w.platform.compute_units)
+        return w.tail(self.block_t) if self.split == "tail" else (0, 1)
+
+
+@dataclass(frozen=True)
+class PrecomputeTable:
+    """An architecture's precompute rows, tried in order, and what holds for all of them:
+    ``square_group`` columns of ``x`` a lane sums before adding them to the hidden RMSNorm's
+    squares (see :class:`PrecomputeLaunchConfig`)."""
+
+    rules: tuple[PrecomputeRule, ...]
+    square_group: int = 8
+
+
+# Up to 64 tokens: one token tile (its token count rounded up), the hidden size split until
+# the heads fill the CUs. On CDNA a 32-token tile runs on 4 warps (8 would split its rows below
+# the 16 rows of a matrix instruction); 16- and 64-token tiles keep 8 (more waves).
+CDNA_SINGLE_TILE = (
+    PrecomputeRule(name="cdna-one-tile-16", max_tokens=16, block_t=16, num_warps=8, num_stages=2, split="heads"),
+    PrecomputeRule(name="cdna-one-tile-32", max_tokens=32, block_t=32, num_warps=4, num_stages=2, split="heads"),
+    PrecomputeRule(name="cdna-one-tile-64", max_tokens=64, block_t=64, num_warps=8, num_stages=2, split="heads"),
+)
+# Beyond one tile, CDNA: 32-token tiles with 16x16 MFMAs while the grid is small enough to
+# need them to balance the CUs, unless 64-token tiles leave a last round of a few full tiles
+# split 16 ways (a part per CU at most; they read the weight half as often). A loop prefetches
+# a step ahead (two stages) only while its grid fills few rounds: with more programs per CU the
+# others hide the loads. The last partial round of tiles is split across every CU (:func:`tail_split`).
+GFX942_RULES = CDNA_SINGLE_TILE + (
+    PrecomputeRule(name="gfx942-64-few-tail-prefetch", max_tokens=352, tail_ways=(16,), full_tiles=True,
+                   max_rounds=2, block_t=64, num_warps=8, num_stages=2, matrix_instr_nonkdim=16),
+    PrecomputeRule(name="gfx942-64-few-tail", max_tokens=352, tail_ways=(16,), full_tiles=True,
+                   block_t=64, num_warps=8, num_stages=1, matrix_instr_nonkdim=16),
+    PrecomputeRule(name="gfx942-32-prefetch", max_tokens=352, max_rounds=3,
+                   block_t=32, num_warps=4, num_stages=2, matrix_instr_nonkdim=16),
+    PrecomputeRule(name="gfx942-32", max_tokens=352, block_t=32, num_warps=4, num_stages=1, matrix_instr_nonkdim=16),
+    # No split tile below 1024 tokens: 4 warps (the split path's registers would leave 2 waves).
+    PrecomputeRule(name="gfx942-64-unsplit", max_tokens=1023, tail_ways=(1,),
+                   block_t=64, num_warps=4, num_stages=1, matrix_instr_nonkdim=16),
+    PrecomputeRule(name="gfx942-64-split-prefetch", tail_ways=(2, 4, 16), max_rounds=2,
+                   block_t=64, num_warps=8, num_stages=2, matrix_instr_nonkdim=16),
+    # 8 warps with 16x16 MFMAs: with 32x32 ones LLVM unrolls the loop and the registers allow
+    # 5 waves, not 7 (compiled).
+    PrecomputeRule(name="gfx942-64", block_t=64, num_warps=8, num_stages=1, matrix_instr_nonkdim=16),
+)
+# gfx950: 4-warp tiles keep its matrix cores fed at 4 waves a SIMD; 16x16 MFMAs where the loop
+# prefetches; from 640 tokens 128-token tiles (its 160 KiB LDS holds them), which read the
+# weight half as often.
+GFX950_RULES = CDNA_SINGLE_TILE + (
+    PrecomputeRule(name="gfx950-64-few-tail-prefetch", max_tokens=224, tail_ways=(16,), full_tiles=True,
+                   max_rounds=2, block_t=64, num_warps=4, num_stages=2, matrix_instr_nonkdim=16),
+    PrecomputeRule(name="gfx950-64-few-tail", max_tokens=224, tail_ways=(16,), full_tiles=True,
+                   block_t=64, num_warps=4, num_stages=1),
+    PrecomputeRule(name="gfx950-32-prefetch", max_tokens=224, max_rounds=3,
+                   block_t=32, num_warps=4, num_stages=2, matrix_instr_nonkdim=16),
+    PrecomputeRule(name="gfx950-32", max_tokens=224, block_t=32, num_warps=4, num_stages=1, matrix_instr_nonkdim=16),
+    PrecomputeRule(name="gfx950-128", min_tokens=640, block_t=128, num_warps=4, num_stages=1),
+    PrecomputeRule(name="gfx950-64-prefetch", max_rounds=2,
+                   block_t=64, num_warps=4, num_stages=2, matrix_instr_nonkdim=16),
+    PrecomputeRule(name="gfx950-64", block_t=64, num_warps=4, num_stages=1),
+)
+# RDNA: 8 warps, 64-token tiles beyond one tile, no split (few CUs to fill). RDNA4 takes one
+# stage (:func:`stage_limit`) and from 1024 tokens puts a KV head's K and V in one program,
+# reading the states half as often (RDNA3's registers would spill: 54 VGPRs, compiled gfx1100).
+RDNA3_RULES = (
+    PrecomputeRule(name="rdna3-one-tile-16", max_tokens=16, block_t=16, num_warps=8, num_stages=2, split="heads"),
+    PrecomputeRule(name="rdna3-one-tile-32", max_tokens=32, block_t=32, num_warps=8, num_stages=2, split="heads"),
+    PrecomputeRule(name="rdna3-one-tile-64", max_tokens=64, block_t=64, num_warps=8, num_stages=2, split="heads"),
+    PrecomputeRule(name="rdna3-64", block_t=64, num_warps=8, num_stages=2, split="none"),
+)
+RDNA4_RULES = (
+    PrecomputeRule(name="rdna4-one-tile-16", max_tokens=16, block_t=16, num_warps=8, num_stages=1, split="heads"),
+    PrecomputeRule(name="rdna4-one-tile-32", max_tokens=32, block_t=32, num_warps=8, num_stages=1, split="heads"),
+    PrecomputeRule(name="rdna4-one-tile-64", max_tokens=64, block_t=64, num_warps=8, num_stages=1, split="heads"),
+    PrecomputeRule(name="rdna4-64-paired", min_tokens=1024, max_head_dim=128,
+                   block_t=64, num_warps=8, num_stages=1, heads=2, split="none"),
+    PrecomputeRule(name="rdna4-64", block_t=64, num_warps=8, num_stages=1, split="none"),
+)
+# Keyed by architecture name prefix. gfx950 sums the hidden RMSNorm's squares a value at a time
+# (its loop is bound by the vector work); the others keep 8-column groups (fewer registers).
+PRECOMPUTE_TABLES = {
+    "gfx950": PrecomputeTable(GFX950_RULES, square_group=1),
+    "gfx942": PrecomputeTable(GFX942_RULES),
+    "gfx12": PrecomputeTable(RDNA4_RULES),
+    "gfx11": PrecomputeTable(RDNA3_RULES),
+}
+FAMILY_PRECOMPUTE_TABLES = {"cdna": "gfx942", "rdna": "gfx11"}  # for an architecture no key prefixes
+
+
+def precompute_table(arch: str) -> PrecomputeTable:
+    """The table of the key ``arch`` starts with, else its family's."""
+    key = next((k for k in PRECOMPUTE_TABLES if arch.startswith(k)), None)
+    key = key or FAMILY_PRECOMPUTE_TABLES.get(platform_for_arch(arch).family)
+    if key is None:
+        raise ValueError(f"no ROCm precompute table for {arch}")
+    return PRECOMPUTE_TABLES[key]
+
+
+def select_precompute_rule(w: PrecomputeWorkload) -> PrecomputeRule:
+    return next(rule for rule in precompute_table(w.arch).rules if rule.applies(w))
+
+
 @functools.lru_cache(maxsize=1024)
 def precompute_config(arch: str, *, num_tokens: int, hidden: int, num_heads_total: int,
                       head_dim: int, compute_units: int | None = None) -> PrecomputeLaunchConfig:
-    """Up to 64 tokens in one tile, the hidden size split until the heads fill the CUs (the
-    device's own count; None: the flagship's); beyond, 32-token tiles on CDNA up to 352
-    tokens (224 on gfx950; enough programs to balance the CUs) and 64-token tiles otherwise,
-    or sooner where their last round is a few tiles split 16 ways (128-token tiles on gfx950
-    from 640 tokens); a last partial round of tiles split across every CU (:func:`tail_split`).
-
-    Choices judged by `dflash-rocm inspect`'s model over N = 16..16384, not only the sweep's
-    points (all figures modelled):
-
-    - on CDNA a 32-token single tile runs on 4 warps (8 split its rows below the 16 rows of
-      a matrix instruction: gfx942 N = 32 68 -> 80 %, gfx950 45 -> 76 %); 16- and 64-token
-      tiles keep 8 (as fast in the model, more waves; a 64-token tile of 4 warps spills on
-      RDNA3);
-    - gfx942 takes 16x16 MFMAs and, below 1024 tokens where no tile is split, 4-warp
-      64-token tiles (the split path's registers would leave 2 waves): N = 416..960 +1 to +9
-      points, one point 0.6 lower;
-    - with split parts adding into one sum (the merge reads one tile, not one per part),
-      a last round of at most CUs / 16 tiles splits 16 ways, and gfx942 takes 64-token
-      tiles where that happens even below 352 tokens, prefetching a step ahead within two
-      rounds: N = 256 64.3 -> 66.3 %, N = 384 62.9 -> 65.7 %, N = 1472 78.6 -> 81.2 %;
-      none of 72 points of N = 96..8192 lower (gfx950 N = 1664 with 128-token tiles: 72.4 ->
-      77.3 %);
-    - gfx950's 64-token tiles start at 224 tokens, prefetching a step ahead while they fill
-      at most two rounds (N = 256..512: 37-48 -> 47-60 %, at 2-3 waves per SIMD), and its
-      128-token tiles (4 warps, one stage) at 640: they read the weight half as often
-      (N = 1024 56 -> 66 %, N = 4096 65 -> 85 %; mean over 56 points of N = 96..16384
-      60 -> 66 %, the most lost 1.4 points at N = 800). Before the parts of a split tile
-      added into one sum they lost up to 15 points where their count did not fill whole
-      rounds (N = 1280, now +3.5);
-    - gfx950 sums the hidden RMSNorm's squares a value at a time (its loop was bound by the
-      vector work: N = 1024 52 -> 56 %; gfx942 and RDNA3 lose a little).
-
-    No ``waves_per_eu`` cap (it only padded the register allocation): gfx942's configs leave
-    room for >= 4 waves per SIMD (a two-stage loop's LDS buffer may hold it to 3 workgroups
-    per CU). On CDNA the program order keeps a head's tiles on one XCD."""
-    platform = platform_for_arch(arch, compute_units=compute_units)
-    cdna = platform.family == "cdna"
-    block_k = 64 if head_dim <= 128 else 32
-    xcds = dispatch_partitions(platform)
-    squares = 1 if arch == "gfx950" else 8
-
-    def grid(block_t: int) -> tuple[int, int, int]:
-        """(tiles, whole tiles, split) of ``block_t``-token tiles (:func:`tail_split`)."""
-        tiles = -(-num_tokens // block_t) * num_heads_total
-        return (tiles, *tail_split(tiles, platform.compute_units))
-
-    if num_tokens <= 64:
-        block_t = max(16, next_pow2(num_tokens))
-        return PrecomputeLaunchConfig(
-            block_t=block_t, block_k=block_k,
-            split_k=split_k_for(num_heads_total, hidden, block_k, platform.compute_units),
-            num_warps=4 if cdna and block_t == 32 else 8, num_stages=2 if cdna else stage_limit(arch),
-            num_xcds=xcds, square_group=squares)
-    tiles, whole, split = grid(64)
-    # 64-token tiles whose last round is a few tiles split 16 ways (and none half empty) beat
-    # 32-token ones: they read the weight half as often (MI300X N = 256: 64.3 -> 66.3 %).
-    tiny_tail = split == 16 and num_tokens % 64 == 0
-    if cdna and num_tokens <= (224 if arch == "gfx950" else 352) and not tiny_tail:  # 16x16 MFMAs: +2 points
-        tiles, whole, split = grid(32)
-        # With up to ~3 programs per CU a single-stage loop waits on every load: prefetch one
-        # step ahead (W's buffer in LDS then limits gfx942 to 3 workgroups per CU, enough).
-        stages = 2 if tiles <= 3 * platform.compute_units else 1
-        return PrecomputeLaunchConfig(block_t=32, block_k=block_k, split_k=split, whole_tiles=whole, num_warps=4,
-                                      num_stages=stages, num_xcds=xcds, matrix_instr_nonkdim=16,
-                                      square_group=squares)
-    # gfx950's 4-warp tiles keep its matrix cores fed at 4 waves/SIMD, prefetching a step ahead
-    # (16x16 MFMAs) while the tiles fill at most two rounds; gfx942's 8-warp tiles take 16x16
-    # MFMAs (with 32x32 ones LLVM unrolls the loop and the registers allow 5 waves, not 7:
-    # N = 4096 81 vs 85 %). All modelled.
-    if cdna:
-        block_t = 64
-        if arch == "gfx950" and num_tokens >= 640:  # 128-token tiles (its 160 KiB LDS holds them)
-            block_t, warps, stages, nonkdim = 128, 4, 1, 0
-            tiles, whole, split = grid(128)
-        elif arch == "gfx950":
-            warps, stages = 4, 2 if tiles <= 2 * platform.compute_units else 1
-            nonkdim = 16 if stages == 2 else 0
-        else:  # a split tail within two rounds prefetches a step ahead (N = 256: 52.5 -> 66.3 %, modelled)
-            warps, nonkdim = (4 if split == 1 and num_tokens < 1024 else 8), 16
-            stages = 2 if split > 1 and tiles <= 2 * platform.compute_units else 1
-        return PrecomputeLaunchConfig(block_t=block_t, block_k=block_k, split_k=split, whole_tiles=whole,
-                                      num_warps=warps, num_stages=stages, num_xcds=xcds,
-                                      matrix_instr_nonkdim=nonkdim, square_group=squares)
-    # RDNA4 from 1024 tokens: a KV head's K and V in one program, the states read half as often
-    # (R9700 N = 1024 85 -> 92 %, N = 4096 86 -> 92 %, modelled; below, the rounds of its 64
-    # CUs make it bumpy: N = 512 +6, N = 640 -3). RDNA3 would spill (54 VGPRs, gfx1100).
-    heads = 2 if arch.startswith("gfx12") and num_tokens >= 1024 and head_dim <= 128 else 1
-    return PrecomputeLaunchConfig(block_t=64, block_k=block_k, num_warps=8, num_stages=stage_limit(arch),
-                                  heads=heads)
+    """The launch of the first row of ``arch``'s table that applies to the call. On CDNA the
+    program order keeps a head's tiles on one XCD (``num_xcds``)."""
+    w = PrecomputeWorkload(arch, num_tokens, hidden, num_heads_total, head_dim, compute_units)
+    rule = select_precompute_rule(w)
+    whole, split = rule.split_for(w)
+    return PrecomputeLaunchConfig(
+        block_t=rule.block_t, block_k=w.block_k, split_k=split, whole_tiles=whole, num_warps=rule.num_warps,
+        num_stages=rule.num_stages, num_xcds=dispatch_partitions(w.platform),
+        matrix_instr_nonkdim=rule.matrix_instr_nonkdim, square_group=precompute_table(arch).square_group,
+        heads=rule.heads)
 
 
 def stage_limit(arch: str) -> int:

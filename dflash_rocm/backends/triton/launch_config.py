@@ -154,8 +154,7 @@ def merge_for(num_segments: int, tiles_heads: int, block_m: int, queries_per_kv:
     there are few partials (and ``last_merges``: the kernel has the registers for that
     merge); else merger programs where they fit, each merging one query token's heads, or
     twice those rows when that halves the mergers enough to fit (no second launch, and no
-    single program reads every partial: modelled, MI300X batch 1 8k 50 -> 56 %, batch 4 8k
-    76 -> 80 %); else a second launch."""
+    single program reads every partial); else a second launch."""
     if num_segments <= IN_KERNEL_MERGE_SEGMENTS and last_merges:
         return "last", 0
     base = min(block_m, next_pow2(queries_per_kv))
@@ -189,9 +188,7 @@ def tail_split(tiles: int, units: int) -> tuple[int, int]:
     of its tiles is split 4 ways (2 when that already gives more than 1.75 parts per unit;
     16 when the round holds at most ``units / 16`` tiles: a part per unit at most, and the
     parts' sum costs the merge one tile's read) so every unit takes a share; ``(0, 1)`` when
-    nothing is split. Chosen by `dflash-rocm inspect`'s model (modelled, not measured:
-    MI300X N = 256 57 -> 64 % of the floor; 16 ways rather than 4: MI300X N = 1472 78.6 ->
-    81.2 %, MI355X N = 1664 72.4 -> 77.3 %)."""
+    nothing is split. Chosen by `dflash-rocm inspect`'s model (its figures: docs/performance.md)."""
     whole = tiles // units * units
     tail = tiles - whole
     if not whole or not tail or 2 * tail > units:
@@ -216,8 +213,8 @@ def default_attention_config(platform: Platform, *, num_seqs: int, query_len: in
     """The portable table: a request's query block in one tile where it fits (G x
     query_len rows, at most 64), key segments (powers of two, so only the segment count,
     a runtime argument, varies) until the grid covers every compute unit once, merged by
-    the last segment when there are few. fp8 caches on NVIDIA: fp16 products (modelled
-    H200 b8 8k 76 -> 91 %, b64 4k 80 -> 99 %)."""
+    the last segment when there are few. fp8 caches on NVIDIA take fp16 products (an e4m3
+    pair widens to fp16 in one instruction there: :class:`AttentionLaunchConfig`)."""
     G = num_q_heads // num_kv_heads
     block_m = max(16, min(next_pow2(G * max(1, query_len)), 64 if head_dim <= 128 else 32), next_pow2(G))
     block_n = 64 if head_dim <= 128 else 32
@@ -242,10 +239,9 @@ def default_precompute_config(platform: Platform, *, num_tokens: int, hidden: in
     """Up to 64 tokens in one tile, the hidden size split until the heads fill the
     device; larger N in 128-token tiles (fewer re-reads of the weight through L2), on
     Hopper and Blackwell with a KV head's K and V in one program once there are two token
-    tiles (the states read half as often: sm_90 N = 256 34 -> 45 %, N = 4096 34 -> 45 %,
-    modelled; with one token tile its 40 programs leave SMs idle: N = 128 56 -> 46 %). Its
-    two accumulators fit sm_90's and sm_100's registers (0 spills, compiled) but spill on
-    sm_80 and sm_89 (60 spill stores, bf16), which keep one head row a program."""
+    tiles (the states read half as often; with one token tile the halved grid would leave
+    SMs idle). The two accumulators fit sm_90's and sm_100's registers (0 spills, compiled)
+    but spill on sm_80 and sm_89 (60 spill stores, bf16), which keep one head row a program."""
     block_k = 64 if head_dim <= 128 else 32
     if num_tokens <= 64:
         block_t = max(16, next_pow2(num_tokens))
