@@ -13,7 +13,6 @@ All functions here are pure: (architecture, call shape) -> launch configuration.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from dflash_rocm.backends.triton.common import next_pow2
@@ -154,7 +153,6 @@ def unsegmented_config(w: AttentionWorkload) -> tuple[str, AttentionLaunchConfig
         matrix_instr_nonkdim=16 if cdna else 0)
 
 
-@functools.lru_cache(maxsize=1024)  # pure, and asked once per layer and step
 def attention_config(w: AttentionWorkload, query_limit: int | None) -> tuple[str, AttentionLaunchConfig]:
     if query_limit is not None and w.query_len > query_limit:
         return unsegmented_config(w)
@@ -331,7 +329,6 @@ def select_precompute_rule(w: PrecomputeWorkload) -> PrecomputeRule:
     return next(rule for rule in precompute_table(w.arch).rules if rule.applies(w))
 
 
-@functools.lru_cache(maxsize=1024)
 def precompute_config(arch: str, *, num_tokens: int, hidden: int, num_heads_total: int,
                       head_dim: int, compute_units: int | None = None) -> PrecomputeLaunchConfig:
     """The launch of the first row of ``arch``'s table that applies to the call. On CDNA the

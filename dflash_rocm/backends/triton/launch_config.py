@@ -7,7 +7,6 @@ around it, and tests can pin any configuration.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import asdict, dataclass
 
 from dflash_rocm.platform import Platform
@@ -206,7 +205,6 @@ def split_k_for(num_heads_total: int, hidden: int, block_k: int, compute_units: 
     return split_k
 
 
-@functools.lru_cache(maxsize=1024)  # pure, and asked once per layer and step
 def default_attention_config(platform: Platform, *, num_seqs: int, query_len: int, key_span: int,
                              num_q_heads: int, num_kv_heads: int, head_dim: int,
                              fp8: bool) -> AttentionLaunchConfig:
@@ -233,7 +231,6 @@ def default_attention_config(platform: Platform, *, num_seqs: int, query_len: in
 PAIRED_KV_ARCHS = ("sm_90", "sm_100")  # where the portable table puts a KV head's K and V in one program
 
 
-@functools.lru_cache(maxsize=1024)
 def default_precompute_config(platform: Platform, *, num_tokens: int, hidden: int, num_heads_total: int,
                               head_dim: int) -> PrecomputeLaunchConfig:
     """Up to 64 tokens in one tile, the hidden size split until the heads fill the
