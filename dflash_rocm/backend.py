@@ -46,8 +46,8 @@ class Implementation:
 
     @classmethod
     def not_supported_reasons(cls, call, platform: Platform) -> list[str]:
-        """Why this implementation cannot serve ``call`` on ``platform`` (empty: it can).
-        Dispatch asks only where the backend accepts the device."""
+        """Why this implementation cannot serve ``call`` on ``platform`` (empty: it can),
+        beyond the backend's device reasons, which come first."""
         raise NotImplementedError
 
     @classmethod
@@ -149,13 +149,14 @@ class Backend:
     @classmethod
     def not_supported_reasons(cls, op: Op, call) -> list[str]:
         """Why this backend cannot serve ``call`` of ``op`` (empty: it can): the device's
-        reasons first (what a user can act on), then the implementation's."""
+        reasons first (what a user can act on), then the implementation's (every one, so
+        that ``explain`` says all a user would have to change)."""
         platform = platform_for(call.device)
         reasons = cls.device_not_supported_reasons(call.device, platform)
         impl = cls.implementation(op)
         if impl is None:
             return reasons + [f"does not implement {op.name}"]
-        return reasons or impl.not_supported_reasons(call, platform)
+        return reasons + impl.not_supported_reasons(call, platform)
 
     # -- hooks for the tools above ---------------------------------------------------------
     @classmethod

@@ -25,6 +25,8 @@ class AiterAttention(AttentionImplementation):
 
     @classmethod
     def not_supported_reasons(cls, call: AttentionCall, platform: Platform) -> list[str]:
+        if AiterBackend.device_not_supported_reasons(call.device, platform):
+            return []  # aiter's own checks need aiter and a GPU: the backend's reasons say what is missing
         return attention.call_reasons(call)
 
     @classmethod
