@@ -28,8 +28,10 @@ if [ "$DRY" = 1 ]; then
     export TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES="" HIP_VISIBLE_DEVICES=""
     TEST_BUDGET=120 BENCH_BUDGET=120
     BENCH_ARGS=(--device cpu --tokens 4 --batch 1 --context 24 --repeats 1)
+    HOST_REPEATS=10  # a rehearsal: every row made, none timed with care
 else
     BENCH_ARGS=(--quick)
+    HOST_REPEATS=300
 fi
 
 echo "== info"
@@ -48,7 +50,7 @@ TEST_RC=$?
 tail -n 25 "$OUT/pytest.log"
 
 echo "== bench --host"
-timeout 120 "$PY" -m dflash_rocm bench --host --repeats 300 > "$OUT/bench_host.txt" 2> "$OUT/bench_host.err"
+timeout 120 "$PY" -m dflash_rocm bench --host --repeats "$HOST_REPEATS" > "$OUT/bench_host.txt" 2> "$OUT/bench_host.err"
 HOST_RC=$?
 
 echo "== bench (budget ${BENCH_BUDGET}s)"
