@@ -38,11 +38,13 @@ VARIANTS = {
     "mixed": {"draft_config": {"layer_types": ["sliding_attention", "full_attention"]},
               "dflash_config": {"swa_window_size": 8}},
 }
-# The plugin's backends each v2 mode runs under (CI time: one engine is ~12-16 s of CPU):
-# both for the plain draft and the two-cache-group one, one each for the single-group modes.
+# The plugin's backends each v2 mode runs under (CI time: one engine is ~12-16 s of CPU).
+# What an engine adds over the backends' own tests (tests/test_*_backend.py check every mode
+# against the reference) is the plugin handing vLLM's metadata and flags to the backend, the
+# same code for both: the plain draft runs both backends, each other mode one, alternating.
 # V1 (gone in vLLM 0.34) keeps the plain draft on one backend.
 RUNS = {("v2", "non-causal"): ("triton", "cpu"), ("v2", "causal"): ("cpu",), ("v2", "sliding-window"): ("triton",),
-        ("v2", "mixed"): ("triton", "cpu"), ("v1", "non-causal"): ("cpu",)}
+        ("v2", "mixed"): ("cpu",), ("v1", "non-causal"): ("cpu",)}
 RUNNER_VARIANTS = list(RUNS)
 BACKEND_RUNS = [(runner, variant, backend) for (runner, variant), backends in RUNS.items() for backend in backends]
 BACKENDS = ("triton", "cpu")
