@@ -136,7 +136,9 @@ def _covered(inner: type, changed: list[str]) -> tuple[set[str], list[str]]:
     if "_apply_context_rope" in left:
         variants.add(NOPE)
         left.remove("_apply_context_rope")
-    laguna = _per_layer_norm_methods()
+    if not all(name in left for name in _PER_LAYER_NORM_METHODS):
+        return variants, left
+    laguna = _per_layer_norm_methods()  # imported only for a class that overrides both
     if len(laguna) == len(_PER_LAYER_NORM_METHODS) and all(
             _same_code(getattr(inner, name), fn) for name, fn in laguna.items()):
         variants.add(PER_LAYER_NORM)
