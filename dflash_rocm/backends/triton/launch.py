@@ -152,26 +152,34 @@ def kernel_parameters(kernel) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return found
 
 
-def _names(names) -> str:
-    return ", ".join(repr(n) for n in names)
-
-
 def positional_args(kernel, per_call: tuple[str, ...], static_args: dict, constexprs: dict) -> tuple:
     """``static_args`` (runtime arguments by parameter name) in the kernel's order, after
     checking every name: ``per_call`` must name the kernel's leading runtime parameters in
     order (calls pass those tensors positionally, first), ``static_args`` the rest of the
-    runtime parameters and ``constexprs`` every constexpr. A missing, unknown, misplaced or
-    doubled name is a TypeError naming it, raised when the plan is made (calls then only
-    pass tensors)."""
+    runtime parameters and ``constexprs`` every constexpr. A missing, unknown or misplaced
+    name is a TypeError naming it, raised when the plan is made (calls then only pass
+    tensors)."""
     runtime, constexpr_names = kernel_parameters(kernel)
-    name = kernel.__name__
     per_call = tuple(per_call)
+    expected = runtime[len(per_call):]
+    if (per_call != runtime[:len(per_call)] or static_args.keys() != set(expected)
+            or constexprs.keys() != set(constexpr_names)):
+        _refuse_names(kernel.__name__, runtime, constexpr_names, per_call, static_args, constexprs)
+    return tuple([static_args[n] for n in expected])
+
+
+def _names(names) -> str:
+    return ", ".join(repr(n) for n in names)
+
+
+def _refuse_names(name: str, runtime: tuple, constexpr_names: tuple, per_call: tuple, static_args: dict,
+                  constexprs: dict) -> None:
+    """The TypeError :func:`positional_args` raises, naming the first wrong name."""
     if per_call != runtime[:len(per_call)]:
         wrong = next(n for n, r in zip(per_call + (None,), runtime + (None,)) if n != r)
         raise TypeError(f"{name}: per-call arguments must be the leading parameters {_names(runtime[:len(per_call)])} "
                         f"in that order; {wrong!r} is not where it should be")
-    expected = runtime[len(per_call):]
-    for given, wanted, what in ((static_args, expected, "runtime argument"),
+    for given, wanted, what in ((static_args, runtime[len(per_call):], "runtime argument"),
                                 (constexprs, constexpr_names, "constexpr")):
         unknown = [n for n in given if n not in wanted]
         if unknown:
@@ -179,7 +187,6 @@ def positional_args(kernel, per_call: tuple[str, ...], static_args: dict, conste
         missing = [n for n in wanted if n not in given]
         if missing:
             raise TypeError(f"{name}: missing {what}(s) {_names(missing)}")
-    return tuple(static_args[n] for n in expected)
 
 
 class LaunchPlan:
