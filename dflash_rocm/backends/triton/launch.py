@@ -139,16 +139,18 @@ _parameters: dict = {}
 
 def kernel_parameters(kernel) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(runtime parameter names, constexpr names) of ``kernel`` in declaration order (kept
-    per kernel: a plan is made more often than a kernel is defined). The interpreter's
+    per kernel function: a plan is made more often than a kernel is defined; a JITFunction's
+    own hash walks its dependencies, which fails for the interpreter's). The interpreter's
     kernels carry no parameter kinds; they are read from the function as the JIT would."""
-    found = _parameters.get(kernel)
+    key = getattr(kernel, "fn", kernel)
+    found = _parameters.get(key)
     if found is None:
         params = getattr(kernel, "params", None)
         if params is None:
             from triton.runtime.jit import JITFunction
             params = JITFunction(kernel.fn).params
         found = (tuple(p.name for p in params if not p.is_constexpr), tuple(p.name for p in params if p.is_constexpr))
-        _parameters[kernel] = found
+        _parameters[key] = found
     return found
 
 
