@@ -41,7 +41,8 @@ class FakeCompiled:
 def launch(kernel, grid, config, *args, **constexprs):
     """A one-off launch through a plan with no per-call tensors: every argument's
     specialisation is checked (the general path)."""
-    launching.LaunchPlan(kernel, grid, launching.compiler_options(config) if config else {}, args, constexprs)()
+    static = {f"p{i}": a for i, a in enumerate(args)}
+    launching.LaunchPlan(kernel, grid, launching.compiler_options(config) if config else {}, (), static, constexprs)()
 
 
 @pytest.fixture
@@ -123,3 +124,42 @@ def test_every_kernel_declares_its_constexprs_last(kernel):
     params = JITFunction(kernel.fn).params  # what a GPU run decorates (the interpreter wraps it)
     first = next(i for i, p in enumerate(params) if p.is_constexpr)
     assert all(p.is_constexpr for p in params[first:]), kernel.__name__
+
+
+def test_a_plan_orders_its_arguments_by_parameter_name(on_a_gpu):
+    """Per-call tensors first, then the static arguments in the kernel's order whatever
+    order they were named in, then (compiled path) the constexprs."""
+    kernel = FakeKernel(False, False, False, True)
+    x, y = torch.zeros(64), torch.zeros(64)
+    plan = launching.LaunchPlan(kernel, (2,), {}, ("p0",), {"p2": 9, "p1": 7}, {"p3": 5})
+    plan(x)
+    plan(y)
+    assert kernel.log[0][2] == (x, 7, 9) and kernel.log[0][3] == {"p3": 5}
+    assert kernel.log[1][0] == "compiled" and kernel.log[1][2] == (y, 7, 9, 5)
+
+
+@pytest.mark.parametrize("per_call,static,constexprs,named", [
+    (("p0",), {"p1": 1}, {"p3": 0}, "'p2'"),  # a runtime argument missing
+    (("p0",), {"p1": 1, "p2": 2, "q": 3}, {"p3": 0}, "'q'"),  # an unknown one
+    (("p0",), {"p1": 1, "p2": 2}, {}, "'p3'"),  # a constexpr missing
+    (("p0",), {"p1": 1, "p2": 2}, {"p3": 0, "P4": 1}, "'P4'"),  # an unknown constexpr
+    (("p0",), {"p1": 1, "p2": 2, "p3": 3}, {}, "'p3'"),  # a constexpr passed as a runtime argument
+    (("p1",), {"p0": 1, "p2": 2}, {"p3": 0}, "'p1'"),  # per-call tensors not the leading parameters
+    (("p0",), {"p0": 0, "p1": 1, "p2": 2}, {"p3": 0}, "'p0'"),  # a per-call name given a static value too
+], ids=["missing", "unknown", "missing-constexpr", "unknown-constexpr", "constexpr-as-runtime", "per-call-order",
+        "per-call-doubled"])
+def test_a_plan_refuses_a_wrong_argument_name_naming_it(on_a_gpu, per_call, static, constexprs, named):
+    kernel = FakeKernel(False, False, False, True)
+    with pytest.raises(TypeError, match=named):
+        launching.LaunchPlan(kernel, (1,), {}, per_call, static, constexprs)
+    assert kernel.log == []
+
+
+@pytest.mark.parametrize("kernel", [draft_attention_kernel, merge_segments_kernel, context_kv_kernel,
+                                    context_kv_split_epilogue_kernel], ids=lambda k: k.__name__)
+def test_parameter_names_are_read_as_the_jit_declares_them(kernel):
+    from triton.runtime.jit import JITFunction
+    params = JITFunction(kernel.fn).params
+    runtime, constexprs = launching.kernel_parameters(kernel)
+    assert runtime + constexprs == tuple(p.name for p in params)
+    assert all(not p.is_constexpr for p in params[:len(runtime)])

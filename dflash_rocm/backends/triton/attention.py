@@ -86,6 +86,7 @@ class AttentionPlan:
         sinks = call.sinks if call.sinks is not None else out
         k_scale = call.k_scale if call.k_scale is not None else out
         v_scale = call.v_scale if call.v_scale is not None else out
+        # in the order of the plans' per_call names (the kernels' leading parameters)
         self.main(call.query, memory_of(call.key_cache), memory_of(call.value_cache), call.block_table,
                   call.query_start_loc, call.seq_lens, out, part_out, part_lse, counters, sinks, k_scale, v_scale)
         if self.merge is not None:
@@ -120,12 +121,18 @@ def _make_plan(call: AttentionCall, config: AttentionLaunchConfig, merge: str) -
     tiles = dict(G=G, D=call.head_dim, BLOCK_D=block_d, BLOCK_M=config.block_m, BLOCK_Q=block_q,
                  BLOCK_N=config.block_n, ONE_TILE=one_tile, CAUSAL=call.causal,
                  HAS_WINDOW=call.sliding_window is not None, HAS_SINKS=call.sinks is not None)
-    window = call.sliding_window or 0
+    # the kernels' parameters by name (see attention_kernels)
+    segment_args = dict(num_seqs=call.num_seqs, num_tokens=call.num_tokens, window=call.sliding_window or 0,
+                        num_segments=segments, min_segment_keys=config.min_segment_keys)
+    out_strides = dict(stride_ot=out.stride(0), stride_oh=out.stride(1), stride_od=out.stride(2))
+    cache_strides = {f"stride_{kind}{axis}": stride for kind, strides in (("k", k_strides), ("v", v_strides))
+                     for axis, stride in zip(("b", "s", "s_in", "h", "d", "d_in"), strides)}
     main = LaunchPlan(
         draft_attention_kernel, (num_tiles, call.num_kv_heads, segments + mergers), compiler_options(config),
-        (call.num_seqs, call.num_tokens, call.scale * math.log2(math.e), window, segments, config.min_segment_keys,
-         q.stride(0), q.stride(1), q.stride(2), *k_strides, *v_strides,
-         call.block_table.stride(0), out.stride(0), out.stride(1), out.stride(2)),
+        ("q_ptr", "k_cache_ptr", "v_cache_ptr", "block_table_ptr", "qsl_ptr", "seq_lens_ptr", "out_ptr",
+         "part_out_ptr", "part_lse_ptr", "counters_ptr", "sinks_ptr", "k_scale_ptr", "v_scale_ptr"),
+        dict(segment_args, scale_log2=call.scale * math.log2(math.e), stride_qt=q.stride(0), stride_qh=q.stride(1),
+             stride_qd=q.stride(2), **cache_strides, stride_bt=call.block_table.stride(0), **out_strides),
         dict(HQ=call.num_q_heads, BLOCK_SIZE=call.block_size, SPLIT=split, MERGE_IN_KERNEL=split and merge == "last",
              MERGERS=mergers,
              MERGE_CHUNK=merge_load_segments(rows, segments) if mergers else merge_chunk(config, block_d),
@@ -138,8 +145,8 @@ def _make_plan(call: AttentionCall, config: AttentionLaunchConfig, merge: str) -
         second = LaunchPlan(
             merge_segments_kernel, (num_tiles, call.num_kv_heads, config.block_m // rows),
             compiler_options(config),
-            (call.num_seqs, call.num_tokens, window, segments, config.min_segment_keys,
-             out.stride(0), out.stride(1), out.stride(2)),
+            ("part_out_ptr", "part_lse_ptr", "qsl_ptr", "seq_lens_ptr", "sinks_ptr", "out_ptr"),
+            dict(segment_args, **out_strides),
             dict(HQ=call.num_q_heads, ROWS=rows, MERGE_CHUNK=merge_load_segments(rows, segments), **tiles))
     counters = 0 if not split or merge == "launch" else num_tiles * call.num_kv_heads
     return AttentionPlan(config, main, second, counters,

@@ -125,11 +125,23 @@ def _wait_for(counter, count):
 
 
 @triton.jit
-def _merge_rows(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, token, head, row_ok, active, num_tokens,
-                stride_ot, stride_oh, stride_od, HQ: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
-                BLOCK_D: tl.constexpr, SEG_CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr):
+def _out_ptrs(out, token, head, d):
+    """Pointers to ``out[token, head, d]`` (``out``: the output tensor and its three strides)."""
+    out_ptr, stride_ot, stride_oh, stride_od = out
+    return out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od
+
+
+@triton.jit
+def _merge_rows(parts, out, sinks_ptr, token, head, row_ok, active, DIMS, ROWS: tl.constexpr,
+                SEG_CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr):
     """``out`` of ``ROWS`` tile rows from the ``active`` segments' normalised partials and
-    log2-sum-exps, ``SEG_CHUNK`` segments per load (one round trip each)."""
+    log2-sum-exps, ``SEG_CHUNK`` segments per load (one round trip each). ``parts``:
+    (part_out_ptr, part_lse_ptr, num_tokens); ``out``: the output and its three strides;
+    ``DIMS``: the constexprs (HQ, D, BLOCK_D)."""
+    part_out_ptr, part_lse_ptr, num_tokens = parts
+    HQ: tl.constexpr = DIMS[0]
+    D: tl.constexpr = DIMS[1]
+    BLOCK_D: tl.constexpr = DIMS[2]
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
     c = tl.arange(0, SEG_CHUNK)
@@ -150,33 +162,31 @@ def _merge_rows(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, token, head, row
         total = total * alpha + tl.sum(w, 0)
         m = m_new
     o = _finish(acc, m, total, head, row_ok, sinks_ptr, 1.0, HAS_SINKS)
-    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od,
-             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(_out_ptrs(out, token, head, d), o.to(out[0].dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
-def _merge_group(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, group, tile_q0, q_start, q_len, kv_head, active,
-                 num_tokens, stride_ot, stride_oh, stride_od, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                 ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, MERGE_CHUNK: tl.constexpr,
-                 HAS_SINKS: tl.constexpr):
+def _merge_group(parts, out, sinks_ptr, group, tile_q0, q_start, q_len, kv_head, active, DIMS, G: tl.constexpr,
+                 ROWS: tl.constexpr, BLOCK_Q: tl.constexpr, MERGE_CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr):
     """Merge row group ``group`` (``ROWS`` rows) of a split tile."""
     r = group * ROWS + tl.arange(0, ROWS)
     q_idx = tile_q0 + r // G
     row_ok = (r // G < BLOCK_Q) & (q_idx < q_len)
-    _merge_rows(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, (q_start + q_idx).to(tl.int64), kv_head * G + r % G,
-                row_ok, active, num_tokens, stride_ot, stride_oh, stride_od, HQ, D, ROWS, BLOCK_D, MERGE_CHUNK,
-                HAS_SINKS)
+    _merge_rows(parts, out, sinks_ptr, (q_start + q_idx).to(tl.int64), kv_head * G + r % G, row_ok, active, DIMS, ROWS,
+                MERGE_CHUNK, HAS_SINKS)
 
 
 @triton.jit
-def _row_base(head, block, j, row, stride_b, stride_s, stride_s_in, BLOCK_SIZE: tl.constexpr,
-              ROW_PACK: tl.constexpr, UNIT: tl.constexpr):
-    """Pointer to the first element of key ``j`` (row ``row`` of block ``block``): one
-    64-bit base per block (block * block stride), everything inside a block 32-bit. Packed
-    rows are split from ``j`` itself (the pack divides the block size): the compiler then
-    sees runs of ``ROW_PACK`` contiguous rows and loads them as vectors (split from ``row``,
-    it loads bytes). ``UNIT``: the strides but the in-pack one come in units of ``UNIT``
-    elements (16 bytes, see the module docstring)."""
+def _row_base(cache, LAYOUT, block, j, row, BLOCK_SIZE: tl.constexpr):
+    """Pointer to the first element of key ``j`` (row ``row`` of block ``block``) in
+    ``cache`` (``cache`` and ``LAYOUT``: see :func:`_attend`): one 64-bit base per block (block * block stride),
+    everything inside a block 32-bit. Packed rows are split from ``j`` itself (the pack
+    divides the block size): the compiler then sees runs of ``ROW_PACK`` contiguous rows and
+    loads them as vectors (split from ``row``, it loads bytes). ``UNIT``: the strides but
+    the in-pack one come in units of ``UNIT`` elements (16 bytes, see the module docstring)."""
+    head, stride_b, stride_s, stride_s_in, _, _ = cache
+    ROW_PACK: tl.constexpr = LAYOUT[0]
+    UNIT: tl.constexpr = LAYOUT[2]
     if ROW_PACK == 1 and UNIT == 1:
         return head + block * stride_b + row * stride_s
     elif ROW_PACK == 1:
@@ -211,8 +221,11 @@ def _key_blocks(table, start, seg_hi, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.cons
 
 
 @triton.jit
-def _dim_offset(d, stride_d, stride_d_in, DIM_PACK: tl.constexpr, UNIT: tl.constexpr):
-    """Offset of head dim ``d`` (see :func:`_row_base` for ``UNIT``)."""
+def _dim_offset(cache, LAYOUT, d):
+    """Offset of head dim ``d`` in ``cache`` (see :func:`_row_base` for ``UNIT``)."""
+    _, _, _, _, stride_d, stride_d_in = cache
+    DIM_PACK: tl.constexpr = LAYOUT[1]
+    UNIT: tl.constexpr = LAYOUT[2]
     if UNIT == 1:
         return packed_offset(d, stride_d, stride_d_in, DIM_PACK)
     elif DIM_PACK == 1:
@@ -222,24 +235,39 @@ def _dim_offset(d, stride_d, stride_d_in, DIM_PACK: tl.constexpr, UNIT: tl.const
 
 
 @triton.jit
-def _attend(acc, m_i, l_i, q, qk_scale, pos, k_head, v_head, table, start, seg_hi, window, first_key, d, d_ok,
-            stride_kb, stride_ks, stride_ks_in, stride_kd, stride_kd_in,
-            stride_vb, stride_vs, stride_vs_in, stride_vd, stride_vd_in, BLOCK_N: tl.constexpr,
-            BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-            IS_FP8: tl.constexpr, FP32_MATH: tl.constexpr, K_ROW_PACK: tl.constexpr, K_DIM_PACK: tl.constexpr,
-            V_ROW_PACK: tl.constexpr, V_DIM_PACK: tl.constexpr, K_UNIT: tl.constexpr,
-            V_UNIT: tl.constexpr):
-    """One key tile: load K/V through the block table, online-softmax update. ``MASKED``
-    only for a tile that reaches past the segment's end (the last one). With a window, the
-    value rows before ``first_key`` (no row of the tile sees them) load as zeros: their
-    weight is 0, and 0 times a NaN or Inf stored there would still reach the sum."""
+def _attend(acc, m_i, l_i, query, table, k_cache, v_cache, start, seg_hi, MASKED: tl.constexpr, MODE):
+    """One key tile: load K/V through the block table, online-softmax update.
+
+    ``query``: the tile's queries ``q``, the scale of their scores (log2 units), each
+    row's position, the head-dim lanes and which of them are real, the window and the
+    first key a row of the tile sees through it. ``k_cache``/``v_cache``: the cache's
+    pointer at this KV head and its block, row, in-pack row, dim and in-pack dim strides.
+    ``MODE``, constexprs: the kernel's ``BLOCK_N``, ``BLOCK_SIZE``, ``CAUSAL``,
+    ``HAS_WINDOW``, ``IS_FP8``, ``FP32_MATH``, then each cache's ``LAYOUT``: its
+    ``(ROW_PACK, DIM_PACK, UNIT)`` (module docstring). Constexprs travel in a tuple
+    annotated ``tl.constexpr`` and are taken out one by one, each annotated: a plain
+    assignment or unpacking would turn them into runtime values.
+
+    ``MASKED`` only for a tile that reaches past the segment's end (the last one). With a
+    window, the value rows before ``first_key`` (no row of the tile sees them) load as
+    zeros: their weight is 0, and 0 times a NaN or Inf stored there would still reach the
+    sum."""
+    q, qk_scale, pos, d, d_ok, window, first_key = query
+    BLOCK_N: tl.constexpr = MODE[0]
+    BLOCK_SIZE: tl.constexpr = MODE[1]
+    CAUSAL: tl.constexpr = MODE[2]
+    HAS_WINDOW: tl.constexpr = MODE[3]
+    IS_FP8: tl.constexpr = MODE[4]
+    FP32_MATH: tl.constexpr = MODE[5]
+    K_LAYOUT: tl.constexpr = MODE[6]
+    V_LAYOUT: tl.constexpr = MODE[7]
     j = start + tl.arange(0, BLOCK_N)
     j_ok = j < seg_hi
     block, row = _key_blocks(table, start, seg_hi, BLOCK_N, BLOCK_SIZE, MASKED)
-    k_rows = _row_base(k_head, block, j, row, stride_kb, stride_ks, stride_ks_in, BLOCK_SIZE, K_ROW_PACK, K_UNIT)
-    k_dims = _dim_offset(d, stride_kd, stride_kd_in, K_DIM_PACK, K_UNIT)
-    v_rows = _row_base(v_head, block, j, row, stride_vb, stride_vs, stride_vs_in, BLOCK_SIZE, V_ROW_PACK, V_UNIT)
-    v_ptrs = v_rows[:, None] + _dim_offset(d, stride_vd, stride_vd_in, V_DIM_PACK, V_UNIT)[None, :]
+    k_rows = _row_base(k_cache, K_LAYOUT, block, j, row, BLOCK_SIZE)
+    k_dims = _dim_offset(k_cache, K_LAYOUT, d)
+    v_rows = _row_base(v_cache, V_LAYOUT, block, j, row, BLOCK_SIZE)
+    v_ptrs = v_rows[:, None] + _dim_offset(v_cache, V_LAYOUT, d)[None, :]
     key_ok = j_ok if MASKED else tl.full([BLOCK_N], 1, tl.int1)
     v_ok = key_ok & (j >= first_key) if HAS_WINDOW else key_ok
     v = tl.load(v_ptrs, mask=v_ok[:, None] & d_ok[None, :], other=0.0)
@@ -281,20 +309,72 @@ def _attend(acc, m_i, l_i, q, qk_scale, pos, k_head, v_head, table, start, seg_h
 
 @triton.jit
 def draft_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, out_ptr,
-    part_out_ptr, part_lse_ptr, counters_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
-    num_seqs, num_tokens, scale_log2, window, num_segments, min_segment_keys,
-    stride_qt, stride_qh, stride_qd,
-    stride_kb, stride_ks, stride_ks_in, stride_kh, stride_kd, stride_kd_in,
-    stride_vb, stride_vs, stride_vs_in, stride_vh, stride_vd, stride_vd_in,
-    stride_bt, stride_ot, stride_oh, stride_od,
-    HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    ONE_TILE: tl.constexpr, SPLIT: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, MERGERS: tl.constexpr,
-    MERGE_CHUNK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
-    IS_FP8: tl.constexpr, FP32_MATH: tl.constexpr, FP16_DOTS: tl.constexpr, K_ROW_PACK: tl.constexpr,
-    K_DIM_PACK: tl.constexpr, V_ROW_PACK: tl.constexpr, V_DIM_PACK: tl.constexpr, K_UNIT: tl.constexpr,
-    V_UNIT: tl.constexpr,
+    # Tensors, passed per call. T query tokens, HQ query heads, HK KV heads, D head dims.
+    q_ptr,  # [T, HQ, D] query: float16, bfloat16 or float32
+    k_cache_ptr,  # K cache, [blocks, BLOCK_SIZE, HK, D] or packed (module docstring): the query's dtype or fp8
+    v_cache_ptr,  # V cache, as the K cache
+    block_table_ptr,  # [num_seqs, blocks per request] int: request b's cache blocks in key order
+    qsl_ptr,  # [num_seqs + 1] int: query_start_loc, request b's queries are tokens [qsl[b], qsl[b + 1])
+    seq_lens_ptr,  # [num_seqs] int: request b's keys (its context, then its queries)
+    out_ptr,  # [T, HQ, D] the query's dtype: the output (stands in for the tensors below left unread)
+    part_out_ptr,  # [num_segments, T, HQ, D] the output's dtype: each segment's normalised output (SPLIT)
+    part_lse_ptr,  # [num_segments, T, HQ] float32: each segment's log2-sum-exp per row (SPLIT)
+    counters_ptr,  # [tiles, HK] int32: arrivals per split tile and KV head, left zero (MERGE_IN_KERNEL, MERGERS)
+    sinks_ptr,  # [HQ] float: a sink logit per query head (HAS_SINKS)
+    k_scale_ptr,  # [1] float32: the fp8 K cache's scale (IS_FP8)
+    v_scale_ptr,  # [1] float32: the fp8 V cache's scale (IS_FP8)
+    # Scalars, fixed per plan.
+    num_seqs,  # requests
+    num_tokens,  # T
+    scale_log2,  # softmax scale times log2(e)
+    window,  # sliding window in keys (HAS_WINDOW; else 0)
+    num_segments,  # key segments per tile (programs of grid axis 2 past them are mergers)
+    min_segment_keys,  # the fewest keys a segment takes
+    stride_qt,  # q: token stride
+    stride_qh,  # q: head stride
+    stride_qd,  # q: dim stride
+    stride_kb,  # K cache: block stride (in units of K_UNIT elements)
+    stride_ks,  # K cache: row stride, of a pack of K_ROW_PACK rows when packed (K_UNIT elements)
+    stride_ks_in,  # K cache: row stride inside a pack (None: K_ROW_PACK == 1)
+    stride_kh,  # K cache: KV head stride (elements)
+    stride_kd,  # K cache: dim stride, of a pack of K_DIM_PACK dims when packed (K_UNIT elements)
+    stride_kd_in,  # K cache: dim stride inside a pack (None: K_DIM_PACK == 1)
+    stride_vb,  # V cache: as the K cache's
+    stride_vs,
+    stride_vs_in,
+    stride_vh,
+    stride_vd,
+    stride_vd_in,
+    stride_bt,  # block table: request stride
+    stride_ot,  # out: token stride
+    stride_oh,  # out: head stride
+    stride_od,  # out: dim stride
+    # Constexprs.
+    HQ: tl.constexpr,  # query heads
+    G: tl.constexpr,  # query heads per KV head: HQ // HK
+    D: tl.constexpr,  # head dims
+    BLOCK_D: tl.constexpr,  # D rounded up to a power of two (at least 16)
+    BLOCK_M: tl.constexpr,  # tile rows: BLOCK_Q tokens x G heads (and any rows left over)
+    BLOCK_Q: tl.constexpr,  # query tokens per tile
+    BLOCK_N: tl.constexpr,  # keys per key tile
+    BLOCK_SIZE: tl.constexpr,  # keys per cache block
+    ONE_TILE: tl.constexpr,  # every request's queries fit one tile: tile b is request b
+    SPLIT: tl.constexpr,  # tiles may be split into key segments (num_segments > 1)
+    MERGE_IN_KERNEL: tl.constexpr,  # the last segment to arrive merges the tile
+    MERGERS: tl.constexpr,  # merger programs per tile at the end of the grid (0: none)
+    MERGE_CHUNK: tl.constexpr,  # segments per load of a merge
+    CAUSAL: tl.constexpr,  # query i sees the keys up to its own position
+    HAS_WINDOW: tl.constexpr,  # only the last `window` keys up to a query's position are seen
+    HAS_SINKS: tl.constexpr,  # sinks_ptr holds a sink logit per head
+    IS_FP8: tl.constexpr,  # the caches are fp8, scaled by k_scale/v_scale
+    FP32_MATH: tl.constexpr,  # compute in float32 (the interpreter's bfloat16: see common.py)
+    FP16_DOTS: tl.constexpr,  # fp8 caches under a 16-bit query: products in float16
+    K_ROW_PACK: tl.constexpr,  # K cache rows per pack (1: not packed)
+    K_DIM_PACK: tl.constexpr,  # K cache dims per pack (1: not packed)
+    V_ROW_PACK: tl.constexpr,  # V cache rows per pack
+    V_DIM_PACK: tl.constexpr,  # V cache dims per pack
+    K_UNIT: tl.constexpr,  # elements per unit of the K cache's strides (module docstring; 1: elements)
+    V_UNIT: tl.constexpr,  # elements per unit of the V cache's strides
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -303,6 +383,9 @@ def draft_attention_kernel(
                                                              BLOCK_Q, ONE_TILE, CAUSAL, HAS_WINDOW, BLOCK_N)
     if tile_q0 >= q_len:
         return
+    parts = (part_out_ptr, part_lse_ptr, num_tokens)
+    out = (out_ptr, stride_ot, stride_oh, stride_od)
+    DIMS: tl.constexpr = (HQ, D, BLOCK_D)
     seg_lo = lo
     seg_hi = hi
     active = 1
@@ -313,9 +396,8 @@ def draft_attention_kernel(
                 if active > 1:
                     counter = counters_ptr + tile * tl.num_programs(1) + kv_head
                     _wait_for(counter, active)
-                    _merge_group(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, segment - num_segments, tile_q0,
-                                 q_start, q_len, kv_head, active, num_tokens, stride_ot, stride_oh, stride_od, HQ, G,
-                                 D, BLOCK_M // MERGERS, BLOCK_D, BLOCK_Q, MERGE_CHUNK, HAS_SINKS)
+                    _merge_group(parts, out, sinks_ptr, segment - num_segments, tile_q0, q_start, q_len, kv_head,
+                                 active, DIMS, G, BLOCK_M // MERGERS, BLOCK_Q, MERGE_CHUNK, HAS_SINKS)
                     if tl.atomic_add(counter, 1, sem="relaxed", scope="gpu") == active + MERGERS - 1:
                         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
                 return
@@ -353,26 +435,22 @@ def draft_attention_kernel(
     v_head = v_cache_ptr + kv_head * stride_vh
     table = block_table_ptr + b * stride_bt
     first_key = context + tile_q0 - window + 1  # the first key a row of the tile sees (with a window)
+    query = (q, qk_scale, pos, d, d_ok, window, first_key)
+    k_cache = (k_head, stride_kb, stride_ks, stride_ks_in, stride_kd, stride_kd_in)
+    v_cache = (v_head, stride_vb, stride_vs, stride_vs_in, stride_vd, stride_vd_in)
+    MODE: tl.constexpr = (BLOCK_N, BLOCK_SIZE, CAUSAL, HAS_WINDOW, IS_FP8, FP32_MATH, (K_ROW_PACK, K_DIM_PACK, K_UNIT),
+                          (V_ROW_PACK, V_DIM_PACK, V_UNIT))
     full_hi = seg_lo + (seg_hi - seg_lo) // BLOCK_N * BLOCK_N
     for start in range(seg_lo, full_hi, BLOCK_N):
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, qk_scale, pos, k_head, v_head, table, start, seg_hi, window,
-                                first_key, d, d_ok, stride_kb, stride_ks, stride_ks_in, stride_kd, stride_kd_in,
-                                stride_vb, stride_vs, stride_vs_in, stride_vd, stride_vd_in, BLOCK_N, BLOCK_SIZE, False,
-                                CAUSAL, HAS_WINDOW, IS_FP8, FP32_MATH, K_ROW_PACK, K_DIM_PACK, V_ROW_PACK, V_DIM_PACK,
-                                K_UNIT, V_UNIT)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, query, table, k_cache, v_cache, start, seg_hi, False, MODE)
     if full_hi < seg_hi:
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, qk_scale, pos, k_head, v_head, table, full_hi, seg_hi, window,
-                                first_key, d, d_ok, stride_kb, stride_ks, stride_ks_in, stride_kd, stride_kd_in,
-                                stride_vb, stride_vs, stride_vs_in, stride_vd, stride_vd_in, BLOCK_N, BLOCK_SIZE, True,
-                                CAUSAL, HAS_WINDOW, IS_FP8, FP32_MATH, K_ROW_PACK, K_DIM_PACK, V_ROW_PACK, V_DIM_PACK,
-                                K_UNIT, V_UNIT)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, query, table, k_cache, v_cache, full_hi, seg_hi, True, MODE)
 
     m_i = m_i * qk_scale  # the running max in the exponents' (log2) units
     mask = row_ok[:, None] & d_ok[None, :]
     if active == 1:
         o = _finish(acc, m_i, l_i, head, row_ok, sinks_ptr, v_scale, HAS_SINKS)
-        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od,
-                 o.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(_out_ptrs(out, token, head, d), o.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         part = (segment * num_tokens + token) * HQ + head
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -385,19 +463,43 @@ def draft_attention_kernel(
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if MERGE_IN_KERNEL:
                 if arrived == active - 1:
-                    _merge_rows(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, token, head, row_ok, active,
-                                num_tokens, stride_ot, stride_oh, stride_od, HQ, D, BLOCK_M, BLOCK_D, MERGE_CHUNK,
+                    _merge_rows(parts, out, sinks_ptr, token, head, row_ok, active, DIMS, BLOCK_M, MERGE_CHUNK,
                                 HAS_SINKS)
                     tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 @triton.jit
 def merge_segments_kernel(
-    part_out_ptr, part_lse_ptr, qsl_ptr, seq_lens_ptr, sinks_ptr, out_ptr,
-    num_seqs, num_tokens, window, num_segments, min_segment_keys, stride_ot, stride_oh, stride_od,
-    HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, ONE_TILE: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, ROWS: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+    # Tensors, passed per call (shapes as in draft_attention_kernel).
+    part_out_ptr,  # [num_segments, T, HQ, D] the output's dtype: each segment's normalised output
+    part_lse_ptr,  # [num_segments, T, HQ] float32: each segment's log2-sum-exp per row
+    qsl_ptr,  # [num_seqs + 1] int: query_start_loc
+    seq_lens_ptr,  # [num_seqs] int: keys per request
+    sinks_ptr,  # [HQ] float: a sink logit per query head (HAS_SINKS; else any tensor)
+    out_ptr,  # [T, HQ, D] the query's dtype: the output
+    # Scalars, fixed per plan: those the main kernel split the tile's keys with.
+    num_seqs,  # requests
+    num_tokens,  # T
+    window,  # sliding window in keys (HAS_WINDOW; else 0)
+    num_segments,  # key segments per tile
+    min_segment_keys,  # the fewest keys a segment takes
+    stride_ot,  # out: token stride
+    stride_oh,  # out: head stride
+    stride_od,  # out: dim stride
+    # Constexprs: as draft_attention_kernel's.
+    HQ: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ONE_TILE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    ROWS: tl.constexpr,  # tile rows per program (grid axis 2: BLOCK_M // ROWS row groups)
+    MERGE_CHUNK: tl.constexpr,  # segments per load
 ):
     """Second launch of a split tile: program (tile, KV head, row group) merges ``ROWS``
     rows of the tile over the segments the main kernel found active (a tile with one
@@ -410,6 +512,6 @@ def merge_segments_kernel(
         return
     per_segment, active = _segment_plan(lo, hi, num_segments, min_segment_keys, BLOCK_N)
     if active > 1:
-        _merge_group(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, tl.program_id(2), tile_q0, q_start, q_len,
-                     kv_head, active, num_tokens, stride_ot, stride_oh, stride_od, HQ, G, D, ROWS, BLOCK_D, BLOCK_Q,
+        _merge_group((part_out_ptr, part_lse_ptr, num_tokens), (out_ptr, stride_ot, stride_oh, stride_od), sinks_ptr,
+                     tl.program_id(2), tile_q0, q_start, q_len, kv_head, active, (HQ, D, BLOCK_D), G, ROWS, BLOCK_Q,
                      MERGE_CHUNK, HAS_SINKS)

@@ -134,18 +134,79 @@ def launcher(kernel, constexprs: dict, options: dict) -> Launcher:
     return found
 
 
+_parameters: dict = {}
+
+
+def kernel_parameters(kernel) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(runtime parameter names, constexpr names) of ``kernel`` in declaration order (kept
+    per kernel function: a plan is made more often than a kernel is defined; a JITFunction's
+    own hash walks its dependencies, which fails for the interpreter's). The interpreter's
+    kernels carry no parameter kinds; they are read from the function as the JIT would."""
+    key = getattr(kernel, "fn", kernel)
+    found = _parameters.get(key)
+    if found is None:
+        params = getattr(kernel, "params", None)
+        if params is None:
+            from triton.runtime.jit import JITFunction
+            params = JITFunction(kernel.fn).params
+        found = (tuple(p.name for p in params if not p.is_constexpr), tuple(p.name for p in params if p.is_constexpr))
+        _parameters[key] = found
+    return found
+
+
+def positional_args(kernel, per_call: tuple[str, ...], static_args: dict, constexprs: dict) -> tuple:
+    """``static_args`` (runtime arguments by parameter name) in the kernel's order, after
+    checking every name: ``per_call`` must name the kernel's leading runtime parameters in
+    order (calls pass those tensors positionally, first), ``static_args`` the rest of the
+    runtime parameters and ``constexprs`` every constexpr. A missing, unknown or misplaced
+    name is a TypeError naming it, raised when the plan is made (calls then only pass
+    tensors)."""
+    runtime, constexpr_names = kernel_parameters(kernel)
+    per_call = tuple(per_call)
+    expected = runtime[len(per_call):]
+    if (per_call != runtime[:len(per_call)] or static_args.keys() != set(expected)
+            or constexprs.keys() != set(constexpr_names)):
+        _refuse_names(kernel.__name__, runtime, constexpr_names, per_call, static_args, constexprs)
+    return tuple([static_args[n] for n in expected])
+
+
+def _names(names) -> str:
+    return ", ".join(repr(n) for n in names)
+
+
+def _refuse_names(name: str, runtime: tuple, constexpr_names: tuple, per_call: tuple, static_args: dict,
+                  constexprs: dict) -> None:
+    """The TypeError :func:`positional_args` raises, naming the first wrong name."""
+    if per_call != runtime[:len(per_call)]:
+        wrong = next(n for n, r in zip(per_call + (None,), runtime + (None,)) if n != r)
+        raise TypeError(f"{name}: per-call arguments must be the leading parameters {_names(runtime[:len(per_call)])} "
+                        f"in that order; {wrong!r} is not where it should be")
+    for given, wanted, what in ((static_args, runtime[len(per_call):], "runtime argument"),
+                                (constexprs, constexpr_names, "constexpr")):
+        unknown = [n for n in given if n not in wanted]
+        if unknown:
+            raise TypeError(f"{name}: unknown {what}(s) {_names(unknown)} (expected {_names(wanted)})")
+        missing = [n for n in wanted if n not in given]
+        if missing:
+            raise TypeError(f"{name}: missing {what}(s) {_names(missing)}")
+
+
 class LaunchPlan:
     """One launch of a call structure (FlashInfer's "plan once, run many"): the kernel, its
-    grid, constexprs, options and trailing scalar arguments are fixed when the plan is made;
-    each call passes only the leading tensors, whose specialisation alone is checked."""
+    grid, constexprs, options and scalar arguments are fixed when the plan is made, by
+    parameter name (checked and put in the kernel's order then, once); each call passes
+    only the tensors named ``per_call``, positionally in that order, and only their
+    specialisation is checked."""
 
-    def __init__(self, kernel, grid: tuple[int, ...], options: dict, static_args: tuple, constexprs: dict, *,
-                 amd: bool | None = None, direct: Launcher | None = None):
+    def __init__(self, kernel, grid: tuple[int, ...], options: dict, per_call: tuple[str, ...], static_args: dict,
+                 constexprs: dict, *, amd: bool | None = None, direct: Launcher | None = None):
         self.kernel, self.grid, self.name = kernel, tuple(grid), kernel.__name__
+        self.per_call = tuple(per_call)
+        self.static_args = positional_args(kernel, self.per_call, static_args, constexprs)
         self.requested = dict(options)
         self.amd = bool(getattr(torch.version, "hip", None)) if amd is None else amd
         self.options = options_for(self.requested, amd=self.amd)
-        self.static_args, self.constexprs = tuple(static_args), dict(constexprs)
+        self.constexprs = dict(constexprs)
         self.static_spec = specialization(self.static_args, self.amd)
         if direct is None and not INTERPRETING:
             direct = launcher(kernel, self.constexprs, self.options)
@@ -203,8 +264,9 @@ def prelude_seconds(launch, arch: str, repeats: int = 2000) -> tuple[float, floa
     direct.current_device = lambda: 0
     per_call = len(launch.args) if launch.per_call is None else launch.per_call
     tensors = launch.args[:per_call]
-    plan = LaunchPlan(jit, launch.grid, launch.options, launch.args[per_call:], launch.constexprs, amd=amd,
-                      direct=direct)
+    names = kernel_parameters(jit)[0]
+    plan = LaunchPlan(jit, launch.grid, launch.options, names[:per_call],
+                      dict(zip(names[per_call:], launch.args[per_call:])), launch.constexprs, amd=amd, direct=direct)
     direct.compiled[(0, (tensor_specialization(tensors, amd), plan.static_spec))] = _NoopCompiled()
 
     def through_launcher():

@@ -241,15 +241,16 @@ class PrecomputePlan:
             # the sum takes its own launch
             plan_precompute(call, self.config, merge_in_kernel=False).run(call, out_k, out_v)
             return
-        tail = (fused.bias if fused.bias is not None else dummy, fused.k_norm, fused.cos_sin,
+        # in the order of the plans' per_call names (the kernels' leading parameters)
+        tail = (call.positions, fused.bias if fused.bias is not None else dummy, fused.k_norm, fused.cos_sin,
                 self.table,
                 slots if slots is not None else call.positions,  # positions: never read
                 call.k_scales if call.k_scales is not None else dummy,
                 call.v_scales if call.v_scales is not None else dummy,
                 out_k if out_k is not None else dummy, out_v if out_v is not None else dummy)
-        self.main(call.states, fused.weight, fused.row_scale, part_acc, part_ss, counters, call.positions, *tail)
+        self.main(call.states, fused.weight, fused.row_scale, part_acc, part_ss, counters, *tail)
         if self.epilogue is not None:
-            self.epilogue(part_acc, part_ss, fused.row_scale, call.positions, *tail)
+            self.epilogue(part_acc, part_ss, fused.row_scale, *tail)
 
 
 def plan_precompute(call: PrecomputeCall, config: PrecomputeLaunchConfig, merge_in_kernel: bool | None = None
@@ -293,16 +294,22 @@ def _make_plan(call: PrecomputeCall, config: PrecomputeLaunchConfig, grid_t: int
     cos_sin_stride = w.rotary_dim  # the fused float32 table is contiguous
     x = call.states
     split_tiles = grid_t * rows - whole if split_k > 1 else 0
+    # the kernels' parameters by name (see precompute_kernels)
+    epilogue_tensors = ("positions_ptr", "bias_ptr", "k_norm_ptr", "cos_sin_ptr", "meta_ptr", "slots_ptr",
+                        "k_scales_ptr", "v_scales_ptr", "out_k_ptr", "out_v_ptr")
+    scalars = dict(stride_slot_layer=slot_layer_stride, N=N, H=w.hidden_size, stride_cs=cos_sin_stride,
+                   v_scale=v_scale, eps=w.eps, grid_t=grid_t, whole_tiles=whole)
     main = LaunchPlan(
         context_kv_kernel, (whole + split_tiles * split_k,), compiler_options(config),
-        (slot_layer_stride, N, w.hidden_size, x.stride(0), x.stride(1), cos_sin_stride, v_scale, w.eps, grid_t, whole),
+        ("x_ptr", "w_ptr", "row_scale_ptr", "part_acc_ptr", "part_ss_ptr", "counters_ptr", *epilogue_tensors),
+        dict(scalars, stride_xt=x.stride(0), stride_xh=x.stride(1)),
         dict(BLOCK_K=config.block_k, HAS_WHOLE=split_k > 1 and whole > 0, MERGE_IN_KERNEL=merge_in_kernel,
              ATOMIC_SUM=atomic_sum, NUM_XCDS=config.num_xcds, SQUARE_GROUP=config.square_group, HEADS=config.heads,
              FP32_MATH=fp32_math(dtype), **epilogue))
     sum_parts = None
     if split_tiles and not merge_in_kernel:
         sum_parts = LaunchPlan(context_kv_split_epilogue_kernel, (split_tiles,), compiler_options(config),
-                               (slot_layer_stride, N, w.hidden_size, cos_sin_stride, v_scale, w.eps, grid_t, whole),
+                               ("part_acc_ptr", "part_ss_ptr", "row_scale_ptr", *epilogue_tensors), scalars,
                                epilogue)
     parts = split_tiles * (1 if atomic_sum else split_k) * config.block_t  # rows of the partials
     return PrecomputePlan(config, main, sum_parts, merge_in_kernel, atomic_sum, cache_table(call), split_tiles,

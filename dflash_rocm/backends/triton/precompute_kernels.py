@@ -84,9 +84,9 @@ def divide(x, divisor):
     shares: its reciprocal once, then per value a product and one FMA correction (Markstein:
     with the reciprocal correctly rounded and the product within an ulp of the quotient,
     ``q + (x - q * divisor) / divisor`` rounded once is the rounded quotient). A float32
-    division is a dozen-instruction sequence on AMD: gfx942's fp8 whole-tile epilogue
-    3271 -> 2717 cycles (compiled). An infinite or NaN product is returned as it is (the
-    correction would turn infinity into NaN)."""
+    division is a dozen-instruction sequence on AMD, and the fp8 epilogue divides every
+    stored value. An infinite or NaN product is returned as it is (the correction would
+    turn infinity into NaN)."""
     inv = 1.0 / divisor
     q = x * inv
     return tl.where(tl.abs(q) < float("inf"), tl.fma(tl.fma(-q, divisor, x), inv, q), q)
@@ -103,14 +103,17 @@ def _table_offset(i, strides, PACK: tl.constexpr):
 
 
 @triton.jit
-def _cache_rows(t, t_ok, layer, kind, kv_head, meta_ptr, slots_ptr, stride_slot_layer, ROW_PACK: tl.constexpr,
-                SLOTS_I32: tl.constexpr, CACHE_BLOCK: tl.constexpr):
+def _cache_rows(rows, cache, ROW_PACK: tl.constexpr, STORE):
     """(rows to write, their offsets in the layer's cache of this kind, the kind's strides
     in the table) of the tile's tokens: once per tile, however many column groups it
     stores (each store then adds only its dims). A layer not written has no rows to write.
-    ``CACHE_BLOCK``: the block size every written cache shares, a constant divisor (a shift
-    for a power of two; a division by a runtime value is a few dozen vector instructions
-    on AMD: gfx942's whole-tile epilogue 2456 -> 2332 cycles, compiled); 0: read per layer."""
+    ``rows``, ``cache``, ``STORE``: see :func:`_epilogue`. ``CACHE_BLOCK``: the block size
+    every written cache shares, a constant divisor (a shift for a power of two; a division
+    by a runtime value is a few dozen vector instructions on AMD); 0: read per layer."""
+    t, t_ok, layer, kind, kv_head = rows
+    meta_ptr, slots_ptr, stride_slot_layer, _, _, _, _, _ = cache
+    SLOTS_I32: tl.constexpr = STORE[7]
+    CACHE_BLOCK: tl.constexpr = STORE[8]
     meta = meta_ptr + layer * _META_COLS
     slot_row = tl.load(meta + 2)
     written = slot_row + tl.zeros_like(t) >= 0  # per row: the interpreter takes no scalar in a mask
@@ -134,16 +137,24 @@ def _cache_rows(t, t_ok, layer, kind, kv_head, meta_ptr, slots_ptr, stride_slot_
 
 
 @triton.jit
-def _store_cols(value, t, t_ok, layer, kind, kv_head, dim, dim_ok, ok, row_base, strides, N, meta_ptr,
-                k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, HK: tl.constexpr, D: tl.constexpr,
-                IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, CACHE_DTYPE: tl.constexpr,
-                RETURN_KV: tl.constexpr, ALIGNED: tl.constexpr, DIM_PACK: tl.constexpr,
-                EXACT_FP8_ROUND: tl.constexpr):
-    """Store ``value`` (columns = original dims ``dim``) into the cache rows
-    :func:`_cache_rows` found (and the returned K/V); ``DIM_PACK`` is this cache kind's
-    dim pack factor. ``ALIGNED``: the host checked that every cache of this kind has
+def _store_cols(value, dim, dim_ok, rows, target, cache, ALIGNED: tl.constexpr, DIM_PACK: tl.constexpr, STORE,
+                CACHE_DTYPE: tl.constexpr):
+    """Store ``value`` (columns = original dims ``dim``) into the cache rows ``target``
+    (what :func:`_cache_rows` found) and into the returned K/V; ``DIM_PACK`` is this cache
+    kind's dim pack factor. ``ALIGNED``: the host checked that every cache of this kind has
     contiguous dim runs (the whole head dim, or the ``DIM_PACK`` dims of a pack) that start
-    16-byte aligned, so contiguous dims become vector stores."""
+    16-byte aligned, so contiguous dims become vector stores. ``rows``, ``cache``,
+    ``STORE``: see :func:`_epilogue`."""
+    t, t_ok, layer, kind, kv_head = rows
+    ok, row_base, strides = target
+    meta_ptr, _, _, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, N = cache
+    HK: tl.constexpr = STORE[0]
+    D: tl.constexpr = STORE[1]
+    IS_FP8: tl.constexpr = STORE[2]
+    FP8_MAX: tl.constexpr = STORE[3]
+    FP8_MIN_EXP: tl.constexpr = STORE[4]
+    RETURN_KV: tl.constexpr = STORE[5]
+    EXACT_FP8_ROUND: tl.constexpr = STORE[6]
     base = tl.load(meta_ptr + layer * _META_COLS + kind).to(tl.pointer_type(CACHE_DTYPE))
     stored = value
     if IS_FP8:
@@ -181,20 +192,39 @@ def _row_scale(row_scale_ptr, head_row, D: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _epilogue(acc, inv_rms, pid_t, head_row, N, positions_ptr, bias_ptr, k_norm_ptr, cos_sin_ptr, stride_cs,
-              meta_ptr, slots_ptr, stride_slot_layer, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, v_scale, eps,
-              HK: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-              HAS_BIAS: tl.constexpr, IS_NEOX: tl.constexpr, HAS_V_SCALE: tl.constexpr, IS_FP8: tl.constexpr,
-              FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, CACHE_DTYPE: tl.constexpr, RETURN_KV: tl.constexpr,
-              K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr, K_ROW_PACK: tl.constexpr, K_DIM_PACK: tl.constexpr,
-              V_ROW_PACK: tl.constexpr, V_DIM_PACK: tl.constexpr, SLOTS_I32: tl.constexpr, CACHE_BLOCK: tl.constexpr,
-              EXACT_FP8_ROUND: tl.constexpr,
-              NOPE_LAYERS: tl.constexpr,  # bit l set: layer l's K is not rotated (0: every layer's is)
-              K_ROUND_DTYPE: tl.constexpr,  # dtype the normed K is rounded to before RoPE (None: kept float32)
-              KIND: tl.constexpr = -1):
-    """``KIND``: 0 (K) or 1 (V) when the caller knows it (only that kind's code is compiled),
-    -1: read from ``head_row``. A NoPE layer's K rotates by the identity (its cos/sin loads
-    are masked to 1 and 0, as the pass-through dims' are)."""
+def _epilogue(acc, inv_rms, pid_t, head_row, inputs, cache, EPILOGUE, STORE, CACHE_DTYPE: tl.constexpr,
+              K_ROUND_DTYPE: tl.constexpr, KIND: tl.constexpr = -1):
+    """Bias, the K head's RMSNorm and RoPE, the value scale, and the stores of token tile
+    ``pid_t`` of head row ``head_row``. The kernels group what it needs once (the names
+    are their parameters'): ``inputs = (positions_ptr, bias_ptr, k_norm_ptr, cos_sin_ptr,
+    stride_cs, v_scale, eps)``; ``cache = (meta_ptr, slots_ptr, stride_slot_layer,
+    k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, N)``, where the tile goes;
+    ``EPILOGUE = (HK, D, R, BLOCK_T, BLOCK_D, HAS_BIAS, IS_NEOX, HAS_V_SCALE, NOPE_LAYERS,
+    K_ROW_PACK, K_DIM_PACK, K_ALIGNED, V_ROW_PACK, V_DIM_PACK, V_ALIGNED)``; ``STORE = (HK,
+    D, IS_FP8, FP8_MAX, FP8_MIN_EXP, RETURN_KV, EXACT_FP8_ROUND, SLOTS_I32, CACHE_BLOCK)``,
+    how a tile is stored. The constexpr tuples are annotated ``tl.constexpr`` and their
+    members taken out one by one, each annotated (a plain assignment or unpacking would
+    turn them into runtime values); dtypes cannot sit in a Triton tuple, so ``CACHE_DTYPE``
+    and ``K_ROUND_DTYPE`` come apart. ``KIND``: 0 (K) or 1 (V) when the caller knows it (only
+    that kind's code is compiled), -1: read from ``head_row``. A NoPE layer's K rotates by
+    the identity (its cos/sin loads are masked to 1 and 0, as the pass-through dims' are)."""
+    positions_ptr, bias_ptr, k_norm_ptr, cos_sin_ptr, stride_cs, v_scale, eps = inputs
+    N = cache[7]
+    HK: tl.constexpr = EPILOGUE[0]
+    D: tl.constexpr = EPILOGUE[1]
+    R: tl.constexpr = EPILOGUE[2]
+    BLOCK_T: tl.constexpr = EPILOGUE[3]
+    BLOCK_D: tl.constexpr = EPILOGUE[4]
+    HAS_BIAS: tl.constexpr = EPILOGUE[5]
+    IS_NEOX: tl.constexpr = EPILOGUE[6]
+    HAS_V_SCALE: tl.constexpr = EPILOGUE[7]
+    NOPE_LAYERS: tl.constexpr = EPILOGUE[8]
+    K_ROW_PACK: tl.constexpr = EPILOGUE[9]
+    K_DIM_PACK: tl.constexpr = EPILOGUE[10]
+    K_ALIGNED: tl.constexpr = EPILOGUE[11]
+    V_ROW_PACK: tl.constexpr = EPILOGUE[12]
+    V_DIM_PACK: tl.constexpr = EPILOGUE[13]
+    V_ALIGNED: tl.constexpr = EPILOGUE[14]
     layer = head_row // (2 * HK)
     if KIND == -1:
         kind = (head_row // HK) % 2  # 0: K, 1: V
@@ -205,6 +235,7 @@ def _epilogue(acc, inv_rms, pid_t, head_row, N, positions_ptr, bias_ptr, k_norm_
     t_ok = t < N
     c = tl.arange(0, BLOCK_D)
     c_ok = c < D
+    rows = (t, t_ok, layer, kind, kv_head)
     acc = acc * inv_rms[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + head_row * D + c, mask=c_ok, other=0.0)[None, :]
@@ -231,28 +262,18 @@ def _epilogue(acc, inv_rms, pid_t, head_row, N, positions_ptr, bias_ptr, k_norm_
         x1, x2 = tl.split(tl.reshape(acc, (BLOCK_T, BLOCK_D // 2, 2)))
         o1 = x1 * cos - x2 * sin
         o2 = x2 * cos + x1 * sin
-        ok, row_base, strides = _cache_rows(t, t_ok, layer, kind, kv_head, meta_ptr, slots_ptr, stride_slot_layer,
-                                            K_ROW_PACK, SLOTS_I32, CACHE_BLOCK)
+        target = _cache_rows(rows, cache, K_ROW_PACK, STORE)
         if IS_NEOX and R == D and D == BLOCK_D:  # the halves are dims [0, D/2) and [D/2, D)
-            _store_cols(o1, t, t_ok, layer, kind, kv_head, i, i < D // 2, ok, row_base, strides, N, meta_ptr,
-                        k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, HK, D, IS_FP8, FP8_MAX, FP8_MIN_EXP,
-                        CACHE_DTYPE, RETURN_KV, K_ALIGNED, K_DIM_PACK, EXACT_FP8_ROUND)
-            _store_cols(o2, t, t_ok, layer, kind, kv_head, i + D // 2, i < D // 2, ok, row_base, strides, N, meta_ptr,
-                        k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, HK, D, IS_FP8, FP8_MAX, FP8_MIN_EXP,
-                        CACHE_DTYPE, RETURN_KV, K_ALIGNED, K_DIM_PACK, EXACT_FP8_ROUND)
+            _store_cols(o1, i, i < D // 2, rows, target, cache, K_ALIGNED, K_DIM_PACK, STORE, CACHE_DTYPE)
+            _store_cols(o2, i + D // 2, i < D // 2, rows, target, cache, K_ALIGNED, K_DIM_PACK, STORE, CACHE_DTYPE)
         else:
-            _store_cols(tl.reshape(tl.join(o1, o2), (BLOCK_T, BLOCK_D)), t, t_ok, layer, kind, kv_head, k_dim, c_ok,
-                        ok, row_base, strides, N, meta_ptr, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, HK, D,
-                        IS_FP8, FP8_MAX, FP8_MIN_EXP, CACHE_DTYPE, RETURN_KV, K_ALIGNED and not IS_NEOX, K_DIM_PACK,
-                        EXACT_FP8_ROUND)
+            _store_cols(tl.reshape(tl.join(o1, o2), (BLOCK_T, BLOCK_D)), k_dim, c_ok, rows, target, cache,
+                        K_ALIGNED and not IS_NEOX, K_DIM_PACK, STORE, CACHE_DTYPE)
     else:
         if HAS_V_SCALE:
             acc = acc * v_scale
-        ok, row_base, strides = _cache_rows(t, t_ok, layer, kind, kv_head, meta_ptr, slots_ptr, stride_slot_layer,
-                                            V_ROW_PACK, SLOTS_I32, CACHE_BLOCK)
-        _store_cols(acc, t, t_ok, layer, kind, kv_head, c, c_ok, ok, row_base, strides, N, meta_ptr, k_scales_ptr,
-                    v_scales_ptr, out_k_ptr, out_v_ptr, HK, D, IS_FP8, FP8_MAX, FP8_MIN_EXP, CACHE_DTYPE, RETURN_KV,
-                    V_ALIGNED, V_DIM_PACK, EXACT_FP8_ROUND)
+        target = _cache_rows(rows, cache, V_ROW_PACK, STORE)
+        _store_cols(acc, c, c_ok, rows, target, cache, V_ALIGNED, V_DIM_PACK, STORE, CACHE_DTYPE)
 
 
 @triton.jit
@@ -318,18 +339,66 @@ def _program_tile(pid, num_programs, whole_tiles, NUM_XCDS: tl.constexpr, SPLIT_
 
 @triton.jit
 def context_kv_kernel(
-    x_ptr, w_ptr, row_scale_ptr, part_acc_ptr, part_ss_ptr, counters_ptr, positions_ptr, bias_ptr, k_norm_ptr,
-    cos_sin_ptr, meta_ptr, slots_ptr, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr,
-    stride_slot_layer, N, H, stride_xt, stride_xh, stride_cs, v_scale, eps, grid_t, whole_tiles,
-    HK: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_K: tl.constexpr,
-    HAS_WHOLE: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, ATOMIC_SUM: tl.constexpr, NUM_XCDS: tl.constexpr,
-    SQUARE_GROUP: tl.constexpr, HEADS: tl.constexpr,
-    HAS_BIAS: tl.constexpr, IS_NEOX: tl.constexpr, HAS_V_SCALE: tl.constexpr, IS_FP8: tl.constexpr,
-    FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr,
-    CACHE_DTYPE: tl.constexpr, RETURN_KV: tl.constexpr, K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr,
-    K_ROW_PACK: tl.constexpr, K_DIM_PACK: tl.constexpr, V_ROW_PACK: tl.constexpr, V_DIM_PACK: tl.constexpr,
-    SLOTS_I32: tl.constexpr, CACHE_BLOCK: tl.constexpr, FP32_MATH: tl.constexpr, EXACT_FP8_ROUND: tl.constexpr,
+    # Tensors, passed per call. N context tokens, H hidden size, L layers, HK KV heads per layer, D head dims.
+    x_ptr,  # [N, H] context states: float16, bfloat16 or float32
+    w_ptr,  # [L * 2 * HK * D, H] the states' dtype: K/V weight rows, hidden norm folded in, K rows permuted
+    row_scale_ptr,  # [L * 2 * HK * D] float32: the power of two each folded row was divided by
+    part_acc_ptr,  # [split tiles * (1 or SPLIT_K) * BLOCK_T, BLOCK_D] float32: split tiles' partial sums
+    part_ss_ptr,  # [split tiles * (1 or SPLIT_K) * BLOCK_T] float32: their partial sums of squares
+    counters_ptr,  # [split tiles] int32: arrivals per split tile, left zero (MERGE_IN_KERNEL)
+    positions_ptr,  # [N] int64: the tokens' positions
+    bias_ptr,  # [L * 2 * HK * D] float32: the K/V bias, K rows permuted as the weights' (HAS_BIAS)
+    k_norm_ptr,  # [L, D] float32: the K heads' RMSNorm weight per layer
+    cos_sin_ptr,  # [max_position, R] float32: cos then sin per position
+    meta_ptr,  # [L, META_COLS] int64: the cache table (module docstring)
+    slots_ptr,  # [N] or [written layers, N] int: slot of each token in its layer's cache (-1: not written)
+    k_scales_ptr,  # [L] float32: each layer's K cache scale (IS_FP8)
+    v_scales_ptr,  # [L] float32: each layer's V cache scale (IS_FP8)
+    out_k_ptr,  # [L, N, HK, D] the states' dtype: the returned K (RETURN_KV)
+    out_v_ptr,  # [L, N, HK, D] the states' dtype: the returned V (RETURN_KV)
+    # Scalars, fixed per plan.
+    stride_slot_layer,  # slots: layer stride (0: one mapping for every layer)
+    N,  # context tokens
+    H,  # hidden size
+    stride_xt,  # x: token stride
+    stride_xh,  # x: hidden stride
+    stride_cs,  # cos_sin: position stride
+    v_scale,  # the scale V takes (HAS_V_SCALE)
+    eps,  # the RMSNorms' epsilon
+    grid_t,  # token tiles per head row: cdiv(N, BLOCK_T)
+    whole_tiles,  # tiles computed whole, one program each; the tiles after them are split
+    # Constexprs.
+    HK: tl.constexpr,  # KV heads per layer
+    D: tl.constexpr,  # head dims
+    R: tl.constexpr,  # rotary dims (the first R of a K head rotate)
+    BLOCK_T: tl.constexpr,  # tokens per tile
+    BLOCK_K: tl.constexpr,  # hidden columns per trip of the GEMM loop
+    BLOCK_D: tl.constexpr,  # D rounded up to a power of two (at least 16)
+    SPLIT_K: tl.constexpr,  # parts a split tile's hidden size is cut into (1: no tile split)
+    HAS_WHOLE: tl.constexpr,  # some tiles run whole (whole_tiles > 0) beside split ones
+    MERGE_IN_KERNEL: tl.constexpr,  # the last part of a split tile to arrive sums the parts and runs the epilogue
+    ATOMIC_SUM: tl.constexpr,  # the parts add into one float32 sum per split tile (else one tile each)
+    NUM_XCDS: tl.constexpr,  # XCDs the hardware deals programs to (1: no renumbering)
+    SQUARE_GROUP: tl.constexpr,  # contiguous columns a lane sums the squares of per trip (1 or 8)
+    HEADS: tl.constexpr,  # head rows per program: 1, or 2 (a KV head's K and V from the same loads of x)
+    HAS_BIAS: tl.constexpr,  # bias_ptr holds a bias per row
+    IS_NEOX: tl.constexpr,  # neox RoPE (pairs i, i + R/2) rather than GPT-J's (2i, 2i + 1)
+    HAS_V_SCALE: tl.constexpr,  # V takes the scale v_scale
+    IS_FP8: tl.constexpr,  # the caches are fp8: stored values are divided by their layer's scale and clamped
+    FP8_MAX: tl.constexpr,  # the fp8 cache dtype's largest value (0.0: not fp8)
+    FP8_MIN_EXP: tl.constexpr,  # its smallest normal exponent (EXACT_FP8_ROUND)
+    CACHE_DTYPE: tl.constexpr,  # the caches' dtype
+    RETURN_KV: tl.constexpr,  # also write out_k/out_v
+    K_ALIGNED: tl.constexpr,  # every K cache stores a row's dims in 16-byte aligned contiguous runs
+    V_ALIGNED: tl.constexpr,  # every V cache likewise
+    K_ROW_PACK: tl.constexpr,  # K cache rows per pack (1: not packed)
+    K_DIM_PACK: tl.constexpr,  # K cache dims per pack (1: not packed)
+    V_ROW_PACK: tl.constexpr,  # V cache rows per pack
+    V_DIM_PACK: tl.constexpr,  # V cache dims per pack
+    SLOTS_I32: tl.constexpr,  # every cache has under 2**31 slots: 32-bit slot arithmetic
+    CACHE_BLOCK: tl.constexpr,  # the block size every written cache shares (0: they differ, read per layer)
+    FP32_MATH: tl.constexpr,  # compute in float32 (the interpreter's bfloat16: see common.py)
+    EXACT_FP8_ROUND: tl.constexpr,  # round to the fp8 grid by arithmetic (the interpreter's conversion cannot)
     NOPE_LAYERS: tl.constexpr = 0,  # bit l set: layer l's K is not rotated (0: every layer's is)
     K_ROUND_DTYPE: tl.constexpr = None,  # dtype the normed K is rounded to before RoPE (None: kept float32)
 ):
@@ -352,11 +421,11 @@ def context_kv_kernel(
     if HEADS == 2:  # the V head's tile, from the same loads of x
         acc_v = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
     # The hidden RMSNorm's sums of squares: each trip adds the squares of a lane's SQUARE_GROUP
-    # contiguous columns in the lane; the sum across lanes waits for the loop's end (per trip it
-    # cost a cross-lane reduction: gfx950's loop 306 -> 288 vector cycles, compiled). Groups of 8
-    # (one 16-byte load) keep the accumulator small; groups of 1 (an FMA a value, a
-    # [BLOCK_T, BLOCK_K] accumulator) save the in-lane sums where registers allow (gfx950's
-    # loop 327 -> 287 vector cycles, compiled) but halve RDNA3's waves.
+    # contiguous columns in the lane; the sum across lanes waits for the loop's end (a
+    # cross-lane reduction per trip would cost the loop vector cycles). Groups of 8 (one
+    # 16-byte load) keep the accumulator small; groups of 1 (an FMA a value, a
+    # [BLOCK_T, BLOCK_K] accumulator) save the in-lane sums where registers allow but halve
+    # RDNA3's waves.
     squares = tl.zeros([BLOCK_T, BLOCK_K // SQUARE_GROUP], tl.float32)
     kk = tl.arange(0, BLOCK_K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -399,33 +468,69 @@ def context_kv_kernel(
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # every part arrived: ready for the next launch
     if finish:
         inv_rms = tl.rsqrt(sum_sq / H + eps)
+        inputs = (positions_ptr, bias_ptr, k_norm_ptr, cos_sin_ptr, stride_cs, v_scale, eps)  # see _epilogue
+        cache = (meta_ptr, slots_ptr, stride_slot_layer, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, N)
+        EPILOGUE: tl.constexpr = (HK, D, R, BLOCK_T, BLOCK_D, HAS_BIAS, IS_NEOX, HAS_V_SCALE, NOPE_LAYERS,
+                                  K_ROW_PACK, K_DIM_PACK, K_ALIGNED, V_ROW_PACK, V_DIM_PACK, V_ALIGNED)
+        STORE: tl.constexpr = (HK, D, IS_FP8, FP8_MAX, FP8_MIN_EXP, RETURN_KV, EXACT_FP8_ROUND, SLOTS_I32, CACHE_BLOCK)
         if HEADS == 2:  # the V head first: its light epilogue runs while the K tile waits in registers
             acc_v = acc_v * _row_scale(row_scale_ptr, head_row + HK, D, BLOCK_D)
-            _epilogue(acc_v, inv_rms, pid_t, head_row + HK, N, positions_ptr, bias_ptr, k_norm_ptr, cos_sin_ptr,
-                      stride_cs, meta_ptr, slots_ptr, stride_slot_layer, k_scales_ptr, v_scales_ptr, out_k_ptr,
-                      out_v_ptr, v_scale, eps, HK, D, R, BLOCK_T, BLOCK_D, HAS_BIAS, IS_NEOX, HAS_V_SCALE, IS_FP8,
-                      FP8_MAX, FP8_MIN_EXP, CACHE_DTYPE, RETURN_KV, K_ALIGNED, V_ALIGNED, K_ROW_PACK, K_DIM_PACK,
-                      V_ROW_PACK, V_DIM_PACK, SLOTS_I32, CACHE_BLOCK, EXACT_FP8_ROUND, NOPE_LAYERS, K_ROUND_DTYPE, 1)
+            _epilogue(acc_v, inv_rms, pid_t, head_row + HK, inputs, cache, EPILOGUE, STORE, CACHE_DTYPE,
+                      K_ROUND_DTYPE, 1)
         acc = acc * _row_scale(row_scale_ptr, head_row, D, BLOCK_D)
-        _epilogue(acc, inv_rms, pid_t, head_row, N, positions_ptr, bias_ptr, k_norm_ptr, cos_sin_ptr, stride_cs,
-                  meta_ptr, slots_ptr, stride_slot_layer, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, v_scale,
-                  eps, HK, D, R, BLOCK_T, BLOCK_D, HAS_BIAS, IS_NEOX, HAS_V_SCALE, IS_FP8, FP8_MAX, FP8_MIN_EXP,
-                  CACHE_DTYPE, RETURN_KV, K_ALIGNED, V_ALIGNED, K_ROW_PACK, K_DIM_PACK, V_ROW_PACK, V_DIM_PACK,
-                  SLOTS_I32, CACHE_BLOCK, EXACT_FP8_ROUND, NOPE_LAYERS, K_ROUND_DTYPE, 0 if HEADS == 2 else -1)
+        _epilogue(acc, inv_rms, pid_t, head_row, inputs, cache, EPILOGUE, STORE, CACHE_DTYPE, K_ROUND_DTYPE,
+                  0 if HEADS == 2 else -1)
 
 
 @triton.jit
 def context_kv_split_epilogue_kernel(
-    part_acc_ptr, part_ss_ptr, row_scale_ptr, positions_ptr, bias_ptr, k_norm_ptr, cos_sin_ptr,
-    meta_ptr, slots_ptr, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr,
-    stride_slot_layer, N, H, stride_cs, v_scale, eps, grid_t, whole_tiles,
-    HK: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, IS_NEOX: tl.constexpr, HAS_V_SCALE: tl.constexpr, IS_FP8: tl.constexpr,
-    FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, CACHE_DTYPE: tl.constexpr, RETURN_KV: tl.constexpr,
-    K_ALIGNED: tl.constexpr, V_ALIGNED: tl.constexpr, K_ROW_PACK: tl.constexpr, K_DIM_PACK: tl.constexpr,
-    V_ROW_PACK: tl.constexpr, V_DIM_PACK: tl.constexpr, SLOTS_I32: tl.constexpr, CACHE_BLOCK: tl.constexpr,
-    EXACT_FP8_ROUND: tl.constexpr,
+    # Tensors, passed per call: as context_kv_kernel's.
+    part_acc_ptr,  # [split tiles * SPLIT_K * BLOCK_T, BLOCK_D] float32: split tiles' partial sums
+    part_ss_ptr,  # [split tiles * SPLIT_K * BLOCK_T] float32: their partial sums of squares
+    row_scale_ptr,  # [L * 2 * HK * D] float32: the power of two each folded row was divided by
+    positions_ptr,  # [N] int64: the tokens' positions
+    bias_ptr,  # [L * 2 * HK * D] float32: the K/V bias, K rows permuted as the weights' (HAS_BIAS)
+    k_norm_ptr,  # [L, D] float32: the K heads' RMSNorm weight per layer
+    cos_sin_ptr,  # [max_position, R] float32: cos then sin per position
+    meta_ptr,  # [L, META_COLS] int64: the cache table (module docstring)
+    slots_ptr,  # [N] or [written layers, N] int: slot of each token in its layer's cache (-1: not written)
+    k_scales_ptr,  # [L] float32: each layer's K cache scale (IS_FP8)
+    v_scales_ptr,  # [L] float32: each layer's V cache scale (IS_FP8)
+    out_k_ptr,  # [L, N, HK, D] the states' dtype: the returned K (RETURN_KV)
+    out_v_ptr,  # [L, N, HK, D] the states' dtype: the returned V (RETURN_KV)
+    # Scalars, fixed per plan: as context_kv_kernel's.
+    stride_slot_layer,  # slots: layer stride (0: one mapping for every layer)
+    N,  # context tokens
+    H,  # hidden size
+    stride_cs,  # cos_sin: position stride
+    v_scale,  # the scale V takes (HAS_V_SCALE)
+    eps,  # the RMSNorms' epsilon
+    grid_t,  # token tiles per head row: cdiv(N, BLOCK_T)
+    whole_tiles,  # tiles computed whole, one program each; the tiles after them are split
+    # Constexprs: as context_kv_kernel's.
+    HK: tl.constexpr,  # KV heads per layer
+    D: tl.constexpr,  # head dims
+    R: tl.constexpr,  # rotary dims (the first R of a K head rotate)
+    BLOCK_T: tl.constexpr,  # tokens per tile
+    BLOCK_D: tl.constexpr,  # D rounded up to a power of two (at least 16)
+    SPLIT_K: tl.constexpr,  # parts a split tile's hidden size is cut into (1: no tile split)
+    HAS_BIAS: tl.constexpr,  # bias_ptr holds a bias per row
+    IS_NEOX: tl.constexpr,  # neox RoPE (pairs i, i + R/2) rather than GPT-J's (2i, 2i + 1)
+    HAS_V_SCALE: tl.constexpr,  # V takes the scale v_scale
+    IS_FP8: tl.constexpr,  # the caches are fp8: stored values are divided by their layer's scale and clamped
+    FP8_MAX: tl.constexpr,  # the fp8 cache dtype's largest value (0.0: not fp8)
+    FP8_MIN_EXP: tl.constexpr,  # its smallest normal exponent (EXACT_FP8_ROUND)
+    CACHE_DTYPE: tl.constexpr,  # the caches' dtype
+    RETURN_KV: tl.constexpr,  # also write out_k/out_v
+    K_ALIGNED: tl.constexpr,  # every K cache stores a row's dims in 16-byte aligned contiguous runs
+    V_ALIGNED: tl.constexpr,  # every V cache likewise
+    K_ROW_PACK: tl.constexpr,  # K cache rows per pack (1: not packed)
+    K_DIM_PACK: tl.constexpr,  # K cache dims per pack (1: not packed)
+    V_ROW_PACK: tl.constexpr,  # V cache rows per pack
+    V_DIM_PACK: tl.constexpr,  # V cache dims per pack
+    SLOTS_I32: tl.constexpr,  # every cache has under 2**31 slots: 32-bit slot arithmetic
+    CACHE_BLOCK: tl.constexpr,  # the block size every written cache shares (0: they differ, read per layer)
+    EXACT_FP8_ROUND: tl.constexpr,  # round to the fp8 grid by arithmetic (the interpreter's conversion cannot)
     NOPE_LAYERS: tl.constexpr = 0,  # bit l set: layer l's K is not rotated (0: every layer's is)
     K_ROUND_DTYPE: tl.constexpr = None,  # dtype the normed K is rounded to before RoPE (None: kept float32)
 ):
@@ -438,8 +543,10 @@ def context_kv_split_epilogue_kernel(
     head_row = tile // grid_t
     acc, sum_sq = _sum_parts(part_acc_ptr, part_ss_ptr, slot, BLOCK_T, BLOCK_D, SPLIT_K, False)
     acc = acc * _row_scale(row_scale_ptr, head_row, D, BLOCK_D)
-    _epilogue(acc, tl.rsqrt(sum_sq / H + eps), pid_t, head_row, N, positions_ptr, bias_ptr, k_norm_ptr,
-              cos_sin_ptr, stride_cs, meta_ptr, slots_ptr, stride_slot_layer, k_scales_ptr, v_scales_ptr, out_k_ptr,
-              out_v_ptr, v_scale, eps, HK, D, R, BLOCK_T, BLOCK_D, HAS_BIAS, IS_NEOX, HAS_V_SCALE, IS_FP8, FP8_MAX,
-              FP8_MIN_EXP, CACHE_DTYPE, RETURN_KV, K_ALIGNED, V_ALIGNED, K_ROW_PACK, K_DIM_PACK, V_ROW_PACK,
-              V_DIM_PACK, SLOTS_I32, CACHE_BLOCK, EXACT_FP8_ROUND, NOPE_LAYERS, K_ROUND_DTYPE)
+    inputs = (positions_ptr, bias_ptr, k_norm_ptr, cos_sin_ptr, stride_cs, v_scale, eps)  # see _epilogue
+    cache = (meta_ptr, slots_ptr, stride_slot_layer, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, N)
+    EPILOGUE: tl.constexpr = (HK, D, R, BLOCK_T, BLOCK_D, HAS_BIAS, IS_NEOX, HAS_V_SCALE, NOPE_LAYERS,
+                              K_ROW_PACK, K_DIM_PACK, K_ALIGNED, V_ROW_PACK, V_DIM_PACK, V_ALIGNED)
+    STORE: tl.constexpr = (HK, D, IS_FP8, FP8_MAX, FP8_MIN_EXP, RETURN_KV, EXACT_FP8_ROUND, SLOTS_I32, CACHE_BLOCK)
+    _epilogue(acc, tl.rsqrt(sum_sq / H + eps), pid_t, head_row, inputs, cache, EPILOGUE, STORE, CACHE_DTYPE,
+              K_ROUND_DTYPE)
