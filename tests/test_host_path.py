@@ -169,7 +169,7 @@ def test_a_repeat_call_reaches_its_launch_through_the_plan_alone(monkeypatch, pa
     import inspect
 
     from dflash_rocm import dispatch
-    from dflash_rocm.backends.triton import launch
+    from dflash_rocm.backends.triton import launcher as launch
 
     args = {**attention_args(), "query": attention_args()["query"].half(),
             "key_cache": attention_args()["key_cache"].half(), "value_cache": attention_args()["value_cache"].half(),

@@ -11,7 +11,7 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
-from dflash_rocm.backends.triton import launch as launching
+from dflash_rocm.backends.triton import launcher as launching
 from dflash_rocm.backends.triton.attention_kernels import draft_attention_kernel, merge_segments_kernel
 from dflash_rocm.backends.triton.precompute_kernels import context_kv_kernel, context_kv_split_epilogue_kernel
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-from dflash_rocm.backends.triton.launch import options_for
+from dflash_rocm.backends.triton.launcher import options_for
 from dflash_rocm.launches import Launch
 
 from .targets import TARGETS, Target

@@ -11,7 +11,7 @@ import torch
 from dflash_rocm.backend import Backend
 from dflash_rocm.backends.triton import INTERPRETING, TritonAttention, TritonPrecompute
 from dflash_rocm.backends.triton.attention import AttentionPlan, attention_runner, plan_attention
-from dflash_rocm.backends.triton.launch import prelude_seconds
+from dflash_rocm.backends.triton.launcher import prelude_seconds
 from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig, PrecomputeLaunchConfig
 from dflash_rocm.ops import ATTENTION, Op
 from dflash_rocm.ops.attention import AttentionCall, AttentionSpec

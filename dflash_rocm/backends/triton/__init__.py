@@ -11,7 +11,7 @@ from dflash_rocm.platform import Platform
 
 from .attention import attention_config_for, attention_runner
 from .common import INTERPRETING
-from .launch import prelude_seconds
+from .launcher import prelude_seconds
 from .launch_config import AttentionLaunchConfig, PrecomputeLaunchConfig
 from .precompute import MAX_NOPE_LAYER, precompute_config_for, precompute_runner
 

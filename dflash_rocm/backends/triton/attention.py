@@ -17,7 +17,7 @@ from dflash_rocm.platform import Platform, platform_for
 from .attention_kernels import draft_attention_kernel, merge_segments_kernel
 from .common import fp32_math, next_pow2, packed_layout
 from .counters import split_scratch
-from .launch import LaunchPlan, compiler_options
+from .launcher import LaunchPlan, compiler_options
 from .launch_config import (AttentionLaunchConfig, default_attention_config, merge_load_segments, merge_program_rows,
                             tail_merge_fits)
 

@@ -22,7 +22,7 @@ from dflash_rocm.weights import ContextKVWeights
 
 from .common import INTERPRETING, TL_DTYPES, fp32_math, next_pow2, packed_layout
 from .counters import split_scratch
-from .launch import LaunchPlan, compiler_options
+from .launcher import LaunchPlan, compiler_options
 from .launch_config import PrecomputeLaunchConfig, default_precompute_config
 from .precompute_kernels import META_COLS, context_kv_kernel, context_kv_split_epilogue_kernel
 
