@@ -45,15 +45,6 @@ def compile_launch(launch, arch):
     return sorted(compile_specialisation(specialise(launch, AUDIT_TARGETS[arch])).asm)
 
 
-def _without_counters(run, call, config):
-    from unittest import mock
-
-    from dflash_rocm.backends.triton import counters
-
-    with mock.patch.object(counters, "kept_zeroed", lambda device, count, dtype=None: None):
-        run(call, config)
-
-
 def variants():
     """(name, arch, run) for every kernel path and table entry worth compiling."""
     sys.path.insert(0, os.path.dirname(__file__))
@@ -124,9 +115,6 @@ def variants():
                 out.append((f"precompute {dtype} fp8={fp8} neox={neox} heads=2", arch,
                             lambda c=call, cfg=PrecomputeLaunchConfig(**{**config.as_dict(), "heads": 2}):
                             run_precompute(c, cfg)))
-            if split > 1 and not fp8:  # the parts summed by a second launch (no free arrival counters)
-                out.append((f"precompute {dtype} fp8={fp8} neox={neox} split_k={split} second launch", arch,
-                            lambda c=call, cfg=config: _without_counters(run_precompute, c, cfg)))
         if arch.startswith("gfx"):
             out += packed_variants(arch, fp8_of.get(arch))
     return out
@@ -134,7 +122,7 @@ def variants():
 
 def packed_variants(arch, fp8_dtype):
     """vLLM ROCM_ATTN's packed pages (x-packed K, plain or interleaved V; bf16 and fp8 where
-    the target converts it): every kernel once, merges and the split epilogue included."""
+    the target converts it): every kernel once, the merge kernel and a split precompute included."""
     from dflash_rocm.backends import rocm
     from dflash_rocm.backends.rocm import tables
     from dflash_rocm.backends.triton.attention import run_draft_attention
@@ -169,8 +157,8 @@ def packed_variants(arch, fp8_dtype):
                                    k_scales=[1.0, 1.0] if fp8 else None, v_scales=[1.0, 1.0] if fp8 else None)
             config = tables.precompute_config(arch, num_tokens=20, hidden=256, num_heads_total=8, head_dim=128)
             config = PrecomputeLaunchConfig(**{**config.as_dict(), "split_k": 2})
-            out.append((f"precompute {packing} fp8={fp8} split_k=2 second launch", arch,
-                        lambda c=call, cfg=config: _without_counters(run_precompute, c, cfg)))
+            out.append((f"precompute {packing} fp8={fp8} split_k=2", arch,
+                        lambda c=call, cfg=config: run_precompute(c, cfg)))
     return out
 
 

@@ -44,20 +44,37 @@ def graph_capture(monkeypatch):
 # ---- nothing first-call, nothing kept while capturing -------------------------------------
 
 @needs_interpreter
-def test_a_split_tile_captured_without_kept_counters_is_merged_by_a_second_launch(monkeypatch):
-    """Arrival counters allocated in a capture would belong to the graph: none are made, and
-    the split tile's merge takes its own launch."""
-    from dflash_rocm.backends.triton import counters
+def test_split_work_captured_without_kept_scratch_merges_in_the_same_launch(monkeypatch):
+    """A capture on a stream with no kept arrival counters (or sums) zeroes them inside the
+    graph and keeps nothing (what a capture allocates is the graph's): the launches are
+    the ones an eager call makes, whatever the capture finds."""
+    from dflash_rocm.backends.triton import counters, launcher, precompute
+    from dflash_rocm.backends.triton.launch_config import PrecomputeLaunchConfig
 
     monkeypatch.setattr(counters, "_KEPT", {})
     inputs = attention_inputs(SHAPE, 1, 3000, torch.float16, torch.float16, torch.device("cpu"))
     ref = dflash_rocm.draft_attention(*inputs.args(), **inputs.kwargs, backend="reference")
-    before = launches.counts().get("merge_segments_kernel", 0)
+    pre = precompute_inputs(SHAPE, 40, torch.float16, torch.float16, torch.device("cpu"))
+    pre_call = precompute_call(pre.states, pre.positions, pre.weights, None, None, None, return_kv=True)
+    ref_k, ref_v = dflash_rocm.precompute_and_store_context_kv(pre.states, pre.positions, pre.weights, None, None,
+                                                               None, return_kv=True, backend="reference")
+    launched, run_launch = [], launcher.LaunchPlan.__call__
+
+    def recording(plan, *tensors):
+        launched.append((plan.name, plan.constexprs))
+        return run_launch(plan, *tensors)
+
+    monkeypatch.setattr(launcher.LaunchPlan, "__call__", recording)
     with simulate_platform("gfx942"), graph_capture(monkeypatch):
         out = dflash_rocm.draft_attention(*inputs.args(), **inputs.kwargs, backend="rocm")
+        k, v = precompute.run_precompute(pre_call, PrecomputeLaunchConfig(block_t=16, block_k=16, split_k=2))
     assert counters._KEPT == {}
-    assert launches.counts().get("merge_segments_kernel", 0) == before + 1
+    assert [name for name, _ in launched] == ["draft_attention_kernel", "context_kv_kernel"]
+    (_, attention), (_, context_kv) = launched
+    assert attention["SPLIT"] and (attention["MERGE_IN_KERNEL"] or attention["MERGERS"]), "split, merged in launch"
+    assert context_kv["SPLIT_K"] == 2 and context_kv["MERGE_IN_KERNEL"]
     assert rel_err(out, ref) <= spec_tolerance(torch.float16, torch.float16)
+    assert max(rel_err(k, ref_k), rel_err(v, ref_v)) <= spec_tolerance(torch.float16, torch.float16)
 
 
 @needs_interpreter

@@ -13,7 +13,7 @@ import torch
 
 from dflash_rocm.backends.triton import launcher as launching
 from dflash_rocm.backends.triton.attention_kernels import draft_attention_kernel, merge_segments_kernel
-from dflash_rocm.backends.triton.precompute_kernels import context_kv_kernel, context_kv_split_epilogue_kernel
+from dflash_rocm.backends.triton.precompute_kernels import context_kv_kernel
 
 
 class FakeKernel:
@@ -117,8 +117,8 @@ def test_the_tensor_fast_path_keys_as_the_general_specialisation(amd):
     assert launching.tensor_specialization(mixed, amd) == launching.specialization(mixed, amd)
 
 
-@pytest.mark.parametrize("kernel", [draft_attention_kernel, merge_segments_kernel, context_kv_kernel,
-                                    context_kv_split_epilogue_kernel], ids=lambda k: k.__name__)
+@pytest.mark.parametrize("kernel", [draft_attention_kernel, merge_segments_kernel, context_kv_kernel],
+                         ids=lambda k: k.__name__)
 def test_every_kernel_declares_its_constexprs_last(kernel):
     from triton.runtime.jit import JITFunction
     params = JITFunction(kernel.fn).params  # what a GPU run decorates (the interpreter wraps it)
@@ -155,8 +155,8 @@ def test_a_plan_refuses_a_wrong_argument_name_naming_it(on_a_gpu, per_call, stat
     assert kernel.log == []
 
 
-@pytest.mark.parametrize("kernel", [draft_attention_kernel, merge_segments_kernel, context_kv_kernel,
-                                    context_kv_split_epilogue_kernel], ids=lambda k: k.__name__)
+@pytest.mark.parametrize("kernel", [draft_attention_kernel, merge_segments_kernel, context_kv_kernel],
+                         ids=lambda k: k.__name__)
 def test_parameter_names_are_read_as_the_jit_declares_them(kernel):
     from triton.runtime.jit import JITFunction
     params = JITFunction(kernel.fn).params

@@ -54,10 +54,11 @@ def test_a_norm_weight_that_overflows_float16_once_folded_gives_finite_keys(back
 
 
 @needs_interpreter
-@pytest.mark.parametrize("split_k,heads,merge_in_kernel", [(1, 2, None), (2, 1, True), (2, 1, False)])
-def test_the_folded_rows_scale_returns_in_every_epilogue(split_k, heads, merge_in_kernel):
-    """Whole tiles (K and V heads together), split tiles merged by their last part, and
-    split tiles summed by the second launch all take the rows' scale back."""
+@pytest.mark.parametrize("split_k,heads,deterministic", [(1, 2, False), (2, 1, False), (2, 1, True)])
+def test_the_folded_rows_scale_returns_in_every_epilogue(split_k, heads, deterministic):
+    """Whole tiles (K and V heads together) and split tiles merged by their last part, from
+    one atomic sum or (bitwise-reproducible mode) one partial each, all take the rows'
+    scale back."""
     from dflash_rocm.backends.triton.launch_config import PrecomputeLaunchConfig
     from dflash_rocm.backends.triton.precompute import fused_weights, plan_precompute
 
@@ -66,7 +67,14 @@ def test_the_folded_rows_scale_returns_in_every_epilogue(split_k, heads, merge_i
     config = PrecomputeLaunchConfig(block_t=16, block_k=16, split_k=split_k, heads=heads)
     call = precompute_call(states, positions, w, None, None, None, return_kv=True)
     k, v = (torch.empty(2, 9, 2, 32, dtype=torch.float16) for _ in range(2))
-    plan_precompute(call, config, merge_in_kernel=merge_in_kernel).run(call, k, v)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        plan = plan_precompute(call, config)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert plan.atomic_sum == (split_k > 1 and not deterministic)
+    plan.run(call, k, v)
     ref_k, ref_v = dflash_rocm.precompute_and_store_context_kv(states, positions, w, None, None, None,
                                                                return_kv=True, backend="reference")
     assert relative_error(k, ref_k) < TOLERANCES[torch.float16]

@@ -305,7 +305,7 @@ def test_a_gpu_plan_merges_by_a_second_launch_where_mergers_could_fill_an_xcd(mo
     for units, mergers, second in ((304, 16, False), (16, 0, True)):  # 2 x 16 mergers: 4 per XCD vs 2 CUs per XCD
         monkeypatch.setattr(attention, "platform_for", lambda device, u=units: platform_for_arch("gfx942",
                                                                                                compute_units=u))
-        plan = attention._make_plan(call, config, "tail")
+        plan = attention.plan_attention(call, config)
         assert plan.main.constexprs["MERGERS"] == mergers and (plan.merge is not None) == second
         assert plan.main.grid[2] == 16 + mergers and plan.counters == (0 if second else 2)
 
@@ -317,9 +317,9 @@ def test_tail_merge_can_be_switched_off(monkeypatch):
 
     call = attention_call(*paged([600], [16], Hk=2, G=4, D=32, block_size=16))
     config = AttentionLaunchConfig(block_m=64, block_n=16, num_segments=16, merge="tail")
-    assert attention._make_plan(call, config, "tail").main.constexprs["MERGERS"] == 16
+    assert attention.plan_attention(call, config).main.constexprs["MERGERS"] == 16
     monkeypatch.setenv("DFLASH_ROCM_TAIL_MERGE", "off")
-    plan = attention._make_plan(call, config, "tail")
+    plan = attention.plan_attention(call, config)
     assert plan.main.constexprs["MERGERS"] == 0 and plan.merge is not None
 
 
@@ -613,36 +613,6 @@ def test_only_bf16_upcasts_under_the_interpreter_so_fp16_and_fp32_run_the_gpu_pa
     rk, rv = dflash_rocm.precompute_and_store_context_kv(*pre_args[:3], None, None, None, return_kv=True,
                                                          backend="reference")
     assert max(dflash_rocm.contract.relative_error(k, rk), dflash_rocm.contract.relative_error(v, rv)) < tol
-
-
-def test_split_work_is_merged_by_a_second_launch_when_no_counters_are_free(monkeypatch):
-    """While a CUDA graph is captured with too few arrival counters, the merge of split
-    key segments and the sum of split hidden parts take their own launch, same results."""
-    from dflash_rocm.backends.triton import attention, counters, precompute
-    from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig, PrecomputeLaunchConfig
-    from dflash_rocm.ops.attention import attention_call
-    from dflash_rocm.ops.precompute import precompute_call
-
-    monkeypatch.setattr(counters, "kept_zeroed", lambda device, count, dtype=None: None)
-    counter = _CountTritonLaunches(monkeypatch)
-    args = paged([70, 33], [16, 9], Hk=2, G=4, D=32, block_size=16)
-    call = attention_call(*args)
-    attention.run_draft_attention(call, AttentionLaunchConfig(block_m=32, block_n=16, num_segments=4))
-    assert counter.count == 2
-    ref = dflash_rocm.draft_attention(*args, backend="reference")
-    assert dflash_rocm.contract.relative_error(call.out, ref) < 1e-3
-    g = make_generator(3, "cpu")
-    w = make_weights(g, "cpu", L=2, Hk=2, D=32, H=64, R=16, is_neox=True, bias=True, v_scale=0.5,
-                     dtype=torch.float32)
-    states = torch.randn(12, 64, generator=g)
-    rk, rv = dflash_rocm.precompute_and_store_context_kv(states, torch.arange(12), w, None, None, None,
-                                                         return_kv=True, backend="reference")
-    for launches, whole_tiles in ((4, 0), (6, 3)):  # every tile split; the first three whole, the others split
-        k, v = precompute.run_precompute(
-            precompute_call(states, torch.arange(12), w, None, None, None, return_kv=True),
-            PrecomputeLaunchConfig(block_t=16, block_k=16, split_k=2, whole_tiles=whole_tiles))
-        assert counter.count == launches
-        assert max(dflash_rocm.contract.relative_error(k, rk), dflash_rocm.contract.relative_error(v, rv)) < 2e-3
 
 
 @pytest.mark.parametrize("neox", [True, False])

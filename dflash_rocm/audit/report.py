@@ -13,8 +13,7 @@ from .sweep import PACKINGS, kilo
 from .targets import TARGETS
 
 WIDTH = 100
-_SHORT = {"draft_attention_kernel": "attn", "merge_segments_kernel": "merge", "context_kv_kernel": "kv",
-          "context_kv_split_epilogue_kernel": "kv-epi"}
+_SHORT = {"draft_attention_kernel": "attn", "merge_segments_kernel": "merge", "context_kv_kernel": "kv"}
 COLUMNS = (("case", 9), ("2G", 3), ("kernel", 6), ("prog/slot", 10), ("regs", 7), ("spil", 4), ("scr", 4),
            ("lds", 3), ("occ", 3), ("mma/ex", 6), ("st", 2), ("MB req/dram", 11), ("us", 6), ("floor", 5),
            ("%fl", 3))

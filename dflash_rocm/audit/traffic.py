@@ -230,26 +230,10 @@ def precompute_programs(case: Case, launch: Launch) -> list[Program]:
     return programs
 
 
-def split_epilogue_programs(case: Case, launch: Launch) -> list[Program]:
-    c = launch.constexprs
-    D, split = c["D"], c["SPLIT_K"]
-    grid_t, whole = launch.arg("grid_t"), launch.arg("whole_tiles")
-    programs = []
-    for slot, _, _ in _order(launch):
-        tile = whole + slot
-        t, head_row = tile % grid_t, tile // grid_t
-        rows = _tokens_in(case, t, c["BLOCK_T"])
-        extra, written = _epilogue_io(case, c, t, head_row)
-        reads = [(("part", tile, s), rows * (D + 1) * 4) for s in range(split)] + extra
-        programs.append(Program(0, tuple(reads), written, remote_chain=1))
-    return programs
-
-
 PROGRAMS: dict[str, Callable[[Case, Launch], list[Program]]] = {
     "draft_attention_kernel": attention_programs,
     "merge_segments_kernel": merge_programs,
     "context_kv_kernel": precompute_programs,
-    "context_kv_split_epilogue_kernel": split_epilogue_programs,
 }
 
 

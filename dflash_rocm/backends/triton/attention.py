@@ -71,7 +71,7 @@ class AttentionPlan:
 
     config: AttentionLaunchConfig
     main: LaunchPlan
-    merge: LaunchPlan | None  # a split tile's merge, when it takes a second launch
+    merge: LaunchPlan | None  # a split tile's merge, when the plan gives it a second launch
     counters: int  # arrival counters a merge in the same launch needs (0: none)
     part_out: int  # elements of the 16-bit partials (0: not split)
     part_lse: int
@@ -80,9 +80,6 @@ class AttentionPlan:
         out = call.out  # stands in for the scratch a call that is not split leaves unread
         part_out, part_lse, counters = split_scratch(out, ((self.part_out, out.dtype), (self.part_lse, torch.float32)),
                                                      self.counters)
-        if counters is None:  # none free while a graph is captured: the merge takes its own launch
-            plan_attention(call, self.config, merge="launch").run(call)
-            return
         sinks = call.sinks if call.sinks is not None else out
         k_scale = call.k_scale if call.k_scale is not None else out
         v_scale = call.v_scale if call.v_scale is not None else out
@@ -93,12 +90,10 @@ class AttentionPlan:
             self.merge(part_out, part_lse, call.query_start_loc, call.seq_lens, sinks, out)
 
 
-def plan_attention(call: AttentionCall, config: AttentionLaunchConfig, merge: str | None = None) -> AttentionPlan:
-    """The plan of ``call``'s structure under ``config`` (``merge`` overriding its merge)."""
-    return _make_plan(call, config, merge or config.merge)
-
-
-def _make_plan(call: AttentionCall, config: AttentionLaunchConfig, merge: str) -> AttentionPlan:
+def plan_attention(call: AttentionCall, config: AttentionLaunchConfig) -> AttentionPlan:
+    """The plan of ``call``'s structure under ``config``, its merge decided here once: the
+    configuration's, unless merger programs are switched off or could wait on segments
+    that find no room (then a second launch)."""
     G = call.num_queries_per_kv
     if config.block_m < G:
         raise ValueError(f"block_m={config.block_m} cannot hold the {G} query heads of one KV head")
@@ -108,6 +103,7 @@ def _make_plan(call: AttentionCall, config: AttentionLaunchConfig, merge: str) -
     segments = config.num_segments
     split = segments > 1
     rows = merge_program_rows(config, G)
+    merge = config.merge
     if merge == "tail" and (not envs.TAIL_MERGE.setting() or call.device.type == "cuda" and not tail_merge_fits(
             num_tiles * call.num_kv_heads * (config.block_m // rows), platform_for(call.device))):
         merge = "launch"  # switched off, or too many mergers to be sure the segments they wait on progress

@@ -24,7 +24,7 @@ from .common import INTERPRETING, TL_DTYPES, fp32_math, next_pow2, packed_layout
 from .counters import split_scratch
 from .launcher import LaunchPlan, compiler_options
 from .launch_config import PrecomputeLaunchConfig, default_precompute_config
-from .precompute_kernels import META_COLS, context_kv_kernel, context_kv_split_epilogue_kernel
+from .precompute_kernels import META_COLS, context_kv_kernel
 
 logger = logging.getLogger("dflash_rocm")
 
@@ -222,11 +222,9 @@ class PrecomputePlan:
 
     config: PrecomputeLaunchConfig
     main: LaunchPlan
-    epilogue: LaunchPlan | None  # sums a split hidden size, when the last part does not
-    merge_in_kernel: bool
     atomic_sum: bool  # the parts add into one float32 sum per tile (kept zero between launches)
     table: torch.Tensor  # the caches' addresses: a plan serves one cache set
-    counters: int
+    counters: int  # arrival counters, one per split tile (0: not split)
     part_acc: int  # elements of the split parts (0: not split)
     part_ss: int
 
@@ -235,42 +233,33 @@ class PrecomputePlan:
         dummy = call.states  # stands in for every optional tensor the kernel leaves unread
         slots, _ = slot_rows(call)
         part_acc, part_ss, counters = split_scratch(
-            dummy, ((self.part_acc, torch.float32), (self.part_ss, torch.float32)),
-            self.counters if self.merge_in_kernel else 0, kept_sums=self.atomic_sum)
-        if any(t is None for t in (part_acc, part_ss, counters)):  # none free while a graph is captured:
-            # the sum takes its own launch
-            plan_precompute(call, self.config, merge_in_kernel=False).run(call, out_k, out_v)
-            return
-        # in the order of the plans' per_call names (the kernels' leading parameters)
-        tail = (call.positions, fused.bias if fused.bias is not None else dummy, fused.k_norm, fused.cos_sin,
-                self.table,
-                slots if slots is not None else call.positions,  # positions: never read
-                call.k_scales if call.k_scales is not None else dummy,
-                call.v_scales if call.v_scales is not None else dummy,
-                out_k if out_k is not None else dummy, out_v if out_v is not None else dummy)
-        self.main(call.states, fused.weight, fused.row_scale, part_acc, part_ss, counters, *tail)
-        if self.epilogue is not None:
-            self.epilogue(part_acc, part_ss, fused.row_scale, *tail)
+            dummy, ((self.part_acc, torch.float32), (self.part_ss, torch.float32)), self.counters,
+            kept_sums=self.atomic_sum)
+        # in the order of the plan's per_call names (the kernel's leading parameters)
+        self.main(call.states, fused.weight, fused.row_scale, part_acc, part_ss, counters, call.positions,
+                  fused.bias if fused.bias is not None else dummy, fused.k_norm, fused.cos_sin, self.table,
+                  slots if slots is not None else call.positions,  # positions: never read
+                  call.k_scales if call.k_scales is not None else dummy,
+                  call.v_scales if call.v_scales is not None else dummy,
+                  out_k if out_k is not None else dummy, out_v if out_v is not None else dummy)
 
 
-def plan_precompute(call: PrecomputeCall, config: PrecomputeLaunchConfig, merge_in_kernel: bool | None = None
-                    ) -> PrecomputePlan:
-    """The plan of ``call``'s structure under ``config``: the grid split, whether split
-    parts are merged in the same launch (``merge_in_kernel``; default: when split) and
-    whether they add into one atomic sum, decided here once."""
+def plan_precompute(call: PrecomputeCall, config: PrecomputeLaunchConfig) -> PrecomputePlan:
+    """The plan of ``call``'s structure under ``config``: the grid split (the last part of a
+    split tile to arrive sums the parts) and whether the parts add into one atomic sum,
+    decided here once."""
     grid_t = -(-call.num_tokens // config.block_t)
     tiles = grid_t * 2 * call.weights.num_layers * call.weights.num_kv_heads // config.heads
     whole = min(config.whole_tiles, tiles) if config.split_k > 1 else tiles
     split_k = config.split_k if whole < tiles else 1
-    merge_in_kernel = split_k > 1 if merge_in_kernel is None else merge_in_kernel
     # Parts add into one sum unless torch was asked for bitwise-reproducible results (fp32
     # atomics add in arrival order); the merge then reads one tile instead of split_k.
-    atomic_sum = merge_in_kernel and split_k > 1 and not torch.are_deterministic_algorithms_enabled()
-    return _make_plan(call, config, grid_t, whole, split_k, merge_in_kernel, atomic_sum)
+    atomic_sum = split_k > 1 and not torch.are_deterministic_algorithms_enabled()
+    return _make_plan(call, config, grid_t, whole, split_k, atomic_sum)
 
 
 def _make_plan(call: PrecomputeCall, config: PrecomputeLaunchConfig, grid_t: int, whole: int, split_k: int,
-               merge_in_kernel: bool, atomic_sum: bool) -> PrecomputePlan:
+               atomic_sum: bool) -> PrecomputePlan:
     w = call.weights
     N, L, Hk, D = call.num_tokens, w.num_layers, w.num_kv_heads, w.head_dim
     dtype = call.dtype
@@ -278,42 +267,34 @@ def _make_plan(call: PrecomputeCall, config: PrecomputeLaunchConfig, grid_t: int
     cache_dtype = call.cache_dtype or dtype
     rows = 2 * L * Hk // config.heads  # head rows, or pairs of them
     block_d = max(16, next_pow2(D))
-    epilogue = dict(HK=Hk, D=D, R=w.rotary_dim, BLOCK_T=config.block_t, BLOCK_D=block_d,
-                    SPLIT_K=split_k, HAS_BIAS=w.kv_bias is not None, IS_NEOX=w.is_neox,
-                    HAS_V_SCALE=w.v_scale is not None, IS_FP8=call.is_fp8,
-                    FP8_MAX=float(torch.finfo(cache_dtype).max) if call.is_fp8 else 0.0,
-                    FP8_MIN_EXP=_FP8_MIN_NORMAL_EXP.get(cache_dtype, 0),
-                    CACHE_DTYPE=TL_DTYPES[cache_dtype], RETURN_KV=call.return_kv,
-                    K_ALIGNED=all(aligned_runs(call.key_caches[i]) for i in call.written_layers),
-                    V_ALIGNED=all(aligned_runs(call.value_caches[i]) for i in call.written_layers),
-                    K_ROW_PACK=k_rows, K_DIM_PACK=k_dims, V_ROW_PACK=v_rows, V_DIM_PACK=v_dims,
-                    SLOTS_I32=slots_fit_int32(call), CACHE_BLOCK=shared_block_size(call),
-                    EXACT_FP8_ROUND=INTERPRETING, **variant_constexprs(call))
     _, slot_layer_stride = slot_rows(call)
-    v_scale = float(w.v_scale) if w.v_scale is not None else 1.0
-    cos_sin_stride = w.rotary_dim  # the fused float32 table is contiguous
     x = call.states
     split_tiles = grid_t * rows - whole if split_k > 1 else 0
-    # the kernels' parameters by name (see precompute_kernels)
-    epilogue_tensors = ("positions_ptr", "bias_ptr", "k_norm_ptr", "cos_sin_ptr", "meta_ptr", "slots_ptr",
-                        "k_scales_ptr", "v_scales_ptr", "out_k_ptr", "out_v_ptr")
-    scalars = dict(stride_slot_layer=slot_layer_stride, N=N, H=w.hidden_size, stride_cs=cos_sin_stride,
-                   v_scale=v_scale, eps=w.eps, grid_t=grid_t, whole_tiles=whole)
     main = LaunchPlan(
         context_kv_kernel, (whole + split_tiles * split_k,), compiler_options(config),
-        ("x_ptr", "w_ptr", "row_scale_ptr", "part_acc_ptr", "part_ss_ptr", "counters_ptr", *epilogue_tensors),
-        dict(scalars, stride_xt=x.stride(0), stride_xh=x.stride(1)),
-        dict(BLOCK_K=config.block_k, HAS_WHOLE=split_k > 1 and whole > 0, MERGE_IN_KERNEL=merge_in_kernel,
+        # the kernel's tensor parameters, in the order PrecomputePlan.run passes them
+        ("x_ptr", "w_ptr", "row_scale_ptr", "part_acc_ptr", "part_ss_ptr", "counters_ptr", "positions_ptr",
+         "bias_ptr", "k_norm_ptr", "cos_sin_ptr", "meta_ptr", "slots_ptr", "k_scales_ptr", "v_scales_ptr",
+         "out_k_ptr", "out_v_ptr"),
+        dict(stride_slot_layer=slot_layer_stride, N=N, H=w.hidden_size, stride_xt=x.stride(0),
+             stride_xh=x.stride(1),
+             stride_cs=w.rotary_dim,  # the fused float32 table is contiguous
+             v_scale=float(w.v_scale) if w.v_scale is not None else 1.0, eps=w.eps, grid_t=grid_t,
+             whole_tiles=whole),
+        dict(HK=Hk, D=D, R=w.rotary_dim, BLOCK_T=config.block_t, BLOCK_K=config.block_k, BLOCK_D=block_d,
+             SPLIT_K=split_k, HAS_WHOLE=split_k > 1 and whole > 0, MERGE_IN_KERNEL=split_k > 1,
              ATOMIC_SUM=atomic_sum, NUM_XCDS=config.num_xcds, SQUARE_GROUP=config.square_group, HEADS=config.heads,
-             FP32_MATH=fp32_math(dtype), **epilogue))
-    sum_parts = None
-    if split_tiles and not merge_in_kernel:
-        sum_parts = LaunchPlan(context_kv_split_epilogue_kernel, (split_tiles,), compiler_options(config),
-                               ("part_acc_ptr", "part_ss_ptr", "row_scale_ptr", *epilogue_tensors), scalars,
-                               epilogue)
+             HAS_BIAS=w.kv_bias is not None, IS_NEOX=w.is_neox, HAS_V_SCALE=w.v_scale is not None,
+             IS_FP8=call.is_fp8, FP8_MAX=float(torch.finfo(cache_dtype).max) if call.is_fp8 else 0.0,
+             FP8_MIN_EXP=_FP8_MIN_NORMAL_EXP.get(cache_dtype, 0), CACHE_DTYPE=TL_DTYPES[cache_dtype],
+             RETURN_KV=call.return_kv,
+             K_ALIGNED=all(aligned_runs(call.key_caches[i]) for i in call.written_layers),
+             V_ALIGNED=all(aligned_runs(call.value_caches[i]) for i in call.written_layers),
+             K_ROW_PACK=k_rows, K_DIM_PACK=k_dims, V_ROW_PACK=v_rows, V_DIM_PACK=v_dims,
+             SLOTS_I32=slots_fit_int32(call), CACHE_BLOCK=shared_block_size(call), EXACT_FP8_ROUND=INTERPRETING,
+             FP32_MATH=fp32_math(dtype), **variant_constexprs(call)))
     parts = split_tiles * (1 if atomic_sum else split_k) * config.block_t  # rows of the partials
-    return PrecomputePlan(config, main, sum_parts, merge_in_kernel, atomic_sum, cache_table(call), split_tiles,
-                          parts * block_d, parts)
+    return PrecomputePlan(config, main, atomic_sum, cache_table(call), split_tiles, parts * block_d, parts)
 
 
 def precompute_runner(call: PrecomputeCall, config: PrecomputeLaunchConfig) -> Callable[[PrecomputeCall], Any]:

@@ -17,7 +17,7 @@ single token tile whose heads alone cannot fill the device; splitting only the t
 past the last full round of the device (a few) spreads that partial round over every
 unit instead of leaving most idle while a few run a third tile. The last part of a
 split tile to finish sums the parts and runs the epilogue (an arrival counter, see
-``counters.py``), or a second launch does. The parts add into one float32 sum per split
+``counters.py``). The parts add into one float32 sum per split
 tile (``ATOMIC_SUM``: the merge reads one tile, and leaves it zero), or, in an order fixed
 run to run, keep a tile each.
 
@@ -377,6 +377,7 @@ def context_kv_kernel(
     SPLIT_K: tl.constexpr,  # parts a split tile's hidden size is cut into (1: no tile split)
     HAS_WHOLE: tl.constexpr,  # some tiles run whole (whole_tiles > 0) beside split ones
     MERGE_IN_KERNEL: tl.constexpr,  # the last part of a split tile to arrive sums the parts and runs the epilogue
+    #   (on whenever SPLIT_K > 1; off compiles a part alone, as the audit's model charges one)
     ATOMIC_SUM: tl.constexpr,  # the parts add into one float32 sum per split tile (else one tile each)
     NUM_XCDS: tl.constexpr,  # XCDs the hardware deals programs to (1: no renumbering)
     SQUARE_GROUP: tl.constexpr,  # contiguous columns a lane sums the squares of per trip (1 or 8)
@@ -480,73 +481,3 @@ def context_kv_kernel(
         acc = acc * _row_scale(row_scale_ptr, head_row, D, BLOCK_D)
         _epilogue(acc, inv_rms, pid_t, head_row, inputs, cache, EPILOGUE, STORE, CACHE_DTYPE, K_ROUND_DTYPE,
                   0 if HEADS == 2 else -1)
-
-
-@triton.jit
-def context_kv_split_epilogue_kernel(
-    # Tensors, passed per call: as context_kv_kernel's.
-    part_acc_ptr,  # [split tiles * SPLIT_K * BLOCK_T, BLOCK_D] float32: split tiles' partial sums
-    part_ss_ptr,  # [split tiles * SPLIT_K * BLOCK_T] float32: their partial sums of squares
-    row_scale_ptr,  # [L * 2 * HK * D] float32: the power of two each folded row was divided by
-    positions_ptr,  # [N] int64: the tokens' positions
-    bias_ptr,  # [L * 2 * HK * D] float32: the K/V bias, K rows permuted as the weights' (HAS_BIAS)
-    k_norm_ptr,  # [L, D] float32: the K heads' RMSNorm weight per layer
-    cos_sin_ptr,  # [max_position, R] float32: cos then sin per position
-    meta_ptr,  # [L, META_COLS] int64: the cache table (module docstring)
-    slots_ptr,  # [N] or [written layers, N] int: slot of each token in its layer's cache (-1: not written)
-    k_scales_ptr,  # [L] float32: each layer's K cache scale (IS_FP8)
-    v_scales_ptr,  # [L] float32: each layer's V cache scale (IS_FP8)
-    out_k_ptr,  # [L, N, HK, D] the states' dtype: the returned K (RETURN_KV)
-    out_v_ptr,  # [L, N, HK, D] the states' dtype: the returned V (RETURN_KV)
-    # Scalars, fixed per plan: as context_kv_kernel's.
-    stride_slot_layer,  # slots: layer stride (0: one mapping for every layer)
-    N,  # context tokens
-    H,  # hidden size
-    stride_cs,  # cos_sin: position stride
-    v_scale,  # the scale V takes (HAS_V_SCALE)
-    eps,  # the RMSNorms' epsilon
-    grid_t,  # token tiles per head row: cdiv(N, BLOCK_T)
-    whole_tiles,  # tiles computed whole, one program each; the tiles after them are split
-    # Constexprs: as context_kv_kernel's.
-    HK: tl.constexpr,  # KV heads per layer
-    D: tl.constexpr,  # head dims
-    R: tl.constexpr,  # rotary dims (the first R of a K head rotate)
-    BLOCK_T: tl.constexpr,  # tokens per tile
-    BLOCK_D: tl.constexpr,  # D rounded up to a power of two (at least 16)
-    SPLIT_K: tl.constexpr,  # parts a split tile's hidden size is cut into (1: no tile split)
-    HAS_BIAS: tl.constexpr,  # bias_ptr holds a bias per row
-    IS_NEOX: tl.constexpr,  # neox RoPE (pairs i, i + R/2) rather than GPT-J's (2i, 2i + 1)
-    HAS_V_SCALE: tl.constexpr,  # V takes the scale v_scale
-    IS_FP8: tl.constexpr,  # the caches are fp8: stored values are divided by their layer's scale and clamped
-    FP8_MAX: tl.constexpr,  # the fp8 cache dtype's largest value (0.0: not fp8)
-    FP8_MIN_EXP: tl.constexpr,  # its smallest normal exponent (EXACT_FP8_ROUND)
-    CACHE_DTYPE: tl.constexpr,  # the caches' dtype
-    RETURN_KV: tl.constexpr,  # also write out_k/out_v
-    K_ALIGNED: tl.constexpr,  # every K cache stores a row's dims in 16-byte aligned contiguous runs
-    V_ALIGNED: tl.constexpr,  # every V cache likewise
-    K_ROW_PACK: tl.constexpr,  # K cache rows per pack (1: not packed)
-    K_DIM_PACK: tl.constexpr,  # K cache dims per pack (1: not packed)
-    V_ROW_PACK: tl.constexpr,  # V cache rows per pack
-    V_DIM_PACK: tl.constexpr,  # V cache dims per pack
-    SLOTS_I32: tl.constexpr,  # every cache has under 2**31 slots: 32-bit slot arithmetic
-    CACHE_BLOCK: tl.constexpr,  # the block size every written cache shares (0: they differ, read per layer)
-    EXACT_FP8_ROUND: tl.constexpr,  # round to the fp8 grid by arithmetic (the interpreter's conversion cannot)
-    NOPE_LAYERS: tl.constexpr = 0,  # bit l set: layer l's K is not rotated (0: every layer's is)
-    K_ROUND_DTYPE: tl.constexpr = None,  # dtype the normed K is rounded to before RoPE (None: kept float32)
-):
-    """Second launch when the hidden size was split and the parts could not be summed in
-    the first (no arrival counters while a CUDA graph is captured): program ``s`` sums split
-    tile ``whole_tiles + s``, then the epilogue."""
-    slot = tl.program_id(0)
-    tile = whole_tiles + slot
-    pid_t = tile % grid_t
-    head_row = tile // grid_t
-    acc, sum_sq = _sum_parts(part_acc_ptr, part_ss_ptr, slot, BLOCK_T, BLOCK_D, SPLIT_K, False)
-    acc = acc * _row_scale(row_scale_ptr, head_row, D, BLOCK_D)
-    inputs = (positions_ptr, bias_ptr, k_norm_ptr, cos_sin_ptr, stride_cs, v_scale, eps)  # see _epilogue
-    cache = (meta_ptr, slots_ptr, stride_slot_layer, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, N)
-    EPILOGUE: tl.constexpr = (HK, D, R, BLOCK_T, BLOCK_D, HAS_BIAS, IS_NEOX, HAS_V_SCALE, NOPE_LAYERS,
-                              K_ROW_PACK, K_DIM_PACK, K_ALIGNED, V_ROW_PACK, V_DIM_PACK, V_ALIGNED)
-    STORE: tl.constexpr = (HK, D, IS_FP8, FP8_MAX, FP8_MIN_EXP, RETURN_KV, EXACT_FP8_ROUND, SLOTS_I32, CACHE_BLOCK)
-    _epilogue(acc, tl.rsqrt(sum_sq / H + eps), pid_t, head_row, inputs, cache, EPILOGUE, STORE, CACHE_DTYPE,
-              K_ROUND_DTYPE)
