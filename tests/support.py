@@ -37,3 +37,13 @@ def to_device(args: dict, device: str) -> dict:
 # through the interpreter): what "on every backend" means for a CPU test.
 SERVING_HERE = ["reference", "cpu", pytest.param("triton", marks=needs_interpreter),
                 pytest.param("rocm", marks=needs_interpreter)]
+
+
+def bare(cls, **children):
+    """An instance of vLLM's module class ``cls`` holding ``children``, its ``__init__`` not
+    run (a family member's layers arranged as vLLM builds them, without a vLLM config)."""
+    obj = cls.__new__(cls)
+    torch.nn.Module.__init__(obj)
+    for name, value in children.items():
+        setattr(obj, name, value)
+    return obj

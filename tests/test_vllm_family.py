@@ -29,6 +29,7 @@ import logging
 
 import pytest
 import torch
+from support import bare
 
 from dflash_rocm import tiny_models, vllm_plugin
 from dflash_rocm.vllm_plugin import family
@@ -166,22 +167,13 @@ def test_a_member_whose_module_names_only_dflash2_is_registered(tmp_path, monkey
     assert family.candidate_architectures() == {"DFlash2RicursiveDraftModel": entries["DFlash2RicursiveDraftModel"]}
 
 
-def _bare(cls, **children):
-    """An instance of vLLM's class holding ``children``, its ``__init__`` not run."""
-    obj = cls.__new__(cls)
-    torch.nn.Module.__init__(obj)
-    for name, value in children.items():
-        setattr(obj, name, value)
-    return obj
-
-
 def test_gemma4_dspark_is_declined_for_both_operations():
     """Gemma4 DSpark (K = V projection, a weightless V norm, Gemma4 attention) needs a
     Gemma4 target: checked on its classes, arranged as vLLM builds them."""
     from vllm.model_executor.models import gemma4_dspark as g
 
-    layer = _bare(g.Gemma4DSparkDecoderLayer, self_attn=_bare(g.Gemma4DSparkAttention))
-    draft = _bare(g.Gemma4DSparkForCausalLM, model=_bare(g.Gemma4DSparkModel, layers=[layer, layer]))
+    layer = bare(g.Gemma4DSparkDecoderLayer, self_attn=bare(g.Gemma4DSparkAttention))
+    draft = bare(g.Gemma4DSparkForCausalLM, model=bare(g.Gemma4DSparkModel, layers=[layer, layer]))
     precompute, attention = family.precompute_support(draft), family.attention_support(draft)
     assert precompute == "Gemma4DSparkModel overrides _project_context_kv, _build_context_kv_buffers, " \
                          "_build_fused_kv_buffers"

@@ -17,6 +17,7 @@ import dataclasses
 
 import pytest
 import torch
+from support import bare
 
 import dflash_rocm
 from dflash_rocm.vllm_plugin import family, model
@@ -35,15 +36,6 @@ def _vllm_config():
 
     with set_current_vllm_config(VllmConfig()):
         yield
-
-
-def _bare(cls, **children):
-    """An instance of vLLM's class holding ``children``, its ``__init__`` not run."""
-    obj = cls.__new__(cls)
-    torch.nn.Module.__init__(obj)
-    for name, value in children.items():
-        setattr(obj, name, value)
-    return obj
 
 
 def _ricursive_classes():
@@ -106,10 +98,10 @@ def _layers(g, attention_cls, rope_of=lambda i, rope: rope, input_norms=False):
     for i in range(L):
         q_norm, k_norm = RMSNorm(D, eps=EPS), RMSNorm(D, eps=EPS)
         k_norm.weight.data = 0.5 + torch.rand(D, generator=g)
-        attn = _bare(attention_cls, qkv_proj=_Linear(torch.randn((HEADS + 2 * KV_HEADS) * D, H, generator=g) / 8),
+        attn = bare(attention_cls, qkv_proj=_Linear(torch.randn((HEADS + 2 * KV_HEADS) * D, H, generator=g) / 8),
                      q_norm=q_norm, k_norm=k_norm, rotary_emb=rope_of(i, rope), q_size=HEADS * D,
                      kv_size=KV_HEADS * D, num_kv_heads=KV_HEADS, head_dim=D, v_scale=None, attn=None)
-        layer = _bare(d.DFlashQwen3DecoderLayer, self_attn=attn)
+        layer = bare(d.DFlashQwen3DecoderLayer, self_attn=attn)
         if input_norms:
             layer.input_layernorm = RMSNorm(H, eps=EPS)
             layer.input_layernorm.weight.data = 0.5 + torch.rand(H, generator=g)
@@ -149,10 +141,10 @@ def _ricursive_draft(g, nope=(0, 2)):
 
     NoRope, Model, Top = _ricursive_classes()
     layers = _layers(g, d.DFlashQwen3Attention, rope_of=lambda i, rope: NoRope(rope) if i in nope else rope)
-    inner = _bare(Model, layers=torch.nn.ModuleList(layers), hidden_norm=RMSNorm(H, eps=EPS),
+    inner = bare(Model, layers=torch.nn.ModuleList(layers), hidden_norm=RMSNorm(H, eps=EPS),
                   config=SimpleNamespace(no_rope_layers=list(nope)))
     inner.hidden_norm.weight.data = 0.5 + torch.rand(H, generator=g)
-    return _bare(model.served_class(Top), model=inner), Top
+    return bare(model.served_class(Top), model=inner), Top
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -218,8 +210,8 @@ def test_laguna_per_layer_input_norms_fold_to_vllms_own_precompute(backend):
 
     g = torch.Generator().manual_seed(4)
     layers = _layers(g, d.DFlashQwen3Attention, input_norms=True)
-    inner = _bare(lg.DFlashLagunaModel, layers=torch.nn.ModuleList(layers), hidden_norm=RMSNorm(H, eps=EPS))
-    served = _bare(model.served_class(lg.DFlashLagunaForCausalLM), model=inner)
+    inner = bare(lg.DFlashLagunaModel, layers=torch.nn.ModuleList(layers), hidden_norm=RMSNorm(H, eps=EPS))
+    served = bare(model.served_class(lg.DFlashLagunaForCausalLM), model=inner)
     assert family.precompute_support(served) is None
     assert family.precompute_variants(served) == {family.PER_LAYER_NORM}
     states, positions = _inputs(g)
@@ -249,10 +241,10 @@ def test_a_laguna_reload_refills_its_fused_kv_rows_and_layer_norms_in_place():
     from dflash_rocm.vllm_plugin import draft_weights
 
     g = torch.Generator().manual_seed(6)
-    inner = _bare(lg.DFlashLagunaModel, layers=torch.nn.ModuleList(_layers(g, d.DFlashQwen3Attention,
+    inner = bare(lg.DFlashLagunaModel, layers=torch.nn.ModuleList(_layers(g, d.DFlashQwen3Attention,
                                                                            input_norms=True)),
                   hidden_norm=RMSNorm(H, eps=EPS))
-    served = _bare(model.served_class(lg.DFlashLagunaForCausalLM), model=inner)
+    served = bare(model.served_class(lg.DFlashLagunaForCausalLM), model=inner)
     served._take_weights()
     held = served._dflash_weights
     addresses = (held.kv_weight.data_ptr(), held.hidden_norm_weight.data_ptr())
@@ -359,8 +351,8 @@ def test_an_attention_subclass_adding_a_softcap_or_alibi_keeps_vllms_attention()
         "AlibiAttention adds ALiBi slopes, which the draft attention contract does not cover"
 
     def draft(**impl):
-        module = _bare(d.DFlashQwen3Attention, attn=SimpleNamespace(impl=SimpleNamespace(**impl)))
-        return SimpleNamespace(model=SimpleNamespace(layers=[_bare(d.DFlashQwen3DecoderLayer, self_attn=module)]))
+        module = bare(d.DFlashQwen3Attention, attn=SimpleNamespace(impl=SimpleNamespace(**impl)))
+        return SimpleNamespace(model=SimpleNamespace(layers=[bare(d.DFlashQwen3DecoderLayer, self_attn=module)]))
 
     assert family.attention_support(draft(logits_soft_cap=None, alibi_slopes=None)) is None
     assert family.attention_support(draft(logits_soft_cap=0, alibi_slopes=None)) is None
