@@ -255,11 +255,6 @@ def plan_precompute(call: PrecomputeCall, config: PrecomputeLaunchConfig) -> Pre
     # Parts add into one sum unless torch was asked for bitwise-reproducible results (fp32
     # atomics add in arrival order); the merge then reads one tile instead of split_k.
     atomic_sum = split_k > 1 and not torch.are_deterministic_algorithms_enabled()
-    return _make_plan(call, config, grid_t, whole, split_k, atomic_sum)
-
-
-def _make_plan(call: PrecomputeCall, config: PrecomputeLaunchConfig, grid_t: int, whole: int, split_k: int,
-               atomic_sum: bool) -> PrecomputePlan:
     w = call.weights
     N, L, Hk, D = call.num_tokens, w.num_layers, w.num_kv_heads, w.head_dim
     dtype = call.dtype

@@ -17,9 +17,9 @@ single token tile whose heads alone cannot fill the device; splitting only the t
 past the last full round of the device (a few) spreads that partial round over every
 unit instead of leaving most idle while a few run a third tile. The last part of a
 split tile to finish sums the parts and runs the epilogue (an arrival counter, see
-``counters.py``). The parts add into one float32 sum per split
-tile (``ATOMIC_SUM``: the merge reads one tile, and leaves it zero), or, in an order fixed
-run to run, keep a tile each.
+``counters.py``). The parts add into one float32 sum per split tile (``ATOMIC_SUM``: the
+merge reads one tile, and leaves it zero), or, in an order fixed run to run, keep a tile
+each.
 
 Program order: whole tiles, then the parts of the split tiles, each tile's parts
 together, so neighbours share a head's weight rows. On MI300/MI355 the hardware deals
