@@ -2,8 +2,9 @@
 
 Backend classes are imported on first use by dotted path (as vLLM's attention registry
 does), so a broken or absent vendor stack only costs that backend: its import error
-becomes its reason. Adding a backend is a folder under ``dflash_rocm/backends/`` plus a record here
-(and its place in the priority lists where ``auto`` should consider it).
+becomes its reason. Adding a backend is a folder under the top-level ``backends/``
+(installed as ``dflash_rocm.backends``) plus a record here (and its place in the priority
+lists where ``auto`` should consider it).
 """
 
 from __future__ import annotations

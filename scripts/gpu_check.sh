@@ -7,8 +7,8 @@
 # (default ./gpu-check-out); a short table is printed last, with `dflash-rocm inspect`'s
 # modelled time ("model us") beside every measured one of the modelled backend (rocm on
 # AMD, triton on NVIDIA), so the first lent GPU shows how far the model is off. Needs only
-# torch and Triton: the package is used from this checkout through PYTHONPATH, nothing is
-# installed.
+# torch, Triton and pip: this checkout is installed without dependencies into a scratch folder
+# (the environment itself is left as it is).
 #
 #   scripts/gpu_check.sh           # on the GPU machine (budget: well under 8 minutes)
 #   scripts/gpu_check.sh --dry     # CPU rehearsal (interpreter, tiny shapes): what CI runs
@@ -16,8 +16,14 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-check-out}"
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
+# The backends live in the top-level backends/ and install as dflash_rocm.backends: install
+# this checkout (no dependencies, no network) into a scratch folder and import it from there.
+SITE="$(mktemp -d)"
+{ "$PY" -m pip install -q --no-deps --no-build-isolation --no-compile --target "$SITE" . \
+    || "$PY" -m pip install -q --no-deps --no-compile --target "$SITE" .; } > "$OUT/install.log" 2>&1 \
+    || { echo "pip install of this checkout failed:"; tail -n 20 "$OUT/install.log"; exit 1; }
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 DRY=0
 [ "${1:-}" = "--dry" ] && DRY=1
 TEST_BUDGET="${TEST_BUDGET:-300}"   # seconds for pytest

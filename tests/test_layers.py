@@ -11,7 +11,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = {"dflash_rocm": ROOT / "dflash_rocm"}
+SOURCES = {"dflash_rocm": ROOT / "dflash_rocm", "dflash_rocm.backends": ROOT / "backends"}
 
 # Lowest first. A module may import from its own layer and the layers below it.
 LAYERS: list[tuple[str, ...]] = [
