@@ -15,7 +15,6 @@ import fnmatch
 import json
 import os
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from dflash_rocm.vllm_plugin.compat import SUPPORTED
+from dockerfiles import DOCKERFILES, base_image, copy_sources, image_version, instructions
 
 try:
     import tomllib
@@ -205,34 +205,6 @@ def test_pip_install_dot_imports_every_backend(tmp_path):
 
 # --- the Dockerfiles build from what is in the repository --------------------------------
 
-DOCKERFILES = sorted((ROOT / "docker").glob("Dockerfile*"))
-
-
-def instructions(text: str) -> list[tuple[str, str]]:
-    """``(INSTRUCTION, arguments)`` of a Dockerfile: comments dropped, continuations joined."""
-    out: list[tuple[str, str]] = []
-    pending = ""
-    for line in text.splitlines():
-        if not pending and (not line.strip() or line.lstrip().startswith("#")):
-            continue
-        if line.lstrip().startswith("#"):
-            continue  # a comment inside a continued instruction
-        if line.rstrip().endswith("\\"):
-            pending += line.rstrip()[:-1] + " "
-            continue
-        word, _, rest = (pending + line).strip().partition(" ")
-        out.append((word.upper(), rest.strip()))
-        pending = ""
-    return out
-
-
-def copy_sources(arguments: str) -> list[str] | None:
-    """The sources of a ``COPY``/``ADD`` (None for ``--from``: another stage's files)."""
-    words = json.loads(arguments) if arguments.startswith("[") else shlex.split(arguments)
-    flags = [w for w in words if w.startswith("--")]
-    if any(flag.startswith("--from") for flag in flags):
-        return None
-    return [w for w in words if not w.startswith("--")][:-1]
 
 
 def dockerignore_excludes(root: Path, path: str) -> bool:
@@ -286,15 +258,6 @@ def copy_problems(root: Path, dockerfile: Path) -> list[str]:
     return problems
 
 
-def base_image_version(dockerfile: Path) -> tuple[int, int, int]:
-    for word, arguments in instructions(dockerfile.read_text()):
-        if word == "ARG" and arguments.startswith("BASE_IMAGE="):
-            match = re.search(r":v(\d+)\.(\d+)\.(\d+)$", arguments)
-            assert match, f"{dockerfile.name}: BASE_IMAGE's default has no vX.Y.Z tag: {arguments}"
-            return tuple(int(g) for g in match.groups())
-    raise AssertionError(f"{dockerfile.name}: no ARG BASE_IMAGE=... default")
-
-
 def test_there_are_dockerfiles():
     assert {path.name for path in DOCKERFILES} >= {"Dockerfile.rocm", "Dockerfile.cuda"}
 
@@ -306,7 +269,7 @@ def test_every_dockerfile_copies_what_the_repository_has(dockerfile):
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda path: path.name)
 def test_every_base_image_runs_a_supported_vllm(dockerfile):
-    major, minor, _ = base_image_version(dockerfile)
+    major, minor, _ = image_version(base_image(dockerfile))
     low, high = SUPPORTED
     assert low <= (major, minor) <= high
 
@@ -329,4 +292,4 @@ def test_the_copy_check_fails_on_a_missing_or_ignored_source(tmp_path):
         "Dockerfile.x: no COPY brings backends, which pip install . reads",
     ]
     assert not dockerignore_excludes(tmp_path, "tests/keep")
-    assert base_image_version(dockerfile) == (0, 34, 0)
+    assert image_version(base_image(dockerfile)) == (0, 34, 0)
