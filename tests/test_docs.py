@@ -7,6 +7,8 @@ Checked in ``README.md``, ``docs/*.md``, ``backends/README.md`` and the Dockerfi
 - every code span ``A.b`` whose first part is one of ours (a module's last name, a public
   class defined in our code, or an object name of ``OBJECTS``) resolves (a file name such as
   ``arch.py`` is not a dotted name);
+- every code span ``f(...)`` names a function, method or class defined in our code (or a
+  ``math`` function), except in ``docs/vllm*.md``, whose calls are vLLM's own methods;
 - every repository path (a word starting with one of our top-level folders, ``<...>`` taken
   as a wildcard) and every relative link target exists;
 - every ``DFLASH_ROCM_*`` variable is one ``dflash_rocm.envs`` defines;
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
+import math
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -172,6 +175,22 @@ def dotted_problems(text: str) -> list[str]:
     return problems
 
 
+@lru_cache(maxsize=1)
+def defined_names() -> frozenset[str]:
+    """Every function, method and class name defined anywhere in our code."""
+    return frozenset(node.name for source in module_files().values() for node in ast.walk(ast.parse(source.read_text()))
+                     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)))
+
+
+def call_problems(text: str, doc: Path) -> list[str]:
+    if doc.name.startswith("vllm"):
+        return []
+    _, spans = code_parts(text)
+    called = {match.group(1) for span in spans if (match := re.fullmatch(r"([A-Za-z_]\w*)\(.*\)", span.strip()))}
+    return [f"{name}(...): no function, method or class of that name in our code" for name in sorted(called)
+            if name not in defined_names() and not hasattr(math, name)]
+
+
 def path_exists(path: Path) -> bool:
     pattern = re.sub(r"<[^>]*>", "*", str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path))
     if "*" in pattern:
@@ -244,8 +263,8 @@ def doc_text(doc: Path) -> str:
 
 def doc_problems(text: str, doc: Path) -> list[str]:
     """Everything ``text`` (the text of ``doc``) names that the code does not have."""
-    return (dotted_problems(text) + path_problems(text, doc) + env_problems(text) + command_problems(text)
-            + image_problems(text))
+    return (dotted_problems(text) + call_problems(text, doc) + path_problems(text, doc) + env_problems(text)
+            + command_problems(text) + image_problems(text))
 
 
 # --- the tests ---------------------------------------------------------------------------
@@ -267,6 +286,7 @@ def test_the_checker_reports_renamed_names_paths_variables_and_commands():
     doc = ROOT / "docs" / "synthetic.md"
     text = "\n".join([
         "Load with `dflash_rocm.load_context_kv_weight(path)` or `ContextKVWeights.from_checkpoint`;",
+        "a backend says why in `supports(call)`, not in `not_supported_reasons(call, platform)` or `ceil(x)`;",
         "tables in `backends/rocm/table.py`, the contract in [the spec](SPEC2.md); set DFLASH_ROCM_NOPE=1.",
         "`dflash-rocm bench --hots` and `dflash-rocm speedtest`; the image is `vllm/vllm-openai-rocm:v0.32.0`,",
         "or `--build-arg BASE_IMAGE=vllm/vllm-openai:v0.31.2`.",
@@ -281,6 +301,7 @@ def test_the_checker_reports_renamed_names_paths_variables_and_commands():
         "dflash_rocm.load_context_kv_weight: no such module or attribute",
         "dflash_rocm.workloads.attention_input: no such module or attribute",
         "ContextKVWeights.from_checkpoint: none of dflash_rocm.weights.ContextKVWeights.from_checkpoint exists",
+        "supports(...): no function, method or class of that name in our code",
         "backends/rocm/table.py: no such file or folder in the repository",
         "link SPEC2.md: no such file relative to docs/synthetic.md",
         "DFLASH_ROCM_NOPE: not a variable dflash_rocm.envs defines",
