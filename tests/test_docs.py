@@ -58,6 +58,7 @@ classes, never as the module of the same name."""
 
 # --- what is ours ------------------------------------------------------------------------
 
+@lru_cache(maxsize=1)
 def module_files() -> dict[str, Path]:
     """Every module of ours by dotted name (a nested root, ``dflash_rocm.backends``, wins)."""
     out: dict[str, Path] = {}
@@ -96,11 +97,9 @@ def top_level_folders() -> tuple[str, ...]:
                         and not any(Path(p.name).match(pattern) for pattern in ignored)))
 
 
-def has_attribute(obj, name: str) -> bool:
-    """``obj.name`` exists, counting a dataclass's fields and a class's annotated attributes
-    (which have no class attribute when they have no default)."""
-    if hasattr(obj, name):
-        return True
+def has_field(obj, name: str) -> bool:
+    """``name`` is a dataclass field or an annotated attribute of ``obj``'s class (which has no
+    class attribute when it has no default)."""
     classes = obj.__mro__ if isinstance(obj, type) else type(obj).__mro__
     return any(name in getattr(cls, "__dataclass_fields__", {}) or name in getattr(cls, "__annotations__", {})
                for cls in classes)
@@ -118,10 +117,10 @@ def resolves(dotted: str) -> bool:
         for attribute in parts[cut:]:
             if isinstance(obj, type(importlib)) and f"{obj.__name__}.{attribute}" in module_files():
                 obj = importlib.import_module(f"{obj.__name__}.{attribute}")
-            elif has_attribute(obj, attribute):
-                obj = getattr(obj, attribute, None)
+            elif hasattr(obj, attribute):
+                obj = getattr(obj, attribute)
             else:
-                return False
+                return has_field(obj, attribute)  # a field without a default: nothing past it to follow
         return True
     return False
 

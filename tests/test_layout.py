@@ -154,6 +154,7 @@ def build_sources(tmp: Path) -> Path:
 
 
 def pip(*args: str) -> None:
+    """pip of this interpreter; builds are isolated (pip fetches setuptools: CI has the network)."""
     subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *args], check=True,
                    timeout=600)
 
@@ -204,8 +205,6 @@ def test_pip_install_dot_imports_every_backend(tmp_path):
 
 
 # --- the Dockerfiles build from what is in the repository --------------------------------
-
-
 
 def dockerignore_excludes(root: Path, path: str) -> bool:
     """Whether ``.dockerignore`` keeps ``path`` (or a folder above it) out of the context:
