@@ -312,14 +312,22 @@ def test_the_checker_reports_renamed_names_paths_variables_and_commands():
     ]
 
 
-def readme_table_variables() -> set[str]:
+def readme_table() -> dict[str, str]:
+    """The README's variable table: each variable -> its default cell."""
     section = ROOT.joinpath("README.md").read_text().partition("## Environment variables")[2].partition("\n## ")[0]
-    rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
-    return {name for row in rows for name in re.findall(r"`([A-Z][A-Z0-9_]+)`", row)}
+    rows = [line.split("|") for line in section.splitlines() if line.startswith("| `")]
+    return {name: row[2].strip() for row in rows for name in re.findall(r"`([A-Z][A-Z0-9_]+)`", row[1])}
 
 
 def test_every_variable_envs_defines_is_in_the_readmes_table():
-    assert {var.name for var in envs.ALL} == readme_table_variables()
+    assert {var.name for var in envs.ALL} == set(readme_table())
+
+
+def test_the_readmes_defaults_are_envs_defaults():
+    """A variable with a default value shows that value; one without says what applies instead."""
+    table = readme_table()
+    wrong = {var.name: table[var.name] for var in envs.ALL if var.default and table[var.name] != f"`{var.default}`"}
+    assert wrong == {}
 
 
 def test_the_source_names_only_variables_envs_defines():
