@@ -197,26 +197,60 @@ class ContextKVWeights:
                     rope_layers: Sequence[bool] | None = None,
                     round_k_before_rope: bool = False) -> "ContextKVWeights":
         """Stack per-layer ``k_proj``/``v_proj``/``k_norm`` tensors into the fused layout; a
-        sequence of per-layer ``hidden_norm_weight`` tensors is stacked to ``[L, H]``."""
+        sequence of per-layer ``hidden_norm_weight`` tensors is stacked to ``[L, H]``. Every
+        layer's tensor is checked before anything is stacked (``ValueError`` naming the
+        sequence and the layer: a shape or device unlike layer 0's ``k_proj``)."""
         n = len(k_proj_weights)
         if n == 0 or len(v_proj_weights) != n or len(k_norm_weights) != n:
             raise ValueError(
                 f"from_layers: expected the same positive number of k_proj, v_proj and k_norm "
                 f"weights, got {len(k_proj_weights)}, {len(v_proj_weights)}, {len(k_norm_weights)}")
-        rows = [w for pair in zip(k_proj_weights, v_proj_weights) for w in pair]
-        bias = None
         if (k_proj_biases is None) != (v_proj_biases is None):
             raise ValueError("from_layers: give both k_proj_biases and v_proj_biases, or neither")
+        first = _layer_tensor("k_proj_weights", 0, k_proj_weights[0])
+        H = first.shape[-1] if first.dim() else -1
+        rows, cols = (num_kv_heads * head_dim, "num_kv_heads*head_dim"), (H, "hidden")
+        per_layer = {"k_proj_weights": (k_proj_weights, (rows, cols)), "v_proj_weights": (v_proj_weights, (rows, cols)),
+                     "k_norm_weights": (k_norm_weights, ((head_dim, "head_dim"),))}
+        if k_proj_biases is not None:
+            per_layer.update(k_proj_biases=(k_proj_biases, (rows,)), v_proj_biases=(v_proj_biases, (rows,)))
+        if not isinstance(hidden_norm_weight, torch.Tensor):
+            per_layer["hidden_norm_weight"] = (hidden_norm_weight, (cols,))
+        for name, (tensors, dims) in per_layer.items():
+            if len(tensors) != n:
+                raise ValueError(f"from_layers: expected {n} {name} (one per layer), got {len(tensors)}")
+            for layer, t in enumerate(tensors):
+                _check_layer(name, layer, t, dims, first.device)
+        bias = None
         if k_proj_biases is not None:
             bias = torch.cat([b for pair in zip(k_proj_biases, v_proj_biases) for b in pair])
         if not isinstance(hidden_norm_weight, torch.Tensor):
             hidden_norm_weight = torch.stack(list(hidden_norm_weight))
+        rows = [w for pair in zip(k_proj_weights, v_proj_weights) for w in pair]
         return cls(hidden_norm_weight=hidden_norm_weight, kv_weight=torch.cat(rows, dim=0),
                    kv_bias=bias, k_norm_weight=torch.stack(list(k_norm_weights)),
                    cos_sin_cache=cos_sin_cache, is_neox=is_neox, eps=float(eps), v_scale=v_scale,
                    rope_layers=rope_layers,
                    round_k_before_rope=round_k_before_rope, num_layers=n, num_kv_heads=num_kv_heads,
                    head_dim=head_dim)
+
+
+def _layer_tensor(name: str, layer: int, t) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"from_layers: {name}[{layer}]: expected a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _check_layer(name: str, layer: int, t, dims: tuple[tuple[int, str], ...], device: torch.device) -> None:
+    """Layer ``layer``'s tensor of the sequence ``name``: shaped ``dims`` (sizes and their
+    words), on ``device`` (layer 0's ``k_proj``'s)."""
+    _layer_tensor(name, layer, t)
+    shape = [size for size, _ in dims]
+    if list(t.shape) != shape:
+        words = ", ".join(word for _, word in dims)
+        raise ValueError(f"from_layers: {name}[{layer}]: expected [{words}] = {shape}, got {list(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"from_layers: {name}[{layer}]: on {t.device}, k_proj_weights[0] on {device}")
 
 
 def _expect_shape(name: str, t: torch.Tensor, shape: tuple[int, ...], words: str) -> None:

@@ -89,18 +89,19 @@ def prepared_weights(w: ContextKVWeights) -> PreparedWeights:
         rows, scale = w.folded_kv_weight()
         limit = torch.finfo(w.dtype).max
         # |rms_norm(x, w)_c| <= sqrt(H) |w_c|, and |kv_r| <= sqrt(H) ||w * W_r|| (+ |bias_r|).
-        wide_states = not folded and H ** 0.5 * float(w.hidden_norm_weight.float().abs().max()) > limit
+        wide_states = not folded and H ** 0.5 * float(w.hidden_norm_weight.detach().float().abs().max()) > limit
         key_bound = H ** 0.5 * (rows.double().norm(dim=1) * scale).view(L, 2, Hk * D)[:, 0]
         if w.kv_bias is not None:
-            key_bound = key_bound + w.kv_bias.double().abs().view(L, 2, Hk * D)[:, 0]
+            key_bound = key_bound + w.kv_bias.detach().double().abs().view(L, 2, Hk * D)[:, 0]
         dtype = torch.float32 if wide_states else gemm_dtype(w.dtype)
+        # Detached: parameters that require grad (a live model's) are read without grad.
         return PreparedWeights(
-            weight_t=(rows if folded else w.kv_weight).to(dtype).t().contiguous(),
-            bias=None if w.kv_bias is None else w.kv_bias.to(dtype).contiguous(),
-            hidden_norm=None if folded else w.hidden_norm_weight.float().contiguous(),
+            weight_t=(rows if folded else w.kv_weight).detach().to(dtype).t().contiguous(),
+            bias=None if w.kv_bias is None else w.kv_bias.detach().to(dtype).contiguous(),
+            hidden_norm=None if folded else w.hidden_norm_weight.detach().float().contiguous(),
             row_scale=scale if folded and bool((scale != 1).any()) else None,
             wide_states=wide_states, wide_keys=float(key_bound.max()) > limit,
-            k_norm=w.k_norm_weight.float().view(1, L, 1, D).contiguous(),
+            k_norm=w.k_norm_weight.detach().float().view(1, L, 1, D).contiguous(),
             # vLLM's rotary kernel reads the table in the activations' dtype.
             rope=_rope_table(w.cos_sin_cache.to(w.dtype), w.is_neox), eps=torch.tensor(float(w.eps)))
     sources = (w.kv_weight, w.hidden_norm_weight, w.kv_bias, w.k_norm_weight, w.cos_sin_cache)
@@ -117,6 +118,8 @@ def _projected(call: PrecomputeCall, prep: PreparedWeights) -> torch.Tensor:
     """``rms_norm(x) @ kv_weight.T + kv_bias``, ``[N, L, 2, Hk, D]``, in the states' dtype
     (float32 where the weights' bounds say the K projection may pass the dtype's range)."""
     w, x = call.weights, call.states
+    if x.requires_grad:  # inference-only: read without grad, as the weights are
+        x = x.detach()
     # x * r (* w unless folded) in float32 (type promotion: the caller's states stay untouched), rounded once.
     normed = torch.mul(x, _rms_factor(x, prep.eps))
     if prep.hidden_norm is not None:
