@@ -132,6 +132,20 @@ def test_a_fold_past_float32_is_served_where_spec_order_stays_in_range(backend, 
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_large_values_whose_fold_is_scaled_are_normalised_before_the_scale_returns(backend):
+    """float32 states of RMS 1e10 and V rows of 1e28: the V projection (about 1e29) is in
+    range, the un-normalised GEMM times the rows' scale (1e39) is not."""
+    g = make_generator(9, "cpu")
+    w = make_weights(g, "cpu", L=2, Hk=2, D=32, H=64, R=16, is_neox=True, bias=False, v_scale=None,
+                     dtype=torch.float32)
+    kv = w.kv_weight.clone().view(2, 2, -1, 64)
+    kv[:, 1] *= 1e28
+    states = torch.randn(9, 64, generator=g) * 1e10
+    served_like_the_reference(backend, replace(w, kv_weight=kv.view(-1, 64)), states,
+                              torch.randint(0, 4096, (9,), generator=g))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_float16_normed_states_past_65504_are_served_where_spec_order_stays_in_range(backend):
     """A norm weight of 3e4 on a column the states fill (4x their RMS): the normed states
     pass float16's 65504 in float32, but times a weight column of 1e-3 the K/V do not."""
