@@ -8,7 +8,8 @@ Checked in ``README.md``, ``docs/*.md``, ``backends/README.md`` and the Dockerfi
   class defined in our code, or an object name of ``OBJECTS``) resolves (a file name such as
   ``arch.py`` is not a dotted name);
 - every code span ``f(...)`` names a function, method or class defined in our code (or a
-  ``math`` function), except in ``docs/vllm*.md``, whose calls are vLLM's own methods;
+  ``math`` or ``torch`` function: formulas such as ``mean(x^2)``), except in
+  ``docs/vllm*.md``, whose calls are vLLM's own methods;
 - every repository path (a word starting with one of our top-level folders, ``<...>`` taken
   as a wildcard) and every relative link target exists;
 - every ``DFLASH_ROCM_*`` variable is one ``dflash_rocm.envs`` defines;
@@ -34,6 +35,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import pytest
+import torch
 
 from dflash_rocm import envs
 from dflash_rocm.cli import build_parser
@@ -187,7 +189,7 @@ def call_problems(text: str, doc: Path) -> list[str]:
     _, spans = code_parts(text)
     called = {match.group(1) for span in spans if (match := re.fullmatch(r"([A-Za-z_]\w*)\(.*\)", span.strip()))}
     return [f"{name}(...): no function, method or class of that name in our code" for name in sorted(called)
-            if name not in defined_names() and not hasattr(math, name)]
+            if name not in defined_names() and not hasattr(math, name) and not hasattr(torch, name)]
 
 
 def path_exists(path: Path) -> bool:
