@@ -438,6 +438,19 @@ def test_a_merge_loads_no_more_segments_at_once_than_its_launch_has():
         assert merge.arg("num_segments") == segments and merge.constexprs["MERGE_CHUNK"] == segments, arch
 
 
+def test_a_last_segment_merge_loads_as_many_partials_a_trip_as_a_lane_holds():
+    """Batch 1 at 1k is merged by its last segment, which loads 64 values a lane a trip: on CDNA
+    a 64-row, 128-dim tile of 4 wave64s holds two segments' partials (32-lane warps: one)."""
+    case = sweep.Case("attention", QWEN, fp8=False, batch=1, context=1024)
+    for arch in ("gfx942", "gfx950", "gfx1100", "gfx1201", "sm_90"):
+        launch = sweep.capture_case(case, TARGETS[arch]).launches[0]
+        c = launch.constexprs
+        assert c["MERGE_IN_KERNEL"], arch
+        lanes = TARGETS[arch].wave_size * launch.options["num_warps"]
+        assert c["MERGE_CHUNK"] == max(1, 64 * lanes // (c["BLOCK_M"] * c["BLOCK_D"])), arch
+        assert arch not in ("gfx942", "gfx950") or c["MERGE_CHUNK"] == 2, arch
+
+
 def test_the_sweep_plans_attention_for_captured_spans():
     """The default sweep has captured plans (batch 1 and 8 at 1k and 8k under plans for
     32k and 128k, as vLLM captures its graphs) beside the same cases planned eagerly; ``planned`` plans every

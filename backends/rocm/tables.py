@@ -140,7 +140,7 @@ def segmented_config(w: AttentionWorkload) -> tuple[str, AttentionLaunchConfig]:
     return rule.name, AttentionLaunchConfig(
         block_m=block_m, block_n=rule.block_n, num_segments=segments, num_warps=warps, num_stages=rule.num_stages,
         min_segment_keys=rule.min_keys_per_segment, merge=merge, merge_rows=merge_rows,
-        matrix_instr_nonkdim=rule.matrix_instr_nonkdim)
+        matrix_instr_nonkdim=rule.matrix_instr_nonkdim, wave_size=w.platform.wave_size)
 
 
 def unsegmented_config(w: AttentionWorkload) -> tuple[str, AttentionLaunchConfig]:

@@ -32,10 +32,12 @@ class AttentionLaunchConfig:
     long (the device decides from the real sequence length how many segments have keys);
     ``merge`` says how a split tile's partials are merged (see :data:`MERGES`); a merge
     program (merger or second launch) merges ``merge_rows`` rows of a tile (0: one query
-    token's heads). ``fp16_dots``: with an fp8 cache and 16-bit queries, both products
-    take fp16 operands (the query pre-scaled by the softmax scale, fp8 widened exactly, P
-    with 3 more bits than bf16) instead of the query's dtype: on NVIDIA an e4m3 pair
-    widens to fp16 in one instruction, to bf16 in several; on AMD the opposite holds.
+    token's heads); ``wave_size``: the lanes of a warp on the table's target, which size
+    the last segment's merge (:func:`last_merge_chunk`). ``fp16_dots``: with an fp8 cache
+    and 16-bit queries, both products take fp16 operands (the query pre-scaled by the
+    softmax scale, fp8 widened exactly, P with 3 more bits than bf16) instead of the
+    query's dtype: on NVIDIA an e4m3 pair widens to fp16 in one instruction, to bf16 in
+    several; on AMD the opposite holds.
     """
 
     block_m: int = 64
@@ -49,6 +51,7 @@ class AttentionLaunchConfig:
     merge_rows: int = 0
     matrix_instr_nonkdim: int = 0  # AMD only: 16 picks 16x16 MFMA tiles; 0 the compiler's choice
     fp16_dots: bool = False
+    wave_size: int = 32
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -61,6 +64,8 @@ class AttentionLaunchConfig:
             raise ValueError(f"merge: expected one of {MERGES}, got {self.merge!r}")
         if self.merge_rows < 0 or self.merge_rows & (self.merge_rows - 1) or self.merge_rows > self.block_m:
             raise ValueError(f"merge_rows: expected 0 or a power of two up to block_m, got {self.merge_rows}")
+        if self.wave_size not in (32, 64):
+            raise ValueError(f"wave_size: expected 32 or 64, got {self.wave_size}")
 
     def queries_per_tile(self, queries_per_kv: int) -> int:
         return self.block_m // queries_per_kv
@@ -128,6 +133,15 @@ def merge_load_segments(rows: int, num_segments: int) -> int:
     the launch has (a load's lanes past them would always be masked, yet cost their
     instructions)."""
     return max(1, min(64, 256 // rows, next_pow2(num_segments)))
+
+
+def last_merge_chunk(block_m: int, block_d: int, num_warps: int, wave_size: int = 32) -> int:
+    """Segments per load of the last segment's merge (the whole tile): at most 64 values a
+    lane, a power of two from 1 to 4. A wave64 lane holds a 64-row, 128-dim tile's partials of
+    two segments where a 32-lane warp's holds one: half the merge's dependent round trips
+    (CDNA; the compiled VGPRs stay those of the attention loop)."""
+    chunk = 64 * num_warps * wave_size // (block_m * block_d)
+    return max(1, min(4, 1 << max(0, chunk.bit_length() - 1)))
 
 
 def dispatch_partitions(platform: Platform) -> int:
@@ -224,6 +238,7 @@ def default_attention_config(platform: Platform, *, num_seqs: int, query_len: in
     merge, merge_rows = merge_for(segments, tiles * num_kv_heads, block_m, G, platform)
     return AttentionLaunchConfig(block_m=block_m, block_n=block_n, num_segments=segments,
                                  num_warps=4 if head_dim <= 128 else 8, num_stages=2,
+                                 wave_size=64 if platform.wave_size == 64 else 32,
                                  min_segment_keys=MIN_KEYS_PER_SEGMENT, merge=merge, merge_rows=merge_rows,
                                  fp16_dots=fp8 and platform.vendor == "cuda")
 
