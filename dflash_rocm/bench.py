@@ -70,10 +70,14 @@ class BenchPlan:
     notes: list[str] = field(default_factory=list)
 
 
-def default_plan(device: torch.device, *, shapes=None, tokens=None, batches=None, contexts=None, ops=None,
-                 backends=None, dtype=torch.bfloat16, cache_dtype=None, repeats=None, quick=False) -> BenchPlan:
+def default_plan(device: torch.device, *, shapes=None, tp: int = 1, tokens=None, batches=None, contexts=None,
+                 ops=None, backends=None, dtype=torch.bfloat16, cache_dtype=None, repeats=None,
+                 quick=False) -> BenchPlan:
+    """The sweep's plan; ``tp``: each shape as one rank of a ``tp``-way tensor-parallel
+    deployment runs it (:meth:`DraftShape.per_rank`)."""
     cpu = device.type == "cpu"
     chosen = [SHAPES[s] for s in (shapes or (["qwen3-8b-dflash-b16"] if cpu or quick else list(SHAPES)))]
+    chosen = [s.per_rank(tp) for s in chosen]
     if cpu:
         chosen = [s.scaled_for_cpu() for s in chosen]
     notes = ["CPU run: Triton executes in its interpreter and torch on 2 cores; the numbers say nothing "

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from dflash_rocm.backends.triton.common import next_pow2
 from dflash_rocm.backends.triton.launch_config import (AttentionLaunchConfig, PrecomputeLaunchConfig,
                                                        attention_grid_tiles, choose_segments, dispatch_partitions,
-                                                       merge_for, split_k_for, tail_split)
+                                                       fill_split, merge_for, split_k_for, tail_split)
 from dflash_rocm.platform import Platform, platform_for_arch
 
 SUPPORTED_ARCHS = ("gfx942", "gfx950", "gfx1100", "gfx1101", "gfx1151", "gfx1200", "gfx1201")
@@ -189,6 +189,9 @@ class PrecomputeWorkload:
 
 # How a row splits the hidden size: "heads": a single token tile's, until the heads fill the CUs
 # (:func:`split_k_for`); "tail": a last partial round's tiles (:func:`tail_split`); "none": never.
+# Beyond one token tile, a grid under one round of the CUs (a rank's heads under tensor
+# parallelism) splits every tile whatever the row's split (:func:`fill_split`, up to the row's
+# ``fill_per_cu`` parts per CU).
 SPLITS = ("heads", "tail", "none")
 
 
@@ -213,6 +216,7 @@ class PrecomputeRule:
     matrix_instr_nonkdim: int = 0
     heads: int = 1
     split: str = "tail"
+    fill_per_cu: int = 2  # a grid under one round: split parts per CU at most (:func:`fill_split`)
 
     def __post_init__(self) -> None:
         if self.split not in SPLITS:
@@ -227,8 +231,11 @@ class PrecomputeRule:
 
     def split_for(self, w: PrecomputeWorkload) -> tuple[int, int]:
         """(whole tiles, split_k) of the launch."""
+        units = w.platform.compute_units
         if self.split == "heads":
-            return 0, split_k_for(w.num_heads_total, w.hidden, w.block_k, w.platform.compute_units)
+            return 0, split_k_for(w.num_heads_total, w.hidden, w.block_k, units)
+        if w.tiles(self.block_t) < units:
+            return 0, fill_split(w.tiles(self.block_t), w.hidden, w.block_k, self.fill_per_cu * units)
         return w.tail(self.block_t) if self.split == "tail" else (0, 1)
 
 
@@ -261,8 +268,9 @@ GFX942_RULES = CDNA_SINGLE_TILE + (
     PrecomputeRule(name="gfx942-64-few-tail", max_tokens=352, tail_ways=(16,), full_tiles=True,
                    block_t=64, num_warps=8, num_stages=1, matrix_instr_nonkdim=16),
     PrecomputeRule(name="gfx942-32-prefetch", max_tokens=352, max_rounds=3,
-                   block_t=32, num_warps=4, num_stages=2, matrix_instr_nonkdim=16),
-    PrecomputeRule(name="gfx942-32", max_tokens=352, block_t=32, num_warps=4, num_stages=1, matrix_instr_nonkdim=16),
+                   block_t=32, num_warps=4, num_stages=2, matrix_instr_nonkdim=16, fill_per_cu=3),
+    PrecomputeRule(name="gfx942-32", max_tokens=352, block_t=32, num_warps=4, num_stages=1, matrix_instr_nonkdim=16,
+                   fill_per_cu=3),
     # No split tile below 1024 tokens: 4 warps (the split path's registers would leave 2 waves).
     PrecomputeRule(name="gfx942-64-unsplit", max_tokens=1023, tail_ways=(1,),
                    block_t=64, num_warps=4, num_stages=1, matrix_instr_nonkdim=16),
@@ -270,7 +278,7 @@ GFX942_RULES = CDNA_SINGLE_TILE + (
                    block_t=64, num_warps=8, num_stages=2, matrix_instr_nonkdim=16),
     # 8 warps with 16x16 MFMAs: with 32x32 ones LLVM unrolls the loop and the registers allow
     # 5 waves, not 7 (compiled).
-    PrecomputeRule(name="gfx942-64", block_t=64, num_warps=8, num_stages=1, matrix_instr_nonkdim=16),
+    PrecomputeRule(name="gfx942-64", block_t=64, num_warps=8, num_stages=1, matrix_instr_nonkdim=16, fill_per_cu=4),
 )
 # gfx950: 4-warp tiles keep its matrix cores fed at 4 waves a SIMD; 16x16 MFMAs where the loop
 # prefetches; from 640 tokens 128-token tiles (its 160 KiB LDS holds them), which read the
@@ -340,7 +348,7 @@ def precompute_config(arch: str, *, num_tokens: int, hidden: int, num_heads_tota
         block_t=rule.block_t, block_k=w.block_k, split_k=split, whole_tiles=whole, num_warps=rule.num_warps,
         num_stages=rule.num_stages, num_xcds=dispatch_partitions(w.platform),
         matrix_instr_nonkdim=rule.matrix_instr_nonkdim, square_group=precompute_table(arch).square_group,
-        heads=rule.heads)
+        heads=rule.heads if split == 1 else 1)
 
 
 def stage_limit(arch: str) -> int:
