@@ -189,9 +189,9 @@ class PrecomputeWorkload:
 
 # How a row splits the hidden size: "heads": a single token tile's, until the heads fill the CUs
 # (:func:`split_k_for`); "tail": a last partial round's tiles (:func:`tail_split`); "none": never.
-# Beyond one token tile, a grid under one round of the CUs (a rank's heads under tensor
-# parallelism) splits every tile whatever the row's split (:func:`fill_split`, up to the row's
-# ``fill_per_cu`` parts per CU).
+# Beyond one token tile, a grid under ``fill_under`` rounds of the CUs (a rank's heads under
+# tensor parallelism) splits every tile whatever the row's split (:func:`fill_split`, up to the
+# row's ``fill_per_cu`` parts per CU).
 SPLITS = ("heads", "tail", "none")
 
 
@@ -216,7 +216,8 @@ class PrecomputeRule:
     matrix_instr_nonkdim: int = 0
     heads: int = 1
     split: str = "tail"
-    fill_per_cu: int = 2  # a grid under one round: split parts per CU at most (:func:`fill_split`)
+    fill_under: float = 1.0  # a grid of fewer tiles than this many rounds of the CUs splits every tile
+    fill_per_cu: int = 2  # its split parts per CU at most (:func:`fill_split`)
 
     def __post_init__(self) -> None:
         if self.split not in SPLITS:
@@ -234,7 +235,7 @@ class PrecomputeRule:
         units = w.platform.compute_units
         if self.split == "heads":
             return 0, split_k_for(w.num_heads_total, w.hidden, w.block_k, units)
-        if w.tiles(self.block_t) < units:
+        if w.tiles(self.block_t) < self.fill_under * units:
             return 0, fill_split(w.tiles(self.block_t), w.hidden, w.block_k, self.fill_per_cu * units)
         return w.tail(self.block_t) if self.split == "tail" else (0, 1)
 
@@ -296,22 +297,27 @@ GFX950_RULES = CDNA_SINGLE_TILE + (
                    block_t=64, num_warps=4, num_stages=2, matrix_instr_nonkdim=16),
     PrecomputeRule(name="gfx950-64", block_t=64, num_warps=4, num_stages=1),
 )
-# RDNA: 8 warps, 64-token tiles beyond one tile, no split (few CUs to fill). RDNA4 takes one
+# RDNA: 8 warps, 64-token tiles beyond one tile, no split (few CUs to fill) unless the tiles
+# fill at most half the CUs (a rank's heads under TP): then split up to one part a CU (its
+# DRAM is slow enough that the parts' float32 sums cost more than idle CUs above that; modelled
+# R9700 TP8 N = 128: 28.4 -> 24.8 us, N = 256 unsplit 26.3 against 31.2 split). RDNA4 takes one
 # stage (:func:`stage_limit`) and from 1024 tokens puts a KV head's K and V in one program,
 # reading the states half as often (RDNA3's registers would spill: 54 VGPRs, compiled gfx1100).
 RDNA3_RULES = (
     PrecomputeRule(name="rdna3-one-tile-16", max_tokens=16, block_t=16, num_warps=8, num_stages=2, split="heads"),
     PrecomputeRule(name="rdna3-one-tile-32", max_tokens=32, block_t=32, num_warps=8, num_stages=2, split="heads"),
     PrecomputeRule(name="rdna3-one-tile-64", max_tokens=64, block_t=64, num_warps=8, num_stages=2, split="heads"),
-    PrecomputeRule(name="rdna3-64", block_t=64, num_warps=8, num_stages=2, split="none"),
+    PrecomputeRule(name="rdna3-64", block_t=64, num_warps=8, num_stages=2, split="none", fill_under=0.5,
+                   fill_per_cu=1),
 )
 RDNA4_RULES = (
     PrecomputeRule(name="rdna4-one-tile-16", max_tokens=16, block_t=16, num_warps=8, num_stages=1, split="heads"),
     PrecomputeRule(name="rdna4-one-tile-32", max_tokens=32, block_t=32, num_warps=8, num_stages=1, split="heads"),
     PrecomputeRule(name="rdna4-one-tile-64", max_tokens=64, block_t=64, num_warps=8, num_stages=1, split="heads"),
     PrecomputeRule(name="rdna4-64-paired", min_tokens=1024, max_head_dim=128,
-                   block_t=64, num_warps=8, num_stages=1, heads=2, split="none"),
-    PrecomputeRule(name="rdna4-64", block_t=64, num_warps=8, num_stages=1, split="none"),
+                   block_t=64, num_warps=8, num_stages=1, heads=2, split="none", fill_under=0.5, fill_per_cu=1),
+    PrecomputeRule(name="rdna4-64", block_t=64, num_warps=8, num_stages=1, split="none", fill_under=0.5,
+                   fill_per_cu=1),
 )
 # Keyed by architecture name prefix. gfx950 sums the hidden RMSNorm's squares a value at a time
 # (its loop is bound by the vector work); the others keep 8-column groups (fewer registers).
