@@ -37,6 +37,7 @@ class AttentionWorkload:
     head_dim: int
     fp8: bool
     compute_units: int | None = None  # the device's own count (None: the architecture's flagship)
+    buffer_loads: bool = True  # the caches are under 2 GiB: AMD buffer (32-bit offset) loads
 
     @property
     def group(self) -> int:
@@ -66,7 +67,13 @@ class TileRule:
     matrix_instr_nonkdim: int = 0  # CDNA: 16 gives 16-row MFMA tiles: 4 warps share a 64-row tile, none replicated
     min_keys_per_segment: int = 256  # below this a segment's merge costs more than it saves
     programs_per_cu: float = 1.0  # how many (tile, head, segment) programs to aim for per CU
-    last_merges: bool = True  # the last segment may merge a split tile (False: its merge code would spill)
+    # The last segment may merge a split tile: "always", "large cache" (only without buffer loads:
+    # with them its merge code spills), or "never".
+    last_merges: str = "always"
+
+    def merges_last(self, w: AttentionWorkload) -> bool:
+        """Whether the last segment may merge ``w``'s split tiles (see ``last_merges``)."""
+        return self.last_merges == "always" or self.last_merges == "large cache" and not w.buffer_loads
 
     def applies(self, w: AttentionWorkload) -> bool:
         return ((not self.archs or w.arch.startswith(self.archs)) and w.head_dim >= self.min_head_dim
@@ -80,8 +87,9 @@ class TileRule:
 # loop, whose LDS layout takes the fp8 tiles in words, not bytes (a sixth of the LDS instructions a
 # trip, compiled). RDNA3's WMMA keeps operands twice in registers: 8 warps and 16-key tiles stay
 # under 256 VGPRs. RDNA4 takes 32-key tiles, and 16-key tiles on 4 warps for fp8: every warp widens
-# the fp8 tiles it reads, so 4 warps widen half as often as 8; their split tiles are not merged by
-# their last segment (that merge code spills 20 VGPRs, compiled gfx1201).
+# the fp8 tiles it reads, so 4 warps widen half as often as 8; their split tiles are merged by
+# their last segment only in a cache over 2 GiB (252 VGPRs, 0 spills; with buffer loads that merge
+# code spills 20 VGPRs, compiled gfx1201): else by a second launch.
 CDNA_RULES = (
     TileRule(name="cdna-d256", min_head_dim=129, block_m=32, block_n=32, num_warps=2, matrix_instr_nonkdim=16),
     TileRule(name="cdna-gfx950-fp8", archs=("gfx950",), fp8=True, block_m=64, block_n=64, num_warps=4, num_stages=2,
@@ -93,7 +101,7 @@ RDNA_RULES = (
     TileRule(name="rdna-short-query", max_query_rows=16, block_m=16, block_n=32, num_warps=4,
              min_keys_per_segment=128),
     TileRule(name="rdna3-default", archs=("gfx11",), block_m=64, block_n=16, num_warps=8),
-    TileRule(name="rdna4-fp8", fp8=True, block_m=64, block_n=16, num_warps=4, last_merges=False),
+    TileRule(name="rdna4-fp8", fp8=True, block_m=64, block_n=16, num_warps=4, last_merges="large cache"),
     TileRule(name="rdna4-default", block_m=64, block_n=32, num_warps=4),
 )
 MAX_SEGMENTS = {"cdna": 64, "rdna": 32}
@@ -136,7 +144,7 @@ def segmented_config(w: AttentionWorkload) -> tuple[str, AttentionLaunchConfig]:
     block_m, warps = _tile_rows(w, rule)
     segments = segments_for(w, rule, block_m)
     tiles_heads = attention_grid_tiles(w.batch, w.query_len, block_m // w.group) * w.num_kv_heads
-    merge, merge_rows = merge_for(segments, tiles_heads, block_m, w.group, w.platform, rule.last_merges)
+    merge, merge_rows = merge_for(segments, tiles_heads, block_m, w.group, w.platform, rule.merges_last(w))
     return rule.name, AttentionLaunchConfig(
         block_m=block_m, block_n=rule.block_n, num_segments=segments, num_warps=warps, num_stages=rule.num_stages,
         min_segment_keys=rule.min_keys_per_segment, merge=merge, merge_rows=merge_rows,
