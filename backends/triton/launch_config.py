@@ -256,7 +256,11 @@ def default_attention_config(platform: Platform, *, num_seqs: int, query_len: in
 
 
 PAIRED_KV_ARCHS = ("sm_90", "sm_100")  # where the portable table puts a KV head's K and V in one program
-FILL_PER_SM = 1  # a grid under one round: split parts up to one per SM (the 8-warp tile's registers hold one)
+# A grid of 128-token tiles that fills at most half the SMs splits every tile, up to one part an SM
+# (the 8-warp tile's registers hold one); between half and one round it runs unsplit (modelled
+# H200: 80 tiles 32.5 us unsplit, 36.3 split 2 ways).
+FILL_UNDER = 0.5
+FILL_PER_SM = 1
 
 
 def default_precompute_config(platform: Platform, *, num_tokens: int, hidden: int, num_heads_total: int,
@@ -267,8 +271,10 @@ def default_precompute_config(platform: Platform, *, num_tokens: int, hidden: in
     tiles (the states read half as often; with one token tile the halved grid would leave
     SMs idle). The two accumulators fit sm_90's and sm_100's registers (0 spills, compiled)
     but spill on sm_80 and sm_89 (60 spill stores, bf16), which keep one head row a program.
-    Tiles too few for one round of the SMs (a rank's heads under tensor parallelism) split
-    the hidden size instead (:func:`fill_split`; modelled H200, TP8 N = 256: 39.8 -> 10.3 us)."""
+    Tiles too few for half a round of the SMs (a rank's heads under tensor parallelism) split
+    the hidden size instead (:func:`fill_split`; modelled H200, TP8 N = 256: 39.8 -> 10.3 us), and
+    K and V pair only where the unpaired tiles fill a round (TP8 N = 1024, 80 tiles: 39.8 us
+    paired, 32.5 not)."""
     block_k = 64 if head_dim <= 128 else 32
     if num_tokens <= 64:
         block_t = max(16, next_pow2(num_tokens))
@@ -277,8 +283,9 @@ def default_precompute_config(platform: Platform, *, num_tokens: int, hidden: in
                                       num_warps=4, num_stages=2)
     block_t = 128 if head_dim <= 128 else 64
     tiles = -(-num_tokens // block_t) * num_heads_total
-    if tiles < platform.compute_units:
+    if tiles < FILL_UNDER * platform.compute_units:
         split = fill_split(tiles, hidden, block_k, FILL_PER_SM * platform.compute_units)
         return PrecomputeLaunchConfig(block_t=block_t, block_k=block_k, split_k=split, num_warps=8, num_stages=2)
-    heads = 2 if platform.arch in PAIRED_KV_ARCHS and head_dim <= 128 and num_tokens > block_t else 1
+    heads = 2 if (platform.arch in PAIRED_KV_ARCHS and head_dim <= 128 and num_tokens > block_t
+                  and tiles >= platform.compute_units) else 1
     return PrecomputeLaunchConfig(block_t=block_t, block_k=block_k, num_warps=8, num_stages=2, heads=heads)
