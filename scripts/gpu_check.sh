@@ -32,7 +32,7 @@ DRY=0
 TEST_BUDGET="${TEST_BUDGET:-300}"   # seconds for pytest
 BENCH_BUDGET="${BENCH_BUDGET:-150}" # seconds for the benchmark
 VLLM_BUDGET="${VLLM_BUDGET:-300}"   # seconds for the end-to-end vLLM comparison (when vLLM is importable)
-ASSUME_BUDGET="${ASSUME_BUDGET:-150}" # seconds for bench --assumptions (compiles ~8 launches, models them)
+ASSUME_BUDGET="${ASSUME_BUDGET:-240}" # seconds for bench --assumptions (compiles ~10 launches, models them)
 
 if [ "$DRY" = 1 ]; then
     export TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES="" HIP_VISIBLE_DEVICES=""
@@ -93,6 +93,7 @@ echo "bench --host: exit $HOST_RC"
 cat "$OUT/bench_host.txt"
 echo "bench --assumptions: exit $ASSUME_RC"
 cat "$OUT/bench_assumptions.txt"
+[ "$ASSUME_RC" = 0 ] || tail -n 20 "$OUT/bench_assumptions.err"  # the rows made before it stopped
 echo "bench --vllm: $VLLM_RC"
 [ -s "$OUT/bench_vllm.txt" ] && cat "$OUT/bench_vllm.txt"
 echo "bench: exit $BENCH_RC"

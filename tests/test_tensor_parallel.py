@@ -112,14 +112,16 @@ def test_inspect_prints_the_fc_table_for_per_rank_shapes_only():
 
 def test_the_what_ifs_are_the_table_undone_and_the_issues_split_and_differ_from_it():
     table = PrecomputeLaunchConfig(block_t=32, split_k=8, num_warps=4)
-    configs = assumptions.what_if_configs(table, hidden=4096)
+    configs = assumptions.what_if_configs(table, hidden=4096, tokens=256)
     assert configs["table"] == table
-    assert configs["no split"].split_k == 1
+    assert configs["no split"].split_k == 1 and configs["no split"].heads == 1
+    assert configs["no split, K and V paired"].heads == 2
+    assert "no split, K and V paired" not in assumptions.what_if_configs(table, hidden=4096, tokens=32)
     issue = configs["128-token tiles, 8-way"]
     assert (issue.block_t, issue.split_k, issue.heads) == (128, 8, 1)
     assert configs["half the split"].split_k == 4 and configs["twice the split"].split_k == 16
     assert len(set(configs.values())) == len(configs)
-    narrow = assumptions.what_if_configs(table, hidden=256)  # a part keeps a 64-column step at least
+    narrow = assumptions.what_if_configs(table, hidden=256, tokens=16)  # a part keeps a 64-column step at least
     assert "twice the split" not in narrow and narrow["128-token tiles, 8-way"].split_k == 4
-    whole = assumptions.what_if_configs(dataclasses.replace(table, whole_tiles=304), hidden=4096)
+    whole = assumptions.what_if_configs(dataclasses.replace(table, whole_tiles=304), hidden=4096, tokens=4096)
     assert "half the split" not in whole  # a last round's split is not the per-rank rule's

@@ -56,14 +56,18 @@ class AssumptionRow:
         return asdict(self)
 
 
-def what_if_configs(table, hidden: int) -> dict[str, object]:
+def what_if_configs(table, hidden: int, tokens: int) -> dict[str, object]:
     """The table's precompute config and the what-ifs it was chosen against, by name: no
-    hidden-size split, 8-way split of 128-token tiles (heads 1), and half and twice the
-    table's split (each part keeping at least one ``block_k`` step of the hidden size)."""
-    unsplit = replace(table, split_k=1, whole_tiles=0)
-    configs = {"table": table, "no split": unsplit,
-               "128-token tiles, 8-way": replace(unsplit, block_t=128, num_warps=8, heads=1,
-                                                 split_k=min(8, max(1, hidden // table.block_k)))}
+    hidden-size split (one head row a program, and past one token tile also K and V paired,
+    as the portable table paired them before), 8-way split of 128-token tiles (heads 1), and
+    half and twice the table's split (each part keeping at least one ``block_k`` step of the
+    hidden size)."""
+    unsplit = replace(table, split_k=1, whole_tiles=0, heads=1)
+    configs = {"table": table, "no split": unsplit}
+    if tokens > table.block_t:
+        configs["no split, K and V paired"] = replace(unsplit, heads=2)
+    configs["128-token tiles, 8-way"] = replace(unsplit, block_t=128, num_warps=8,
+                                                split_k=min(8, max(1, hidden // table.block_k)))
     if table.split_k > 1 and not table.whole_tiles:
         for name, split in (("half the split", table.split_k // 2), ("twice the split", table.split_k * 2)):
             if hidden // split >= table.block_k:
@@ -146,7 +150,7 @@ def precompute_rows(check: str, shape: DraftShape, tokens: int, device: torch.de
         inputs = precompute_inputs(shape, tokens, torch.bfloat16, torch.bfloat16, device)
         call = PRECOMPUTE.build_call(*inputs.args(), **inputs.kwargs(), validate=False)
         table = table_precompute_config(call, platform)
-        configs = what_if_configs(table, shape.hidden) if what_ifs else {"table": table}
+        configs = what_if_configs(table, shape.hidden, tokens) if what_ifs else {"table": table}
         runs = _precompute_runs(call, configs)
         measured = _time_us({n: fn for n, fn in runs.items() if callable(fn)}, device, repeats)
     except Exception as exc:
@@ -217,20 +221,27 @@ def launch_gap_row(device: torch.device, platform: Platform, launches: int = GAP
     return row
 
 
-def assumption_rows(device: torch.device, repeats: int | None = None) -> list[AssumptionRow]:
+def assumption_rows(device: torch.device, repeats: int | None = None,
+                    progress: Callable[[AssumptionRow], None] | None = None) -> list[AssumptionRow]:
     """Every row: the per-rank precompute at TP8 (table and what-ifs), the TP1 precompute at
-    N = 256 against the model's L2, and the graph's launch gap. A CPU runs scaled shapes."""
+    N = 256 against the model's L2, and the graph's launch gap. A CPU runs scaled shapes.
+    ``progress`` sees each row as it is made (a run cut short still leaves those)."""
     platform = platform_for(device)
     cpu = device.type == "cpu"
     repeats = repeats or (1 if cpu else 20)
     shape, tp_tokens, l2_tokens = SHAPE, TP_TOKENS, L2_TOKENS
     if cpu:
         shape, tp_tokens, l2_tokens = SHAPE.scaled_for_cpu(), (16,), 16
+    batches = [lambda n=n: precompute_rows("tp8", shape.per_rank(TP), n, device, platform, repeats, what_ifs=True)
+               for n in tp_tokens]
+    batches += [lambda: precompute_rows("l2", shape, l2_tokens, device, platform, repeats, what_ifs=False),
+                lambda: [launch_gap_row(device, platform, repeats=repeats)]]
     rows = []
-    for tokens in tp_tokens:
-        rows += precompute_rows("tp8", shape.per_rank(TP), tokens, device, platform, repeats, what_ifs=True)
-    rows += precompute_rows("l2", shape, l2_tokens, device, platform, repeats, what_ifs=False)
-    rows.append(launch_gap_row(device, platform, repeats=repeats))
+    for batch in batches:
+        for row in batch():
+            rows.append(row)
+            if progress is not None:
+                progress(row)
     return rows
 
 
