@@ -172,7 +172,8 @@ class _Floor:
         return "; ".join(parts)
 
 
-def _flush(device: torch.device):
+def l2_flush(device: torch.device):
+    """What clears the GPU's caches before a timed call (a 256 MiB write); None off a GPU."""
     if device.type != "cuda":
         return None
     buffer = torch.empty(256 << 20, dtype=torch.uint8, device=device)
@@ -301,7 +302,7 @@ def _time_contenders(plan, op, shape, case, contenders, cost, floor, model=None)
             rows[name] = BenchRow(op=op, shape=shape.name, case=case, backend=name,
                                   note=f"ERROR {type(exc).__name__}: {exc}"[:200])
     seconds = interleaved_median_seconds(runnable, plan.device, warmup=plan.warmup, repeats=plan.repeats,
-                                         setup=_flush(plan.device)) if runnable else {}
+                                         setup=l2_flush(plan.device)) if runnable else {}
     for name, s in seconds.items():
         rows[name] = _row(op, shape, case, name, s, cost, floor, launches[name])
         if model is not None:

@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from dflash_rocm.bench import l2_flush
 from dflash_rocm.floors import peak_for
 from dflash_rocm.ops import PRECOMPUTE
 from dflash_rocm.platform import Platform, platform_for
@@ -107,17 +108,10 @@ def _model_us(shape: DraftShape, tokens: int, platform: Platform, config) -> tup
     return (None if seconds is None else seconds * 1e6), (launch.as_dict() if launch else {})
 
 
-def _flush(device: torch.device):
-    if device.type != "cuda":
-        return None
-    buffer = torch.empty(256 << 20, dtype=torch.uint8, device=device)
-    return buffer.zero_
-
-
 def _time_us(fns: dict[str, Callable[[], object]], device: torch.device, repeats: int) -> dict[str, float]:
     runnable = {name: (lambda i, fn=fn: fn()) for name, fn in fns.items()}
     seconds = interleaved_median_seconds(runnable, device, warmup=0 if device.type == "cpu" else 3,
-                                         repeats=repeats, setup=_flush(device))
+                                         repeats=repeats, setup=l2_flush(device))
     return {name: s * 1e6 for name, s in seconds.items()}
 
 
