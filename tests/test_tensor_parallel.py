@@ -125,3 +125,22 @@ def test_the_what_ifs_are_the_table_undone_and_the_issues_split_and_differ_from_
     assert "twice the split" not in narrow and narrow["128-token tiles, 8-way"].split_k == 4
     whole = assumptions.what_if_configs(dataclasses.replace(table, whole_tiles=304), hidden=4096, tokens=4096)
     assert "half the split" not in whole  # a last round's split is not the per-rank rule's
+
+
+def test_bench_and_inspect_refuse_a_degree_vllm_cannot_shard(capsys):
+    from dflash_rocm.cli import main
+
+    for argv in (["bench", "--tp", "3", "--device", "cpu", "--op", "precompute"],
+                 ["inspect", "--tp", "2,3", "--target", "gfx942", "--op", "precompute", "--quiet"]):
+        assert main(argv) == 2
+        assert "tp 3" in capsys.readouterr().err
+
+
+def test_bench_plans_the_per_rank_shape():
+    import torch
+
+    from dflash_rocm import bench
+
+    plan = bench.default_plan(torch.device("cpu"), tp=8, ops=["precompute"])
+    assert [(s.q_heads, s.kv_heads) for s in plan.shapes] == [(4, 1)]
+    assert plan.shapes[0].name.endswith("@tp8")
