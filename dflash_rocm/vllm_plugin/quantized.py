@@ -3,9 +3,9 @@
 Right after the draft's ``load_weights`` every vLLM quantization method still holds its
 checkpoint layout (no fnuz conversion, transpose, padding, shuffle, Marlin/ExLlama repack
 or oneDNN prepack yet: those come in ``process_weights_after_loading``), so the dense
-weight is a closed form of the layer's tensors per method. Each is computed in float32,
-exactly (every code times a power of two or a float scale fits float32), and rounded once,
-to the draft's dtype, by the caller.
+weight is a closed form of the layer's tensors per method. Each is computed in float64,
+exactly (a code of at most 8 bits times a float32 scale fits float64's 53 bits), and
+rounded once, to the draft's dtype, by the caller.
 
 Methods, by the tensors the layer holds (``W[n, k]``, ``n`` an output row of this rank):
 
@@ -51,9 +51,9 @@ WEIGHT_TENSORS = ("weight", "weight_scale", "weight_scale_inv", "weight_packed",
 # --- closed forms on checkpoint tensors (output rows first unless said) ---------------------------------
 
 def scaled(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None) -> torch.Tensor:
-    """``codes * scale`` in float32: ``scale`` a scalar, one per row (``[N]``/``[N, 1]``),
+    """``codes * scale`` in float64: ``scale`` a scalar, one per row (``[N]``/``[N, 1]``),
     or one per ``block`` of ``[bn, bk]`` (``[ceil(N/bn), ceil(K/bk)]``)."""
-    w, s = codes.float(), scale.float()
+    w, s = codes.double(), scale.double()
     if block is not None:
         bn, bk = block
         s = s.repeat_interleave(bn, 0)[:w.shape[0]].repeat_interleave(bk, 1)[:, :w.shape[1]]
@@ -64,15 +64,15 @@ def scaled(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | No
 
 def e8m0(exponents: torch.Tensor, width: int) -> torch.Tensor:
     """MX scales ``2^(e - 127)`` (uint8 ``[N, K/32]``), each repeated over its 32 inputs (``width`` K)."""
-    scale = torch.exp2(exponents.to(torch.int32).float() - 127)
+    scale = torch.exp2(exponents.to(torch.int32).double() - 127)
     return scale.repeat_interleave(MX_BLOCK, 1)[:, :width]
 
 
 def e2m1(packed: torch.Tensor) -> torch.Tensor:
-    """FP4 e2m1 codes, two a byte (low nibble first), ``[N, K/2]`` uint8 -> float32 ``[N, K]``."""
+    """FP4 e2m1 codes, two a byte (low nibble first), ``[N, K/2]`` uint8 -> float64 ``[N, K]``."""
     b = packed.to(torch.int32)
     nibbles = torch.stack([b & 0xF, b >> 4], dim=-1).reshape(b.shape[0], -1)
-    values = torch.tensor(E2M1, dtype=torch.float32, device=b.device)[nibbles & 0x7]
+    values = torch.tensor(E2M1, dtype=torch.float64, device=b.device)[nibbles & 0x7]
     return torch.where(nibbles >= 8, -values, values)
 
 
@@ -89,9 +89,9 @@ def unpack(packed: torch.Tensor, bits: int, dim: int, order: tuple[int, ...] | N
 def grouped(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | int, groups: torch.Tensor) -> torch.Tensor:
     """``(q - z) * s`` for codes ``[N, K]`` whose input ``k`` is in group ``groups[k]``
     (``scale``/``zero`` ``[N, G]``, or ``zero`` one integer offset)."""
-    s = scale.float()[:, groups]
-    z = zero[:, groups].float() if isinstance(zero, torch.Tensor) else float(zero)
-    return (codes.float() - z) * s
+    s = scale.double()[:, groups]
+    z = zero[:, groups].double() if isinstance(zero, torch.Tensor) else float(zero)
+    return (codes.double() - z) * s
 
 
 def _groups(width: int, group: int, device) -> torch.Tensor:
@@ -132,7 +132,7 @@ def shard_tensors(linear, start: int, stop: int) -> dict[str, torch.Tensor] | st
 
 
 def _shard_scale(linear, scale: torch.Tensor, row: int) -> torch.Tensor:
-    s = scale.detach().float().reshape(-1)
+    s = scale.detach().double().reshape(-1)
     widths = list(getattr(linear, "logical_widths", None) or linear.output_partition_sizes)
     if s.numel() != len(widths):
         raise ValueError(f"{s.numel()} per-tensor scales for {len(widths)} shards")
@@ -142,7 +142,7 @@ def _shard_scale(linear, scale: torch.Tensor, row: int) -> torch.Tensor:
 
 
 def reader(linear):
-    """``read(tensors) -> float32 [rows, K]`` for ``linear``'s method (from a shard's
+    """``read(tensors) -> float64 [rows, K]`` for ``linear``'s method (from a shard's
     :func:`shard_tensors`), or why no closed form serves it."""
     params = dict(linear.named_parameters(recurse=False))
     weight = params.get("weight")
@@ -180,7 +180,7 @@ def _scaled(t, block):
 
 
 def _mxfp8(t):
-    return t["weight"].float() * e8m0(t["weight_scale"], t["weight"].shape[1])
+    return t["weight"].double() * e8m0(t["weight_scale"], t["weight"].shape[1])
 
 
 def _mxfp4(t):
