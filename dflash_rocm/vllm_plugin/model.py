@@ -104,13 +104,23 @@ class ServedDraft:
             logger.warning("context-KV precompute stays on vLLM's path: %s", found)
             return
         self._dflash_weights, self._dflash_plans, self._dflash_views_key = found, {}, None
-        logger.info("context-KV precompute of this draft runs through dflash_rocm (%d layers%s)", found.num_layers,
-                    "".join(f", {v}" for v in sorted(variants)))
+        methods = draft_weights.quantized_methods(self.model)
+        logger.info("context-KV precompute of this draft runs through dflash_rocm (%d layers%s%s)", found.num_layers,
+                    "".join(f", {v}" for v in sorted(variants)),
+                    f", K/V weights dequantized from {', '.join(methods)}" if methods else "")
 
     def process_weights_after_loading(self) -> None:
         parent = getattr(super(), "process_weights_after_loading", None)
         if parent is not None:
-            parent()
+            try:
+                parent()
+            except Exception as exc:
+                if not (methods := draft_weights.quantized_methods(self.model)) or self._dflash_weights is None:
+                    raise
+                # vLLM's class reads qkv_proj.weight unconditionally (Laguna, ...): its own path cannot serve
+                logger.warning("%s cannot build its own context-KV buffers for this quantized draft (%s: %s); "
+                               "dflash_rocm serves its precompute (%s) and is the only path", type(self).__name__,
+                               type(exc).__name__, exc, ", ".join(methods))
         if self._dflash_weights is None and self._dflash_precompute_off is None:
             logger.warning("context-KV precompute stays on vLLM's path: the draft's weights did not come "
                            "through load_weights (dummy weights?)")
