@@ -48,6 +48,32 @@ WEIGHT_TENSORS = ("weight", "weight_scale", "weight_scale_inv", "weight_packed",
                   "weight_zero_point", "g_idx")
 
 
+_FP8 = "dequantized: fp8 x per-shard, per-channel or block scales"
+_GPTQ = "dequantized: packed ints, symmetric (asymmetric steps aside)"
+_AWQ = "dequantized: AWQ-order packed ints, zero points, group scales"
+_MXFP8 = "dequantized: fp8 x 2^(e8m0-127) per 32 inputs"
+# vLLM quantization config name -> how the plugin serves a draft's K/V rows under it
+# (every other method: the precompute steps aside and vLLM's per-layer path serves).
+SERVED = {
+    "fp8": _FP8, "fbgemm_fp8": _FP8, "fp8_per_tensor": _FP8, "fp8_per_channel": _FP8, "fp8_per_block": _FP8,
+    "online": "dequantized: the checkpoint's dense weight, or fp8 x scales once quantized",
+    "int8_per_channel_weight_only": "dequantized: int8 x per-channel scales",
+    "compressed-tensors": "dequantized: fp8/int8 x scales, wNa16 packed ints (sym/asym), MXFP4, MXFP8; "
+                          "other schemes step aside",
+    "quark": "dequantized: fp8/int8 x scales, W4A16 int4, MXFP4/MXFP8; other schemes step aside",
+    "modelopt": "dequantized where its weights are fp8 x scales; other formats step aside",
+    "modelopt_mxfp8": _MXFP8, "mxfp8": _MXFP8,
+    "gptq": _GPTQ, "auto_gptq": _GPTQ, "gptq_marlin": _GPTQ, "awq": _AWQ, "auto_awq": _AWQ, "awq_marlin": _AWQ,
+}
+
+
+def support(methods) -> list[tuple[str, str]]:
+    """``(method, how the plugin serves a draft's K/V under it)`` for vLLM's quantization
+    config names ``methods`` (``QUANTIZATION_METHODS``)."""
+    return [(m, SERVED.get(m, "steps aside (no closed form here): vLLM's per-layer path serves"))
+            for m in methods]
+
+
 # --- closed forms on checkpoint tensors (output rows first unless said) ---------------------------------
 
 def scaled(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None) -> torch.Tensor:
@@ -169,6 +195,8 @@ def reader(linear):
             return lambda t: _scaled(t, block)
         if weight.dtype == torch.int32 and scheme is not None and hasattr(scheme, "pack_reorder"):
             return lambda t: _quark_int4(t, scheme)
+    if weight is not None and weight.is_floating_point() and "Online" in name and len(params) <= 2:
+        return lambda t: t["weight"].double()  # online quantization happens after the read point
     return f"no closed form for {name} (weight {None if weight is None else weight.dtype})"
 
 
