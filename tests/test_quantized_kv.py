@@ -204,3 +204,47 @@ def test_quark_w4a16(reorder, symmetric):
 def test_a_method_without_a_closed_form_steps_aside_with_its_name():
     linear = Linear(method("SomeNewLinearMethod"), weight=param(torch.zeros(N, K_IN, dtype=torch.float16), 0))
     assert "SomeNewLinearMethod" in quantized.reader(linear)
+
+
+class _Mapper:
+    """Checkpoint ``k_proj``/``v_proj`` names onto ``qkv_proj`` shards, as vLLM's loader maps them."""
+
+    @staticmethod
+    def _map_name_with_shard(name):
+        for shard in "kv":
+            if f".{shard}_proj." in name:
+                return name.replace(f".{shard}_proj.", ".qkv_proj."), shard
+        return name, None
+
+
+def test_a_reload_of_a_quantized_draft_under_tensor_parallelism_refills_this_ranks_rows():
+    """Rank 1 of 2 holds one KV head's rows per shard; the reload streams the whole
+    checkpoint shard (both ranks' heads): the tee narrows each tensor to rank 1's columns
+    along its output dimension, dequantizes again and writes the K rows in place."""
+    from types import SimpleNamespace
+
+    from dflash_rocm.vllm_plugin import draft_weights
+
+    gen = g()
+    codes = torch.randint(0, 16, (N, K_IN), generator=gen)
+    s = torch.rand(G, N, generator=gen) + 0.5
+    linear = Linear(method("AutoGPTQLinearMethod", weight_bits=4, is_sym=True),
+                    qweight=param(pack(codes.T, 0), 1), scales=param(s, 1))
+    linear.tp_rank, linear.num_kv_head_replicas = 1, 1
+    attn = SimpleNamespace(qkv_proj=linear, q_size=Q, num_kv_heads=1, head_dim=KV)
+    inner = type("Inner", (), {"hf_to_vllm_mapper": _Mapper})()
+    inner.layers = [SimpleNamespace(self_attn=attn)]
+    setattr(inner, draft_weights.QUANTIZED_KV, source := draft_weights.QuantizedKV([attn]))
+    held = SimpleNamespace(kv_weight=source.kv_weight(torch.float32), num_layers=1, num_kv_heads=1, head_dim=KV,
+                           per_layer_hidden_norm=False)
+    address = held.kv_weight.data_ptr()
+    full_codes = torch.randint(0, 16, (2 * KV, K_IN), generator=gen)  # both ranks' K rows
+    full_scales = torch.rand(G, 2 * KV, generator=gen) + 0.5
+    tee = draft_weights.ReloadTee(inner)
+    list(tee.watch([("layers.0.self_attn.k_proj.qweight", pack(full_codes.T, 0)),
+                    ("layers.0.self_attn.k_proj.scales", full_scales)]))
+    assert tee.refill(held) is None
+    want_k = _grouped(full_codes[KV:], 8, full_scales[:, KV:].T)
+    assert torch.equal(held.kv_weight[:KV].double(), want_k.float().double())
+    assert torch.equal(held.kv_weight[KV:].double(), _grouped(codes, 8, s.T)[Q + KV:].float().double())  # V kept
+    assert held.kv_weight.data_ptr() == address
