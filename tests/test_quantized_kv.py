@@ -139,6 +139,13 @@ def test_mxfp4():
           values * _mx_scale(e))
 
 
+def int4_case(rows=N):
+    """Random 4-bit codes ``[rows, K]``, scales ``[rows, G]`` (>= 0.5) and zero points ``[rows, G]``."""
+    gen = g()
+    return (torch.randint(0, 16, (rows, K_IN), generator=gen), torch.rand(rows, G, generator=gen) + 0.5,
+            torch.randint(0, 16, (rows, G), generator=gen))
+
+
 def _grouped(codes, zero, scale_nk):
     """``(q - z) * s`` in float64, ``scale_nk``/``zero`` ``[N, G]`` or ``zero`` an int."""
     z = zero.repeat_interleave(GROUP, 1).double() if isinstance(zero, torch.Tensor) else zero
@@ -147,10 +154,7 @@ def _grouped(codes, zero, scale_nk):
 
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_compressed_tensors_wna16(symmetric):
-    gen = g()
-    codes = torch.randint(0, 16, (N, K_IN), generator=gen)
-    s = torch.rand(N, G, generator=gen) + 0.5
-    z = torch.randint(0, 16, (N, G), generator=gen)
+    codes, s, z = int4_case()
     params = dict(weight_packed=param(pack(codes, 1), 0), weight_scale=param(s, 0))
     if not symmetric:
         params["weight_zero_point"] = param(pack(z, 0), 0)
@@ -159,13 +163,11 @@ def test_compressed_tensors_wna16(symmetric):
 
 
 def test_gptq():
-    gen = g()
-    codes = torch.randint(0, 16, (N, K_IN), generator=gen)
-    s = torch.rand(G, N, generator=gen) + 0.5
+    codes, s, _ = int4_case()
     linear = Linear(method("AutoGPTQLinearMethod", weight_bits=4, is_sym=True),
-                    qweight=param(pack(codes.T, 0), 1), scales=param(s, 1),
+                    qweight=param(pack(codes.T, 0), 1), scales=param(s.T.contiguous(), 1),
                     g_idx=param(torch.arange(K_IN, dtype=torch.int32) // GROUP))
-    check(linear, _grouped(codes, 8, s.T))
+    check(linear, _grouped(codes, 8, s))
 
 
 def test_asymmetric_gptq_steps_aside_with_a_reason():
@@ -176,29 +178,23 @@ def test_asymmetric_gptq_steps_aside_with_a_reason():
 
 @pytest.mark.parametrize("zero_point", [True, False])
 def test_awq(zero_point):
-    gen = g()
-    codes = torch.randint(0, 16, (N, K_IN), generator=gen)
-    s = torch.rand(G, N, generator=gen) + 0.5
-    z = torch.randint(0, 16, (N, G), generator=gen)
+    codes, s, z = int4_case()
     linear = Linear(method("AutoAWQLinearMethod", weight_bits=4, zero_point=zero_point),
                     qweight=param(pack(codes.T, 1, quantized.AWQ_ORDER), 1),
-                    qzeros=param(pack(z.T, 1, quantized.AWQ_ORDER), 1), scales=param(s, 1))
-    check(linear, _grouped(codes, z if zero_point else 8, s.T))
+                    qzeros=param(pack(z.T, 1, quantized.AWQ_ORDER), 1), scales=param(s.T.contiguous(), 1))
+    check(linear, _grouped(codes, z if zero_point else 8, s))
 
 
 @pytest.mark.parametrize("reorder", [True, False])
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_quark_w4a16(reorder, symmetric):
-    gen = g()
-    codes = torch.randint(0, 16, (N, K_IN), generator=gen)  # symmetric: signed nibbles
-    s = torch.rand(G, N, generator=gen) + 0.5
-    z = torch.randint(0, 16, (N, G), generator=gen)
+    codes, s, z = int4_case()  # symmetric: the codes are signed nibbles
     order = quantized.AWQ_ORDER if reorder else tuple(range(8))
     scheme = type("QuarkW4A16Int4", (), {"pack_reorder": reorder, "is_symmetric": symmetric})()
     linear = Linear(method("QuarkLinearMethod"), scheme, weight=param(pack(codes.T, 1, order), 1),
-                    weight_scale=param(s, 1), weight_zero_point=param(pack(z.T, 1, order), 1))
+                    weight_scale=param(s.T.contiguous(), 1), weight_zero_point=param(pack(z.T, 1, order), 1))
     signed = torch.where(codes >= 8, codes - 16, codes)
-    check(linear, _grouped(signed, 0, s.T) if symmetric else _grouped(codes, z, s.T))
+    check(linear, _grouped(signed, 0, s) if symmetric else _grouped(codes, z, s))
 
 
 def test_a_method_without_a_closed_form_steps_aside_with_its_name():
