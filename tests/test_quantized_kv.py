@@ -123,6 +123,11 @@ def test_mxfp8():
     check(Linear(method("QuarkLinearMethod"), weight=param(w, 0), weight_scale=param(e, 0)), w.double() * _mx_scale(e))
 
 
+def test_e8m0_scales_streamed_as_float8_e8m0fnu_are_read_by_their_bits():
+    e = _e8m0(g())
+    assert torch.equal(quantized.e8m0(e.view(torch.float8_e8m0fnu), K_IN), _mx_scale(e))
+
+
 def _e2m1_value(c: int) -> float:
     exp, man = (c >> 1) & 3, c & 1
     mag = man * 0.5 if exp == 0 else 2.0 ** (exp - 1) * (1 + man / 2)

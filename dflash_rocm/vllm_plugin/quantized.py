@@ -89,8 +89,10 @@ def scaled(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | No
 
 
 def e8m0(exponents: torch.Tensor, width: int) -> torch.Tensor:
-    """MX scales ``2^(e - 127)`` (uint8 ``[N, K/32]``), each repeated over its 32 inputs (``width`` K)."""
-    scale = torch.exp2(exponents.to(torch.int32).double() - 127)
+    """MX scales ``2^(e - 127)`` (uint8 ``[N, K/32]``, or a streamed ``float8_e8m0fnu``
+    tensor read as its bits), each repeated over its 32 inputs (``width`` K)."""
+    bits = exponents.view(torch.uint8) if exponents.dtype == getattr(torch, "float8_e8m0fnu", None) else exponents
+    scale = torch.exp2(bits.to(torch.int32).double() - 127)
     return scale.repeat_interleave(MX_BLOCK, 1)[:, :width]
 
 
