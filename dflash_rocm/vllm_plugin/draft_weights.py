@@ -32,21 +32,22 @@ def _unquantised(linear) -> bool:
 
 class QuantizedKV:
     """A quantized draft's K/V rows at the read point: per layer and shard (``k``, ``v``)
-    the checkpoint-layout tensors of this rank's rows (:func:`.quantized.shard_tensors`)
-    and the method's closed form, so a reload that streams some of them recomputes the
-    dense rows from the rest."""
+    the checkpoint-layout tensors of this rank's rows (:func:`.quantized.shard_tensors`),
+    the parameters' output dimensions as loaded, and the method's closed form, so a reload
+    that streams some of them recomputes the dense rows from the rest."""
 
     def __init__(self, attns):
         self.methods = sorted({quantized.describe(a.qkv_proj) for a in attns})
-        self.readers, self.shards = [], []
+        self.readers, self.shards, self.dims = [], [], []
         for a in attns:
             read = quantized.reader(a.qkv_proj)
             if isinstance(read, str):
                 raise ValueError(read)
             rows = a.num_kv_heads * a.head_dim
-            shards = {}
+            shards, dims = {}, quantized.output_dims(a.qkv_proj)
+            self.dims.append(dims)
             for name, start in (("k", a.q_size), ("v", a.q_size + rows)):
-                found = quantized.shard_tensors(a.qkv_proj, start, start + rows)
+                found = quantized.shard_tensors(a.qkv_proj, start, start + rows, dims=dims)
                 if isinstance(found, str):
                     raise ValueError(found)
                 shards[name] = found
@@ -182,12 +183,8 @@ class ReloadTee:
             elif kind == "k_norm":
                 writes.append((held.k_norm_weight[layer], tensor))
             elif source is not None and kind != "bias":
-                if shard is None:
-                    return "the reload brings a fused quantized qkv_proj"
-                tensors = updated.setdefault((layer, shard), dict(source.shards[layer][shard]))
-                if kind not in tensors:
-                    return f"the reload brings {kind}, which the loaded draft's K/V projection does not hold"
-                tensors[kind] = self._rank_part(layer, kind, tensor, tensors[kind])
+                if (why := self._quantized_update(source, updated, layer, shard, kind, tensor)) is not None:
+                    return why
             elif kind in ("weight", "bias"):
                 found = self._kv_writes(held, kind, layer, shard, tensor)
                 if isinstance(found, str):
@@ -196,7 +193,10 @@ class ReloadTee:
         rows = held.num_kv_heads * held.head_dim
         for (layer, shard), tensors in updated.items():
             start = (2 * layer + (shard == "v")) * rows
-            writes.append((held.kv_weight[start:start + rows], source.readers[layer](tensors)))
+            try:
+                writes.append((held.kv_weight[start:start + rows], source.readers[layer](tensors)))
+            except (KeyError, IndexError, ValueError, RuntimeError) as exc:  # never fail vLLM's reload
+                return f"the reloaded K/V tensors do not dequantize ({type(exc).__name__}: {exc})"
         for dst, src in writes:
             if dst.shape != src.shape:
                 return f"a reloaded tensor of shape {list(src.shape)} does not fit {list(dst.shape)}"
@@ -207,15 +207,35 @@ class ReloadTee:
                 dst.copy_(src)
         return None
 
-    def _rank_part(self, layer: int, name: str, tensor: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a streamed K or V shard tensor, laid out as ``held``: narrowed
-        along the parameter's ``output_dim`` (a per-tensor scale is the shard's own)."""
-        qkv = self._inner.layers[layer].self_attn.qkv_proj
-        dim = getattr(getattr(qkv, name, None), "output_dim", None)
-        if dim is None or tensor.shape[dim] == held.shape[dim]:
-            return tensor.reshape(held.shape) if tensor.numel() == held.numel() else tensor
-        rank = getattr(qkv, "tp_rank", 0) // getattr(qkv, "num_kv_head_replicas", 1)
-        return tensor.narrow(dim, rank * held.shape[dim], held.shape[dim])
+    def _quantized_update(self, source, updated: dict, layer: int, shard: str | None, kind: str,
+                          tensor: torch.Tensor) -> str | None:
+        """Put a streamed tensor of a quantized ``qkv_proj`` into ``updated``'s copies of
+        its shards' tensors: a ``k``/``v`` shard's narrowed to this rank's heads along the
+        parameter's ``output_dim``; a fused ``qkv`` tensor (Laguna) carved into K and V on one
+        rank. Why not, if it cannot be placed."""
+        attn = self._inner.layers[layer].self_attn
+        qkv = attn.qkv_proj
+        if kind not in source.shards[layer]["k"]:
+            return f"the reload brings {kind}, which the loaded draft's K/V projection does not hold"
+        held = source.shards[layer]["k"][kind]
+        if shard is None:
+            if getattr(qkv, "tp_size", 1) != 1:
+                return "the reload brings a fused qkv_proj under tensor parallelism"
+            rows = attn.num_kv_heads * attn.head_dim
+            for name, start in (("k", attn.q_size), ("v", attn.q_size + rows)):
+                carved = quantized.shard_tensors(qkv, start, start + rows, {kind: tensor.to(held.device)},
+                                                 source.dims[layer])
+                if isinstance(carved, str):
+                    return carved
+                updated.setdefault((layer, name), dict(source.shards[layer][name])).update(carved)
+            return None
+        tensors = updated.setdefault((layer, shard), dict(source.shards[layer][shard]))
+        dim = source.dims[layer][kind]
+        if dim is not None and tensor.shape[dim] != held.shape[dim]:
+            rank = getattr(qkv, "tp_rank", 0) // getattr(qkv, "num_kv_head_replicas", 1)
+            tensor = tensor.narrow(dim, rank * held.shape[dim], held.shape[dim])
+        tensors[kind] = (tensor.reshape(held.shape) if tensor.numel() == held.numel() else tensor).to(held.device)
+        return None
 
     def _kv_writes(self, held: ContextKVWeights, kind: str, layer: int, shard: str | None, tensor: torch.Tensor):
         """Where a layer's K and V rows of a streamed ``qkv_proj`` tensor go (this rank's

@@ -134,28 +134,39 @@ def describe(linear) -> str:
     return type(scheme if scheme is not None else linear.quant_method).__name__
 
 
-def shard_tensors(linear, start: int, stop: int) -> dict[str, torch.Tensor] | str:
+def output_dims(linear) -> dict[str, int | None]:
+    """Each weight-carrying parameter's ``output_dim`` (None: a per-tensor or input-only
+    tensor), read at the read point: post-load processing may replace the parameters."""
+    return {name: getattr(p, "output_dim", None) for name, p in linear.named_parameters(recurse=False)
+            if name in WEIGHT_TENSORS}
+
+
+def shard_tensors(linear, start: int, stop: int, tensors: dict | None = None,
+                  dims: dict[str, int | None] | None = None) -> dict[str, torch.Tensor] | str:
     """The checkpoint-layout tensors of output rows ``[start, stop)`` of this rank's
-    ``linear`` (one shard's, K or V): each weight-carrying parameter narrowed along its
-    ``output_dim`` in proportion (packed words, scale blocks), a per-shard scale reduced to
-    that shard's (``s[0]`` where a fused checkpoint left it at vLLM's initial minimum),
-    input-only tensors (``g_idx``) whole; copies. Or why not."""
+    ``linear`` (one shard's, K or V), taken from its parameters or from ``tensors`` (a
+    reload's whole-``qkv_proj`` tensors by parameter name, laid out as the parameters):
+    each weight-carrying tensor narrowed along its parameter's ``output_dim`` in proportion
+    (packed words, scale blocks), a per-shard scale reduced to that shard's (``s[0]`` where
+    a fused checkpoint left it at vLLM's initial minimum), input-only tensors (``g_idx``)
+    whole; copies. ``dims``: :func:`output_dims` as read earlier (default: now). Or why not."""
     rows = int(getattr(linear, "output_size_per_partition", 0) or sum(linear.output_partition_sizes))
+    dims = output_dims(linear) if dims is None else dims
     out = {}
-    for name, param in linear.named_parameters(recurse=False):
-        if name not in WEIGHT_TENSORS:
+    for name, dim in dims.items():
+        if tensors is not None and name not in tensors:
             continue
-        dim = getattr(param, "output_dim", None)
-        if dim is None and name in ("weight_scale", "weight_scale_inv") and param.numel() > 1:
-            out[name] = _shard_scale(linear, param, start).reshape(1)
+        data = getattr(linear, name).detach() if tensors is None else tensors[name]
+        if dim is None and name in ("weight_scale", "weight_scale_inv") and data.numel() > 1:
+            out[name] = _shard_scale(linear, data, start).reshape(1)
             continue
         if dim is None:
-            out[name] = param.detach().clone()
+            out[name] = data.clone()
             continue
-        lo, hi = start * param.shape[dim], stop * param.shape[dim]
+        lo, hi = start * data.shape[dim], stop * data.shape[dim]
         if lo % rows or hi % rows:
             return f"{name} packs the K/V rows [{start}, {stop}) with others"
-        out[name] = param.detach().narrow(dim, lo // rows, (hi - lo) // rows).clone()
+        out[name] = data.narrow(dim, lo // rows, (hi - lo) // rows).clone()
     return out
 
 
