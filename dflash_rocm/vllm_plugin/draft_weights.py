@@ -20,11 +20,46 @@ import re
 import torch
 
 from ..weights import ContextKVWeights
+from . import quantized
+
+QUANTIZED_KV = "_dflash_quantized_kv"  # on the draft's inner model: a quantized draft's K/V shard sources
 
 
 def _unquantised(linear) -> bool:
     method = getattr(linear, "quant_method", None)
     return method is None or type(method).__name__ == "UnquantizedLinearMethod"
+
+
+class QuantizedKV:
+    """A quantized draft's K/V rows at the read point: per layer and shard (``k``, ``v``)
+    the checkpoint-layout tensors of this rank's rows (:func:`.quantized.shard_tensors`),
+    the parameters' output dimensions as loaded, and the method's closed form, so a reload
+    that streams some of them recomputes the dense rows from the rest."""
+
+    def __init__(self, attns):
+        self.methods = sorted({quantized.describe(a.qkv_proj) for a in attns})
+        self.readers, self.shards, self.dims = [], [], []
+        for a in attns:
+            read = quantized.reader(a.qkv_proj)
+            if isinstance(read, str):
+                raise ValueError(read)
+            rows = a.num_kv_heads * a.head_dim
+            shards, dims = {}, quantized.output_dims(a.qkv_proj)
+            self.dims.append(dims)
+            for name, start in (("k", a.q_size), ("v", a.q_size + rows)):
+                found = quantized.shard_tensors(a.qkv_proj, start, start + rows, dims=dims)
+                if isinstance(found, str):
+                    raise ValueError(found)
+                shards[name] = found
+            self.readers.append(read)
+            self.shards.append(shards)
+
+    def rows(self, layer: int, shard: str, dtype: torch.dtype) -> torch.Tensor:
+        """One shard's dense rows, rounded once to ``dtype``."""
+        return self.readers[layer](self.shards[layer][shard]).to(dtype)
+
+    def kv_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return torch.cat([self.rows(layer, shard, dtype) for layer in range(len(self.shards)) for shard in "kv"])
 
 
 def _rope_of(attns, rope_layers) -> object | str:
@@ -47,9 +82,6 @@ def read(inner, *, rope_layers: tuple[bool, ...] | None = None,
     Never raises for a model vLLM built: an attribute it lacks is a reason."""
     try:
         attns = [layer.self_attn for layer in inner.layers]
-        quantised = sorted({type(a.qkv_proj.quant_method).__name__ for a in attns if not _unquantised(a.qkv_proj)})
-        if quantised:
-            return f"the draft's K/V projections are quantised ({', '.join(quantised)})"
         first = attns[0]
         rope = _rope_of(attns, rope_layers or (True,) * len(attns))
         if isinstance(rope, str):
@@ -59,7 +91,13 @@ def read(inner, *, rope_layers: tuple[bool, ...] | None = None,
                     first.num_kv_heads, first.head_dim, first.q_norm.variance_epsilon):
                 return "the draft's layers differ in KV heads, head size or norm epsilon"
         with torch.no_grad():
-            kv_weight = torch.cat([a.qkv_proj.weight[a.q_size:] for a in attns])
+            source = None
+            if not all(_unquantised(a.qkv_proj) for a in attns):
+                source = QuantizedKV(attns)
+                kv_weight = source.kv_weight(first.k_norm.weight.dtype)
+            else:
+                kv_weight = torch.cat([a.qkv_proj.weight[a.q_size:] for a in attns])
+            setattr(inner, QUANTIZED_KV, source)
             has_bias = getattr(first.qkv_proj, "bias", None) is not None
             kv_bias = torch.cat([a.qkv_proj.bias[a.q_size:] for a in attns]) if has_bias else None
             k_norm = torch.stack([a.k_norm.weight for a in attns])
@@ -74,11 +112,18 @@ def read(inner, *, rope_layers: tuple[bool, ...] | None = None,
             eps=float(first.q_norm.variance_epsilon), v_scale=None if v_scale is None else float(v_scale),
             num_layers=len(attns), num_kv_heads=int(first.num_kv_heads), head_dim=int(first.head_dim),
             rope_layers=rope_layers)
-    except (AttributeError, TypeError, ValueError, IndexError, RuntimeError) as exc:
+    except (AttributeError, TypeError, ValueError, IndexError, RuntimeError, KeyError) as exc:
         return f"cannot read the draft's K/V weights ({type(exc).__name__}: {exc})"
 
 
-_QKV_PARAM = re.compile(r"^layers\.(\d+)\.self_attn\.qkv_proj\.(weight|bias)$")
+def quantized_methods(inner) -> list[str]:
+    """The quantization methods of the draft's K/V projections the plugin dequantizes
+    (empty for a plain draft or before the read)."""
+    source = getattr(inner, QUANTIZED_KV, None)
+    return source.methods if source is not None else []
+
+
+_QKV_PARAM = re.compile(r"^layers\.(\d+)\.self_attn\.qkv_proj\.(bias|" + "|".join(quantized.WEIGHT_TENSORS) + ")$")
 _K_NORM_PARAM = re.compile(r"^layers\.(\d+)\.self_attn\.k_norm\.weight$")
 _INPUT_NORM_PARAM = re.compile(r"^layers\.(\d+)\.input_layernorm\.weight$")
 
@@ -120,8 +165,10 @@ class ReloadTee:
 
     def refill(self, held: ContextKVWeights) -> str | None:
         """Write what the stream held into ``held``'s tensors in place; why not (nothing
-        written) if a tensor does not fit."""
-        writes = []
+        written) if a tensor does not fit. A quantized draft's streamed K/V tensors
+        replace their shard's checkpoint-layout tensors and its rows are dequantized again."""
+        source = getattr(self._inner, QUANTIZED_KV, None)
+        writes, updated = [], {}  # updated: (layer, shard) -> that shard's tensors after the reload
         for kind, layer, shard, tensor in self._seen:
             if kind == "hidden_norm" and held.per_layer_hidden_norm:
                 continue  # the model's own hidden norm; the precompute's are the layers' input norms
@@ -135,16 +182,59 @@ class ReloadTee:
                     writes.append((held.hidden_norm_weight[layer], tensor))
             elif kind == "k_norm":
                 writes.append((held.k_norm_weight[layer], tensor))
-            elif (found := self._kv_writes(held, kind, layer, shard, tensor)) is not None:
+            elif source is not None and kind != "bias":
+                if (why := self._quantized_update(source, updated, layer, shard, kind, tensor)) is not None:
+                    return why
+            elif kind in ("weight", "bias"):
+                found = self._kv_writes(held, kind, layer, shard, tensor)
                 if isinstance(found, str):
                     return found
                 writes.extend(found)
+        rows = held.num_kv_heads * held.head_dim
+        for (layer, shard), tensors in updated.items():
+            start = (2 * layer + (shard == "v")) * rows
+            try:
+                writes.append((held.kv_weight[start:start + rows], source.readers[layer](tensors)))
+            except (KeyError, IndexError, ValueError, RuntimeError) as exc:  # never fail vLLM's reload
+                return f"the reloaded K/V tensors do not dequantize ({type(exc).__name__}: {exc})"
         for dst, src in writes:
             if dst.shape != src.shape:
                 return f"a reloaded tensor of shape {list(src.shape)} does not fit {list(dst.shape)}"
         with torch.no_grad():
+            for (layer, shard), tensors in updated.items():
+                source.shards[layer][shard] = tensors
             for dst, src in writes:
                 dst.copy_(src)
+        return None
+
+    def _quantized_update(self, source, updated: dict, layer: int, shard: str | None, kind: str,
+                          tensor: torch.Tensor) -> str | None:
+        """Put a streamed tensor of a quantized ``qkv_proj`` into ``updated``'s copies of
+        its shards' tensors: a ``k``/``v`` shard's narrowed to this rank's heads along the
+        parameter's ``output_dim``; a fused ``qkv`` tensor (Laguna) carved into K and V on one
+        rank. Why not, if it cannot be placed."""
+        attn = self._inner.layers[layer].self_attn
+        qkv = attn.qkv_proj
+        if kind not in source.shards[layer]["k"]:
+            return f"the reload brings {kind}, which the loaded draft's K/V projection does not hold"
+        held = source.shards[layer]["k"][kind]
+        if shard is None:
+            if getattr(qkv, "tp_size", 1) != 1:
+                return "the reload brings a fused qkv_proj under tensor parallelism"
+            rows = attn.num_kv_heads * attn.head_dim
+            for name, start in (("k", attn.q_size), ("v", attn.q_size + rows)):
+                carved = quantized.shard_tensors(qkv, start, start + rows, {kind: tensor.to(held.device)},
+                                                 source.dims[layer])
+                if isinstance(carved, str):
+                    return carved
+                updated.setdefault((layer, name), dict(source.shards[layer][name])).update(carved)
+            return None
+        tensors = updated.setdefault((layer, shard), dict(source.shards[layer][shard]))
+        dim = source.dims[layer][kind]
+        if dim is not None and tensor.shape[dim] != held.shape[dim]:
+            rank = getattr(qkv, "tp_rank", 0) // getattr(qkv, "num_kv_head_replicas", 1)
+            tensor = tensor.narrow(dim, rank * held.shape[dim], held.shape[dim])
+        tensors[kind] = (tensor.reshape(held.shape) if tensor.numel() == held.numel() else tensor).to(held.device)
         return None
 
     def _kv_writes(self, held: ContextKVWeights, kind: str, layer: int, shard: str | None, tensor: torch.Tensor):
@@ -160,6 +250,9 @@ class ReloadTee:
             if getattr(qkv, "tp_size", 1) != 1:
                 return "the reload brings a fused qkv_proj under tensor parallelism"
             q_rows = tensor.shape[0] - 2 * rows
+            if q_rows < 0:
+                return (f"the reload's layers.{layer}.self_attn.qkv_proj.{kind} has {tensor.shape[0]} rows, fewer "
+                        f"than its layer's K and V rows ({2 * rows})")
             return [(target[start:start + 2 * rows], tensor.narrow(0, q_rows, 2 * rows))]
         rank = getattr(qkv, "tp_rank", 0) // getattr(qkv, "num_kv_head_replicas", 1)
         start += (shard == "v") * rows

@@ -20,6 +20,7 @@ and captured CUDA graphs stay valid.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 
@@ -86,7 +87,8 @@ class ServedDraft:
         if self._dflash_weights is not None:  # a reload: the new values as they stream by
             tee = draft_weights.ReloadTee(self.model)
             weights = tee.watch(weights)
-        loaded = super().load_weights(weights)
+        with self._own_buffers_guarded():
+            loaded = super().load_weights(weights)
         if self._dflash_precompute_off is None:
             if tee is None:
                 self._take_weights()
@@ -94,6 +96,34 @@ class ServedDraft:
                 self._dflash_weights = None
                 logger.warning("context-KV precompute goes back to vLLM's path after a weight reload: %s", why)
         return loaded
+
+    @contextlib.contextmanager
+    def _own_buffers_guarded(self):
+        """While the plugin serves a quantized draft's precompute, a failure of vLLM's own
+        fused-buffer build (its class reads ``qkv_proj.weight`` unconditionally: Laguna,
+        Muse Spark DSpark and Beam-AMD in 0.34; GPTQ/AWQ layers have none, CPU int8 layers
+        lose it to oneDNN's prepack) is said once instead of failing the load: the plugin is
+        then the only path. A plain draft's failure is vLLM's and propagates."""
+        inner = self.model
+        methods = draft_weights.quantized_methods(inner)
+        build = getattr(inner, "_build_fused_kv_buffers", None)
+        if not methods or self._dflash_weights is None or build is None:
+            yield
+            return
+
+        def guarded():
+            try:
+                build()
+            except Exception as exc:  # noqa: BLE001 - vLLM's own buffers only; the plugin's are held
+                attention.warn_once(f"own-buffers:{id(self)}", "%s cannot build its own context-KV "
+                                    "buffers for this quantized draft (%s: %s); dflash_rocm serves its precompute "
+                                    "(%s) and is the only path", type(self).__name__, type(exc).__name__, exc,
+                                    ", ".join(methods))
+        inner._build_fused_kv_buffers = guarded
+        try:
+            yield
+        finally:
+            del inner._build_fused_kv_buffers
 
     def _take_weights(self) -> None:
         variants = family.precompute_variants(self)
@@ -104,13 +134,16 @@ class ServedDraft:
             logger.warning("context-KV precompute stays on vLLM's path: %s", found)
             return
         self._dflash_weights, self._dflash_plans, self._dflash_views_key = found, {}, None
-        logger.info("context-KV precompute of this draft runs through dflash_rocm (%d layers%s)", found.num_layers,
-                    "".join(f", {v}" for v in sorted(variants)))
+        methods = draft_weights.quantized_methods(self.model)
+        logger.info("context-KV precompute of this draft runs through dflash_rocm (%d layers%s%s)", found.num_layers,
+                    "".join(f", {v}" for v in sorted(variants)),
+                    f", K/V weights dequantized from {', '.join(methods)}" if methods else "")
 
     def process_weights_after_loading(self) -> None:
         parent = getattr(super(), "process_weights_after_loading", None)
         if parent is not None:
-            parent()
+            with self._own_buffers_guarded():
+                parent()
         if self._dflash_weights is None and self._dflash_precompute_off is None:
             logger.warning("context-KV precompute stays on vLLM's path: the draft's weights did not come "
                            "through load_weights (dummy weights?)")
