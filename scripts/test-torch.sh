@@ -14,7 +14,8 @@
 # audit (tests/test_audit.py: its facts and model are held for the Triton its files were
 # made with, and its sweep compiles ~300 kernels), nor the CLI, report and docs tests (no
 # torch- or Triton-specific code; the first environment runs them). A run of these files
-# on a shared 2-core machine under heavy load took ~30 min; CI's own time is in its log.
+# took 487 s on this shared 2-core machine (load 4-6 from others; cold Triton cache), after
+# a 163 s install; CI's own time is in its log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TORCH="${1:?usage: scripts/test-torch.sh TORCH_VERSION [pytest args]}"
