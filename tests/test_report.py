@@ -56,7 +56,8 @@ def test_info_fits_and_names_each_unavailable_backend_once(capsys):
     assert_fits(out)
     assert_each_reason_once(out, names_once=False)
     assert "\x1b[" not in out  # not a terminal
-    assert "(checked against the Triton kernel on first use)" in " ".join(out.split())  # wrapped, not cut
+    # the help is wrapped, not cut:
+    assert "(checked against the rocm backend's Triton kernel on first use)" in " ".join(out.split())
 
 
 @needs_interpreter
