@@ -74,20 +74,22 @@ _PREPARED = DerivedCache()
 
 
 def prepared_weights(w: ContextKVWeights) -> PreparedWeights:
-    """The GEMM operand and float32 tables, built once per weights (and after an in-place update)."""
-    def build() -> PreparedWeights:
-        L, D = w.num_layers, w.head_dim
-        dtype = gemm_dtype(w.dtype)
-        folded = w.per_layer_hidden_norm
-        return PreparedWeights(
-            weight_t=(w.folded_kv_weight() if folded else w.kv_weight).to(dtype).t().contiguous(),
-            bias=None if w.kv_bias is None else w.kv_bias.to(dtype).contiguous(),
-            hidden_norm=None if folded else w.hidden_norm_weight.float().contiguous(),
-            k_norm=w.k_norm_weight.float().view(1, L, 1, D).contiguous(),
-            # vLLM's rotary kernel reads the table in the activations' dtype.
-            rope=_rope_table(w.cos_sin_cache.to(w.dtype), w.is_neox), eps=torch.tensor(float(w.eps)))
+    """The GEMM operand and float32 tables, built once per weights (and refilled after an in-place update)."""
     sources = (w.kv_weight, w.hidden_norm_weight, w.kv_bias, w.k_norm_weight, w.cos_sin_cache)
-    return _PREPARED.get(sources, (w.is_neox, w.eps, w.num_layers, w.head_dim), build)
+    return _PREPARED.get(sources, (w.is_neox, w.eps, w.num_layers, w.head_dim), _prepare, w)
+
+
+def _prepare(w: ContextKVWeights) -> PreparedWeights:
+    L, D = w.num_layers, w.head_dim
+    dtype = gemm_dtype(w.dtype)
+    folded = w.per_layer_hidden_norm
+    return PreparedWeights(
+        weight_t=(w.folded_kv_weight() if folded else w.kv_weight).to(dtype).t().contiguous(),
+        bias=None if w.kv_bias is None else w.kv_bias.to(dtype).contiguous(),
+        hidden_norm=None if folded else w.hidden_norm_weight.float().contiguous(),
+        k_norm=w.k_norm_weight.float().view(1, L, 1, D).contiguous(),
+        # vLLM's rotary kernel reads the table in the activations' dtype.
+        rope=_rope_table(w.cos_sin_cache.to(w.dtype), w.is_neox), eps=torch.tensor(float(w.eps)))
 
 
 def _rms_factor(x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:

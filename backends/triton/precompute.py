@@ -60,7 +60,7 @@ _FUSED = DerivedCache()
 def fused_weights(w: ContextKVWeights) -> FusedKVWeights:
     """This backend's layout of ``w``, rebuilt whenever a source tensor changes."""
     sources = (w.kv_weight, w.hidden_norm_weight, w.kv_bias, w.k_norm_weight, w.cos_sin_cache)
-    return _FUSED.get(sources, (w.num_layers, w.num_kv_heads, w.head_dim, w.is_neox), lambda: _fuse(w))
+    return _FUSED.get(sources, (w.num_layers, w.num_kv_heads, w.head_dim, w.is_neox), _fuse, w)
 
 
 def _fuse(w: ContextKVWeights) -> FusedKVWeights:
