@@ -90,13 +90,19 @@ def refill_in_place(old: Any, new: Any) -> bool:
                 return False
         elif isinstance(b, torch.Tensor) or a != b:
             return False
-    targets = [(a, b) for a, b in zip(before, after) if isinstance(a, torch.Tensor) and a is not b]
+    # A leaf that is its source (or a view of it: a float32 table from float32 weights)
+    # already holds the new values; copying it onto itself would only move its version.
+    targets = [(a, b) for a, b in zip(before, after) if isinstance(a, torch.Tensor) and not _same_view(a, b)]
     # A value built inside a serving engine's inference mode holds inference tensors,
     # which only accept in-place writes there.
     with torch.no_grad(), torch.inference_mode(any(a.is_inference() for a, _ in targets)):
         for a, b in targets:
             a.copy_(b)
     return True
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b or (a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape)
 
 
 class DerivedNotReady(ValueError):
@@ -142,7 +148,7 @@ class DerivedCache:
         value = rebuild()
         if previous is not None and refill_in_place(previous, value):
             value = previous
-        self._keep(key, sources, value, rebuild)
+        self._keep(tag, sources, value, rebuild)
         return value
 
     def refill(self) -> int:
@@ -161,12 +167,11 @@ class DerivedCache:
                 with self._lock:
                     self._entries.pop(key, None)
                 continue
-            fingerprints = tuple(_fingerprint(t) for t in sources)
-            if fingerprints != key[1]:
-                stale.append((key, sources, fingerprints, value, rebuild))
+            if tuple(_fingerprint(t) for t in sources) != key[1]:
+                stale.append((key, sources, value, rebuild))
         if any(t is not None and launches.graph_capturing(t.device) for _, sources, *_ in stale for t in sources):
             raise DerivedNotReady("refill_derived() was called while a CUDA graph is captured")
-        for key, sources, fingerprints, value, rebuild in stale:
+        for key, sources, value, rebuild in stale:
             new = rebuild()
             if refill_in_place(value, new):
                 new = value
@@ -175,10 +180,12 @@ class DerivedCache:
                                "update: launches recorded before it read the old one until captured again")
             with self._lock:
                 self._entries.pop(key, None)
-            self._keep((key[0], fingerprints), sources, new, rebuild)
+            self._keep(key[0], sources, new, rebuild)
         return len(stale)
 
-    def _keep(self, key: Hashable, sources, value: Any, rebuild: Callable[[], Any]) -> None:
+    def _keep(self, tag: Hashable, sources, value: Any, rebuild: Callable[[], Any]) -> None:
+        """Keep ``value`` under the sources' fingerprints as they are now, after any refill."""
+        key = (tag, tuple(_fingerprint(t) for t in sources))
         refs = tuple(None if t is None else weakref.ref(t) for t in sources)
         with self._lock:
             self._entries[key] = (refs, value, rebuild)
