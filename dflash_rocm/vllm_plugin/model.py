@@ -62,6 +62,7 @@ class ServedDraft:
         self._dflash_stale: str | None = None  # why the held weights may differ from vLLM's (not served)
         self._dflash_update: draft_weights.ReloadTee | None = None  # the weight update in progress
         self._dflash_loaded = False  # load_weights or the post-load hook ran once
+        self._dflash_said_prefix = False
         self._dflash_views_key: tuple | None = None
         self._dflash_plans: dict[bool, ContextKVPlan | str] = {}  # writes caches -> plan (or why not)
         self._dflash_vllm_config = vllm_config
@@ -158,9 +159,10 @@ class ServedDraft:
         if not launches.graph_capturing(self._dflash_weights.device):
             refill_derived()
         cache_config = getattr(self._dflash_vllm_config, "cache_config", None)
-        if getattr(cache_config, "enable_prefix_caching", False):
-            attention.warn_once(
-                "prefix-cache", "draft weights updated with prefix caching on: cached blocks restored later hold "
+        if getattr(cache_config, "enable_prefix_caching", False) and not self._dflash_said_prefix:
+            self._dflash_said_prefix = True
+            logger.warning(
+                "draft weights updated with prefix caching on: cached blocks restored later hold "
                 "draft K/V computed with the old weights until the prefix cache is reset (LLM.reset_prefix_cache(), "
                 "POST /reset_prefix_cache); the target verifies every proposal, so output stays right and only "
                 "acceptance may drop")
