@@ -55,8 +55,13 @@ def vllm034_load_order():
     buffers; ``process_weights_after_loading`` on the top-level class builds them, and on
     CPU without the fused K/V weight (0.34 reads raw weights only off CPU, where
     ``qkv_proj.weight`` is not yet repacked); ``_fused_kv_weight`` is None from
-    ``__init__``. vLLM's own class then projects each layer with its ``qkv_proj``."""
+    ``__init__``. vLLM's own class then projects each layer with its ``qkv_proj``.
+    Re-entrant: inside an active one it changes nothing."""
     from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM, DFlashQwen3Model
+
+    if getattr(DFlashQwen3ForCausalLM, "_load_order_034", False):
+        yield
+        return
 
     build = DFlashQwen3Model._build_fused_kv_buffers
     init = DFlashQwen3Model.__init__
@@ -81,9 +86,11 @@ def vllm034_load_order():
     DFlashQwen3Model.__init__ = init_034
     DFlashQwen3ForCausalLM.load_weights = load_034
     DFlashQwen3ForCausalLM.process_weights_after_loading = process_034
+    DFlashQwen3ForCausalLM._load_order_034 = True
     try:
         yield
     finally:
+        del DFlashQwen3ForCausalLM._load_order_034
         DFlashQwen3Model.__init__ = init
         DFlashQwen3ForCausalLM.load_weights = load
         if hook is None:
