@@ -127,8 +127,7 @@ class ReloadTee:
         self._seen: list[tuple[str, int, str | None, torch.Tensor]] = []  # (param, layer, shard, tensor)
         self._covered: set[tuple[str, int, str | None]] = set()
         self.unplaced: list[str] = []
-        self._kv_names_outside = 0  # K/V-like names given to the draft in the current load_weights call
-        self._placed_inside = 0
+        self._kv_names = [0, 0]  # K/V-like names of the current load_weights call: given, reaching the model
 
     @contextlib.contextmanager
     def attached(self, weights):
@@ -136,22 +135,23 @@ class ReloadTee:
         the block: a K/V input the top-level stream names that never reaches the inner
         loader (a class that routes it elsewhere) counts as unplaced."""
         inner, original = self._inner, self._inner.load_weights
-        self._kv_names_outside = self._placed_inside = 0
+        self._kv_names = [0, 0]
         inner.load_weights = lambda stream: original(self._watch(stream))
         try:
             yield self._scan(weights)
         finally:
             del inner.load_weights
-        if self._kv_names_outside and not self._placed_inside:
-            self.unplaced.append(f"{self._kv_names_outside} K/V weight(s) that did not reach the draft's model loader")
+        if self._kv_names[0] and not self._kv_names[1]:
+            self.unplaced.append(f"{self._kv_names[0]} K/V weight(s) that did not reach the draft's model loader")
 
     def _scan(self, weights):
         for name, tensor in weights:
-            self._kv_names_outside += _KV_INPUT.search(name) is not None
+            self._kv_names[0] += _KV_INPUT.search(name) is not None
             yield name, tensor
 
     def _watch(self, weights):
         for name, tensor in weights:
+            self._kv_names[1] += _KV_INPUT.search(name) is not None
             self._see(name, tensor)
             yield name, tensor
 
@@ -175,7 +175,6 @@ class ReloadTee:
             if _KV_INPUT.search(param + ".") is not None:
                 self.unplaced.append(name)
             return
-        self._placed_inside += 1
         self._seen.append((*found, tensor))
 
     def covers(self, held: ContextKVWeights) -> bool:
