@@ -179,15 +179,15 @@ def test_a_repeat_call_reaches_its_launch_through_the_plan_alone(monkeypatch, pa
         lambda: plan.run(args["query"], args["key_cache"], args["value_cache"]))
     run()  # the first call of the structure makes its plan
     depths, made = [], []
-    real_call = launch.LaunchPlan.__call__
+    real_call = launch.LaunchPlan.launch_tensors
 
     entry = (dflash_rocm.api.draft_attention if path == "call" else dflash_rocm.DraftAttentionPlan.run).__code__
 
-    def recording_call(self, *tensors):  # frame 0: the launch; its depth below the public entry
+    def recording_call(self, tensors):  # frame 0: the launch; its depth below the public entry
         depths.append(next(i for i, f in enumerate(inspect.stack()[:30]) if f.frame.f_code is entry))
-        return real_call(self, *tensors)
+        return real_call(self, tensors)
 
-    monkeypatch.setattr(launch.LaunchPlan, "__call__", recording_call)
+    monkeypatch.setattr(launch.LaunchPlan, "launch_tensors", recording_call)
     monkeypatch.setattr(dispatch, "choose", lambda *a: made.append(a))
     with launches.capture() as launched:
         run()

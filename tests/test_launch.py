@@ -42,7 +42,8 @@ def launch(kernel, grid, config, *args, **constexprs):
     """A one-off launch through a plan with no per-call tensors: every argument's
     specialisation is checked (the general path)."""
     static = {f"p{i}": a for i, a in enumerate(args)}
-    launching.LaunchPlan(kernel, grid, launching.compiler_options(config) if config else {}, (), static, constexprs)()
+    launching.LaunchPlan(kernel, grid, launching.compiler_options(config) if config else {}, (), static,
+                         constexprs).launch()
 
 
 @pytest.fixture
@@ -127,15 +128,25 @@ def test_every_kernel_declares_its_constexprs_last(kernel):
 
 
 def test_a_plan_orders_its_arguments_by_parameter_name(on_a_gpu):
-    """Per-call tensors first, then the static arguments in the kernel's order whatever
-    order they were named in, then (compiled path) the constexprs."""
+    """Per-call tensors first, in the kernel's order whatever order they were named in,
+    then the static arguments likewise, then (compiled path) the constexprs."""
     kernel = FakeKernel(False, False, False, True)
-    x, y = torch.zeros(64), torch.zeros(64)
-    plan = launching.LaunchPlan(kernel, (2,), {}, ("p0",), {"p2": 9, "p1": 7}, {"p3": 5})
-    plan(x)
-    plan(y)
-    assert kernel.log[0][2] == (x, 7, 9) and kernel.log[0][3] == {"p3": 5}
-    assert kernel.log[1][0] == "compiled" and kernel.log[1][2] == (y, 7, 9, 5)
+    x, y, z = torch.zeros(64), torch.zeros(64), torch.zeros(64)
+    plan = launching.LaunchPlan(kernel, (2,), {}, ("p1", "p0"), {"p2": 9}, {"p3": 5})
+    plan.launch(p1=y, p0=x)
+    plan.launch(p0=z, p1=x)
+    assert kernel.log[0][2] == (x, y, 9) and kernel.log[0][3] == {"p3": 5}
+    assert kernel.log[1][0] == "compiled" and kernel.log[1][2] == (z, x, 9, 5)
+
+
+@pytest.mark.parametrize("named,wrong", [({"p0": 0}, "p1"), ({"p0": 0, "p1": 1, "p2": 2}, "p2"),
+                                         ({"p0": 0, "q": 1}, "q")], ids=["missing", "static", "unknown"])
+def test_a_launch_refuses_a_wrong_tensor_name_naming_it(on_a_gpu, named, wrong):
+    kernel = FakeKernel(False, False, False, True)
+    plan = launching.LaunchPlan(kernel, (1,), {}, ("p0", "p1"), {"p2": 2}, {"p3": 0})
+    with pytest.raises(TypeError, match=wrong):
+        plan.launch(**named)
+    assert kernel.log == []
 
 
 @pytest.mark.parametrize("per_call,static,constexprs,named", [
@@ -145,9 +156,10 @@ def test_a_plan_orders_its_arguments_by_parameter_name(on_a_gpu):
     (("p0",), {"p1": 1, "p2": 2}, {"p3": 0, "P4": 1}, "'P4'"),  # an unknown constexpr
     (("p0",), {"p1": 1, "p2": 2, "p3": 3}, {}, "'p3'"),  # a constexpr passed as a runtime argument
     (("p1",), {"p0": 1, "p2": 2}, {"p3": 0}, "'p1'"),  # per-call tensors not the leading parameters
+    (("p0", "p0"), {"p2": 2}, {"p3": 0}, "'p1'"),  # a per-call name twice
     (("p0",), {"p0": 0, "p1": 1, "p2": 2}, {"p3": 0}, "'p0'"),  # a per-call name given a static value too
 ], ids=["missing", "unknown", "missing-constexpr", "unknown-constexpr", "constexpr-as-runtime", "per-call-order",
-        "per-call-doubled"])
+        "per-call-doubled", "per-call-twice"])
 def test_a_plan_refuses_a_wrong_argument_name_naming_it(on_a_gpu, per_call, static, constexprs, named):
     kernel = FakeKernel(False, False, False, True)
     with pytest.raises(TypeError, match=named):

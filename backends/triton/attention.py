@@ -83,11 +83,14 @@ class AttentionPlan:
         sinks = call.sinks if call.sinks is not None else out
         k_scale = call.k_scale if call.k_scale is not None else out
         v_scale = call.v_scale if call.v_scale is not None else out
-        # in the order of the plans' per_call names (the kernels' leading parameters)
-        self.main(call.query, memory_of(call.key_cache), memory_of(call.value_cache), call.block_table,
-                  call.query_start_loc, call.seq_lens, out, part_out, part_lse, counters, sinks, k_scale, v_scale)
+        self.main.launch(q_ptr=call.query, k_cache_ptr=memory_of(call.key_cache),
+                         v_cache_ptr=memory_of(call.value_cache), block_table_ptr=call.block_table,
+                         qsl_ptr=call.query_start_loc, seq_lens_ptr=call.seq_lens, out_ptr=out, part_out_ptr=part_out,
+                         part_lse_ptr=part_lse, counters_ptr=counters, sinks_ptr=sinks, k_scale_ptr=k_scale,
+                         v_scale_ptr=v_scale)
         if self.merge is not None:
-            self.merge(part_out, part_lse, call.query_start_loc, call.seq_lens, sinks, out)
+            self.merge.launch(part_out_ptr=part_out, part_lse_ptr=part_lse, qsl_ptr=call.query_start_loc,
+                              seq_lens_ptr=call.seq_lens, sinks_ptr=sinks, out_ptr=out)
 
 
 def plan_attention(call: AttentionCall, config: AttentionLaunchConfig) -> AttentionPlan:

@@ -34,12 +34,87 @@ from a bf16 row stride of 8 elements (a ``multiple_of`` hint would not survive t
 backend's rewrite of the offsets into buffer loads). 1 = strides in elements.
 """
 
+from typing import NamedTuple
+
 import triton
 import triton.language as tl
 
 from .common import packed_offset
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
+
+# Groups the kernels build once and the helpers read by name. Constexpr groups are
+# annotated ``tl.constexpr`` where a kernel builds them (a plain assignment would turn
+# their members into runtime values); their members are constexprs wherever they are read.
+
+class CacheLayout(NamedTuple):
+    """Constexprs: how one cache is packed (module docstring)."""
+
+    ROW_PACK: tl.constexpr  # rows per pack (1: not packed)
+    DIM_PACK: tl.constexpr  # dims per pack (1: not packed)
+    UNIT: tl.constexpr  # elements per unit of the block, row and dim strides (1: elements)
+
+
+class AttendMode(NamedTuple):
+    """Constexprs of the key loop (:func:`_attend`): the kernel's, by their names there."""
+
+    BLOCK_N: tl.constexpr
+    BLOCK_SIZE: tl.constexpr
+    CAUSAL: tl.constexpr
+    HAS_WINDOW: tl.constexpr
+    IS_FP8: tl.constexpr
+    FP32_MATH: tl.constexpr
+    K_LAYOUT: tl.constexpr  # CacheLayout of the K cache
+    V_LAYOUT: tl.constexpr  # CacheLayout of the V cache
+
+
+class HeadDims(NamedTuple):
+    """Constexprs of the merge (:func:`_merge_rows`): the kernels', by their names there."""
+
+    HQ: tl.constexpr
+    D: tl.constexpr
+    BLOCK_D: tl.constexpr
+
+
+class Query(NamedTuple):
+    """A tile's queries as the key loop reads them."""
+
+    q: tl.tensor  # [BLOCK_M, BLOCK_D] the queries
+    qk_scale: tl.tensor  # the scale of their scores (log2 units)
+    pos: tl.tensor  # [BLOCK_M] each row's position
+    d: tl.tensor  # [BLOCK_D] the head-dim lanes
+    d_ok: tl.tensor  # which of them are real
+    window: tl.tensor  # the sliding window in keys
+    first_key: tl.tensor  # the first key a row of the tile sees through it
+
+
+class CacheHead(NamedTuple):
+    """One cache at one KV head: its pointer there and its strides (see the kernel's)."""
+
+    ptr: tl.tensor
+    stride_b: tl.tensor  # block
+    stride_s: tl.tensor  # row (of a pack when packed)
+    stride_s_in: tl.tensor  # row in a pack (None: not packed)
+    stride_d: tl.tensor  # dim (of a pack when packed)
+    stride_d_in: tl.tensor  # dim in a pack (None: not packed)
+
+
+class Output(NamedTuple):
+    """The output tensor and its strides."""
+
+    ptr: tl.tensor
+    stride_t: tl.tensor  # token
+    stride_h: tl.tensor  # head
+    stride_d: tl.tensor  # dim
+
+
+class Partials(NamedTuple):
+    """A split tile's partials (see the kernel's ``part_out_ptr``/``part_lse_ptr``)."""
+
+    out_ptr: tl.tensor
+    lse_ptr: tl.tensor
+    num_tokens: tl.tensor
 
 
 @triton.jit
@@ -126,33 +201,29 @@ def _wait_for(counter, count):
 
 @triton.jit
 def _out_ptrs(out, token, head, d):
-    """Pointers to ``out[token, head, d]`` (``out``: the output tensor and its three strides)."""
-    out_ptr, stride_ot, stride_oh, stride_od = out
-    return out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od
+    """Pointers to ``out[token, head, d]`` (``out``: an :class:`Output`)."""
+    return out.ptr + token[:, None] * out.stride_t + head[:, None] * out.stride_h + d[None, :] * out.stride_d
 
 
 @triton.jit
 def _merge_rows(parts, out, sinks_ptr, token, head, row_ok, active, DIMS, ROWS: tl.constexpr,
                 SEG_CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr):
     """``out`` of ``ROWS`` tile rows from the ``active`` segments' normalised partials and
-    log2-sum-exps, ``SEG_CHUNK`` segments per load (one round trip each). ``parts``:
-    (part_out_ptr, part_lse_ptr, num_tokens); ``out``: the output and its three strides;
-    ``DIMS``: the constexprs (HQ, D, BLOCK_D)."""
-    part_out_ptr, part_lse_ptr, num_tokens = parts
-    HQ: tl.constexpr = DIMS[0]
-    D: tl.constexpr = DIMS[1]
-    BLOCK_D: tl.constexpr = DIMS[2]
-    d = tl.arange(0, BLOCK_D)
+    log2-sum-exps, ``SEG_CHUNK`` segments per load (one round trip each). ``parts``: the
+    :class:`Partials`; ``out``: the :class:`Output`; ``DIMS``: the :class:`HeadDims`."""
+    HQ: tl.constexpr = DIMS.HQ
+    D: tl.constexpr = DIMS.D
+    d = tl.arange(0, DIMS.BLOCK_D)
     d_ok = d < D
     c = tl.arange(0, SEG_CHUNK)
     m = tl.full([ROWS], float("-inf"), tl.float32)
-    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    acc = tl.zeros([ROWS, DIMS.BLOCK_D], tl.float32)
     total = tl.zeros([ROWS], tl.float32)
     for s0 in range(0, active, SEG_CHUNK):
         seg_ok = (s0 + c < active)[:, None] & row_ok[None, :]
-        part = ((s0 + c)[:, None] * num_tokens + token[None, :]) * HQ + head[None, :]  # [SEG_CHUNK, ROWS]
-        lse = tl.load(part_lse_ptr + part, mask=seg_ok, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(part_out_ptr + part[:, :, None] * D + d[None, None, :], mask=seg_ok[:, :, None] & d_ok,
+        part = ((s0 + c)[:, None] * parts.num_tokens + token[None, :]) * HQ + head[None, :]  # [SEG_CHUNK, ROWS]
+        lse = tl.load(parts.lse_ptr + part, mask=seg_ok, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(parts.out_ptr + part[:, :, None] * D + d[None, None, :], mask=seg_ok[:, :, None] & d_ok,
                     other=0.0, cache_modifier=".cg")
         m_new = tl.maximum(m, tl.max(lse, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -162,7 +233,7 @@ def _merge_rows(parts, out, sinks_ptr, token, head, row_ok, active, DIMS, ROWS: 
         total = total * alpha + tl.sum(w, 0)
         m = m_new
     o = _finish(acc, m, total, head, row_ok, sinks_ptr, 1.0, HAS_SINKS)
-    tl.store(_out_ptrs(out, token, head, d), o.to(out[0].dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(_out_ptrs(out, token, head, d), o.to(out.ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -179,21 +250,22 @@ def _merge_group(parts, out, sinks_ptr, group, tile_q0, q_start, q_len, kv_head,
 @triton.jit
 def _row_base(cache, LAYOUT, block, j, row, BLOCK_SIZE: tl.constexpr):
     """Pointer to the first element of key ``j`` (row ``row`` of block ``block``) in
-    ``cache`` (``cache`` and ``LAYOUT``: see :func:`_attend`): one 64-bit base per block (block * block stride),
-    everything inside a block 32-bit. Packed rows are split from ``j`` itself (the pack
-    divides the block size): the compiler then sees runs of ``ROW_PACK`` contiguous rows and
-    loads them as vectors (split from ``row``, it loads bytes). ``UNIT``: the strides but
-    the in-pack one come in units of ``UNIT`` elements (16 bytes, see the module docstring)."""
-    head, stride_b, stride_s, stride_s_in, _, _ = cache
-    ROW_PACK: tl.constexpr = LAYOUT[0]
-    UNIT: tl.constexpr = LAYOUT[2]
+    ``cache`` (a :class:`CacheHead`; ``LAYOUT``: its :class:`CacheLayout`): one 64-bit base
+    per block (block * block stride), everything inside a block 32-bit. Packed rows are
+    split from ``j`` itself (the pack divides the block size): the compiler then sees runs
+    of ``ROW_PACK`` contiguous rows and loads them as vectors (split from ``row``, it loads
+    bytes). ``UNIT``: the strides but the in-pack one come in units of ``UNIT`` elements
+    (16 bytes, see the module docstring)."""
+    ROW_PACK: tl.constexpr = LAYOUT.ROW_PACK
+    UNIT: tl.constexpr = LAYOUT.UNIT
     if ROW_PACK == 1 and UNIT == 1:
-        return head + block * stride_b + row * stride_s
+        return cache.ptr + block * cache.stride_b + row * cache.stride_s
     elif ROW_PACK == 1:
-        return head + block * stride_b * UNIT + row * stride_s * UNIT
+        return cache.ptr + block * cache.stride_b * UNIT + row * cache.stride_s * UNIT
     else:
         outer = j // ROW_PACK % (BLOCK_SIZE // ROW_PACK)
-        return head + block * stride_b * UNIT + (outer * stride_s * UNIT + (j % ROW_PACK) * stride_s_in)
+        return cache.ptr + block * cache.stride_b * UNIT + (outer * cache.stride_s * UNIT
+                                                            + (j % ROW_PACK) * cache.stride_s_in)
 
 
 @triton.jit
@@ -223,53 +295,48 @@ def _key_blocks(table, start, seg_hi, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.cons
 @triton.jit
 def _dim_offset(cache, LAYOUT, d):
     """Offset of head dim ``d`` in ``cache`` (see :func:`_row_base` for ``UNIT``)."""
-    _, _, _, _, stride_d, stride_d_in = cache
-    DIM_PACK: tl.constexpr = LAYOUT[1]
-    UNIT: tl.constexpr = LAYOUT[2]
+    DIM_PACK: tl.constexpr = LAYOUT.DIM_PACK
+    UNIT: tl.constexpr = LAYOUT.UNIT
     if UNIT == 1:
-        return packed_offset(d, stride_d, stride_d_in, DIM_PACK)
+        return packed_offset(d, cache.stride_d, cache.stride_d_in, DIM_PACK)
     elif DIM_PACK == 1:
-        return d * stride_d * UNIT
+        return d * cache.stride_d * UNIT
     else:
-        return (d // DIM_PACK) * stride_d * UNIT + (d % DIM_PACK) * stride_d_in
+        return (d // DIM_PACK) * cache.stride_d * UNIT + (d % DIM_PACK) * cache.stride_d_in
 
 
 @triton.jit
 def _attend(acc, m_i, l_i, query, table, k_cache, v_cache, start, seg_hi, MASKED: tl.constexpr, MODE):
     """One key tile: load K/V through the block table, online-softmax update.
 
-    ``query``: the tile's queries ``q``, the scale of their scores (log2 units), each
-    row's position, the head-dim lanes and which of them are real, the window and the
-    first key a row of the tile sees through it. ``k_cache``/``v_cache``: the cache's
-    pointer at this KV head and its block, row, in-pack row, dim and in-pack dim strides.
-    ``MODE``, constexprs: the kernel's ``BLOCK_N``, ``BLOCK_SIZE``, ``CAUSAL``,
-    ``HAS_WINDOW``, ``IS_FP8``, ``FP32_MATH``, then each cache's ``LAYOUT``: its
-    ``(ROW_PACK, DIM_PACK, UNIT)`` (module docstring). Constexprs travel in a tuple
-    annotated ``tl.constexpr`` and are taken out one by one, each annotated: a plain
-    assignment or unpacking would turn them into runtime values.
+    ``query``: the tile's :class:`Query`. ``k_cache``/``v_cache``: each cache's
+    :class:`CacheHead` at this KV head. ``MODE``: the :class:`AttendMode` (constexprs,
+    each cache's :class:`CacheLayout` among them).
 
     ``MASKED`` only for a tile that reaches past the segment's end (the last one). With a
     window, the value rows before ``first_key`` (no row of the tile sees them) load as
     zeros: their weight is 0, and 0 times a NaN or Inf stored there would still reach the
     sum."""
-    q, qk_scale, pos, d, d_ok, window, first_key = query
-    BLOCK_N: tl.constexpr = MODE[0]
-    BLOCK_SIZE: tl.constexpr = MODE[1]
-    CAUSAL: tl.constexpr = MODE[2]
-    HAS_WINDOW: tl.constexpr = MODE[3]
-    IS_FP8: tl.constexpr = MODE[4]
-    FP32_MATH: tl.constexpr = MODE[5]
-    K_LAYOUT: tl.constexpr = MODE[6]
-    V_LAYOUT: tl.constexpr = MODE[7]
+    BLOCK_N: tl.constexpr = MODE.BLOCK_N
+    BLOCK_SIZE: tl.constexpr = MODE.BLOCK_SIZE
+    CAUSAL: tl.constexpr = MODE.CAUSAL
+    HAS_WINDOW: tl.constexpr = MODE.HAS_WINDOW
+    IS_FP8: tl.constexpr = MODE.IS_FP8
+    FP32_MATH: tl.constexpr = MODE.FP32_MATH
+    q = query.q
+    qk_scale = query.qk_scale
+    pos = query.pos
+    d = query.d
+    d_ok = query.d_ok
     j = start + tl.arange(0, BLOCK_N)
     j_ok = j < seg_hi
     block, row = _key_blocks(table, start, seg_hi, BLOCK_N, BLOCK_SIZE, MASKED)
-    k_rows = _row_base(k_cache, K_LAYOUT, block, j, row, BLOCK_SIZE)
-    k_dims = _dim_offset(k_cache, K_LAYOUT, d)
-    v_rows = _row_base(v_cache, V_LAYOUT, block, j, row, BLOCK_SIZE)
-    v_ptrs = v_rows[:, None] + _dim_offset(v_cache, V_LAYOUT, d)[None, :]
+    k_rows = _row_base(k_cache, MODE.K_LAYOUT, block, j, row, BLOCK_SIZE)
+    k_dims = _dim_offset(k_cache, MODE.K_LAYOUT, d)
+    v_rows = _row_base(v_cache, MODE.V_LAYOUT, block, j, row, BLOCK_SIZE)
+    v_ptrs = v_rows[:, None] + _dim_offset(v_cache, MODE.V_LAYOUT, d)[None, :]
     key_ok = j_ok if MASKED else tl.full([BLOCK_N], 1, tl.int1)
-    v_ok = key_ok & (j >= first_key) if HAS_WINDOW else key_ok
+    v_ok = key_ok & (j >= query.first_key) if HAS_WINDOW else key_ok
     v = tl.load(v_ptrs, mask=v_ok[:, None] & d_ok[None, :], other=0.0)
     if IS_FP8 and not FP32_MATH:
         # K loaded as K^T ([dims, keys]): the fp8 tile then goes to the dot like V, through
@@ -291,7 +358,7 @@ def _attend(acc, m_i, l_i, query, table, k_cache, v_cache, start, seg_hi, MASKED
         if CAUSAL:
             visible = visible & (j[None, :] <= pos[:, None])
         if HAS_WINDOW:
-            visible = visible & (j[None, :] > pos[:, None] - window)
+            visible = visible & (j[None, :] > pos[:, None] - query.window)
         s = tl.where(visible, s, float("-inf"))
     # Scores and the running max stay unscaled (the scale is positive, so the max commutes
     # with it): the scale enters each exponent by one fused multiply-add.
@@ -383,9 +450,9 @@ def draft_attention_kernel(
                                                              BLOCK_Q, ONE_TILE, CAUSAL, HAS_WINDOW, BLOCK_N)
     if tile_q0 >= q_len:
         return
-    parts = (part_out_ptr, part_lse_ptr, num_tokens)
-    out = (out_ptr, stride_ot, stride_oh, stride_od)
-    DIMS: tl.constexpr = (HQ, D, BLOCK_D)
+    parts = Partials(part_out_ptr, part_lse_ptr, num_tokens)
+    out = Output(out_ptr, stride_ot, stride_oh, stride_od)
+    DIMS: tl.constexpr = HeadDims(HQ, D, BLOCK_D)
     seg_lo = lo
     seg_hi = hi
     active = 1
@@ -435,11 +502,12 @@ def draft_attention_kernel(
     v_head = v_cache_ptr + kv_head * stride_vh
     table = block_table_ptr + b * stride_bt
     first_key = context + tile_q0 - window + 1  # the first key a row of the tile sees (with a window)
-    query = (q, qk_scale, pos, d, d_ok, window, first_key)
-    k_cache = (k_head, stride_kb, stride_ks, stride_ks_in, stride_kd, stride_kd_in)
-    v_cache = (v_head, stride_vb, stride_vs, stride_vs_in, stride_vd, stride_vd_in)
-    MODE: tl.constexpr = (BLOCK_N, BLOCK_SIZE, CAUSAL, HAS_WINDOW, IS_FP8, FP32_MATH, (K_ROW_PACK, K_DIM_PACK, K_UNIT),
-                          (V_ROW_PACK, V_DIM_PACK, V_UNIT))
+    query = Query(q, qk_scale, pos, d, d_ok, window, first_key)
+    k_cache = CacheHead(k_head, stride_kb, stride_ks, stride_ks_in, stride_kd, stride_kd_in)
+    v_cache = CacheHead(v_head, stride_vb, stride_vs, stride_vs_in, stride_vd, stride_vd_in)
+    K_LAYOUT: tl.constexpr = CacheLayout(K_ROW_PACK, K_DIM_PACK, K_UNIT)
+    V_LAYOUT: tl.constexpr = CacheLayout(V_ROW_PACK, V_DIM_PACK, V_UNIT)
+    MODE: tl.constexpr = AttendMode(BLOCK_N, BLOCK_SIZE, CAUSAL, HAS_WINDOW, IS_FP8, FP32_MATH, K_LAYOUT, V_LAYOUT)
     full_hi = seg_lo + (seg_hi - seg_lo) // BLOCK_N * BLOCK_N
     for start in range(seg_lo, full_hi, BLOCK_N):
         acc, m_i, l_i = _attend(acc, m_i, l_i, query, table, k_cache, v_cache, start, seg_hi, False, MODE)
@@ -512,6 +580,7 @@ def merge_segments_kernel(
         return
     per_segment, active = _segment_plan(lo, hi, num_segments, min_segment_keys, BLOCK_N)
     if active > 1:
-        _merge_group((part_out_ptr, part_lse_ptr, num_tokens), (out_ptr, stride_ot, stride_oh, stride_od), sinks_ptr,
-                     tl.program_id(2), tile_q0, q_start, q_len, kv_head, active, (HQ, D, BLOCK_D), G, ROWS, BLOCK_Q,
+        DIMS: tl.constexpr = HeadDims(HQ, D, BLOCK_D)
+        _merge_group(Partials(part_out_ptr, part_lse_ptr, num_tokens), Output(out_ptr, stride_ot, stride_oh, stride_od),
+                     sinks_ptr, tl.program_id(2), tile_q0, q_start, q_len, kv_head, active, DIMS, G, ROWS, BLOCK_Q,
                      MERGE_CHUNK, HAS_SINKS)

@@ -20,7 +20,7 @@ entry point for compiled kernels.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -154,20 +154,37 @@ def kernel_parameters(kernel) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return found
 
 
-def positional_args(kernel, per_call: tuple[str, ...], static_args: dict, constexprs: dict) -> tuple:
-    """``static_args`` (runtime arguments by parameter name) in the kernel's order, after
-    checking every name: ``per_call`` must name the kernel's leading runtime parameters in
-    order (calls pass those tensors positionally, first), ``static_args`` the rest of the
+def bound_names(kernel, per_call, static_args: dict, constexprs: dict) -> tuple[tuple[str, ...], tuple]:
+    """(the per-call parameter names in the kernel's order, ``static_args`` in the kernel's
+    order), after checking every name against the kernel's signature: ``per_call`` must
+    name the kernel's leading runtime parameters (in any order: calls pass them by name;
+    the kernels declare them first so that a launch only prepends them to the fixed
+    arguments), ``static_args`` (runtime arguments by parameter name) the rest of the
     runtime parameters and ``constexprs`` every constexpr. A missing, unknown or misplaced
     name is a TypeError naming it, raised when the plan is made (calls then only pass
     tensors)."""
     runtime, constexpr_names = kernel_parameters(kernel)
-    per_call = tuple(per_call)
+    leading = runtime[:len(per_call)]
     expected = runtime[len(per_call):]
-    if (per_call != runtime[:len(per_call)] or static_args.keys() != set(expected)
+    if (sorted(per_call) != sorted(leading) or static_args.keys() != set(expected)
             or constexprs.keys() != set(constexpr_names)):
-        _refuse_names(kernel.__name__, runtime, constexpr_names, per_call, static_args, constexprs)
-    return tuple([static_args[n] for n in expected])
+        _refuse_names(kernel.__name__, runtime, constexpr_names, tuple(per_call), static_args, constexprs)
+    return leading, tuple([static_args[n] for n in expected])
+
+
+def tensor_binder(names: tuple[str, ...], plan: Any) -> Callable[..., None]:
+    """A function taking exactly ``names`` as keyword-only arguments that calls
+    ``plan.launch_tensors`` with their values in that order: Python's own argument binding
+    then checks every call's names (a missing or unknown one is a TypeError naming it) at
+    the cost of a plain call, and no call depends on an order it has to know. ``names``
+    are a kernel's parameter names (identifiers, read from its signature)."""
+    if not all(n.isidentifier() for n in names):
+        raise ValueError(f"not parameter names: {names!r}")
+    listed = ", ".join(names)
+    namespace = {"_plan": plan}
+    signature = f"*, {listed}" if names else ""
+    exec(f"def launch({signature}):\n    _plan.launch_tensors(({listed}{',' if names else ''}))\n", namespace)
+    return namespace["launch"]
 
 
 def _names(names) -> str:
@@ -176,11 +193,12 @@ def _names(names) -> str:
 
 def _refuse_names(name: str, runtime: tuple, constexpr_names: tuple, per_call: tuple, static_args: dict,
                   constexprs: dict) -> None:
-    """The TypeError :func:`positional_args` raises, naming the first wrong name."""
-    if per_call != runtime[:len(per_call)]:
-        wrong = next(n for n, r in zip(per_call + (None,), runtime + (None,)) if n != r)
-        raise TypeError(f"{name}: per-call arguments must be the leading parameters {_names(runtime[:len(per_call)])} "
-                        f"in that order; {wrong!r} is not where it should be")
+    """The TypeError :func:`bound_names` raises, naming the first wrong name."""
+    leading = runtime[:len(per_call)]
+    if sorted(per_call) != sorted(leading):
+        wrong = [n for n in per_call if n not in leading] or [n for n in leading if n not in per_call]
+        raise TypeError(f"{name}: per-call arguments must be the kernel's leading parameters {_names(leading)}, "
+                        f"each once; {wrong[0]!r} is {'not one of them' if wrong[0] not in leading else 'missing'}")
     for given, wanted, what in ((static_args, runtime[len(per_call):], "runtime argument"),
                                 (constexprs, constexpr_names, "constexpr")):
         unknown = [n for n in given if n not in wanted]
@@ -195,14 +213,14 @@ class LaunchPlan:
     """One launch of a call structure (FlashInfer's "plan once, run many"): the kernel, its
     grid, constexprs, options and scalar arguments are fixed when the plan is made, by
     parameter name (checked and put in the kernel's order then, once); each call passes
-    only the tensors named ``per_call``, positionally in that order, and only their
+    only the tensors named ``per_call``, by name, to :attr:`launch` (a function whose
+    keyword-only parameters are those names: see :func:`tensor_binder`), and only their
     specialisation is checked."""
 
     def __init__(self, kernel, grid: tuple[int, ...], options: dict, per_call: tuple[str, ...], static_args: dict,
                  constexprs: dict, *, amd: bool | None = None, direct: Launcher | None = None):
         self.kernel, self.grid, self.name = kernel, tuple(grid), kernel.__name__
-        self.per_call = tuple(per_call)
-        self.static_args = positional_args(kernel, self.per_call, static_args, constexprs)
+        self.per_call, self.static_args = bound_names(kernel, tuple(per_call), static_args, constexprs)
         self.requested = dict(options)
         self.amd = bool(getattr(torch.version, "hip", None)) if amd is None else amd
         self.options = options_for(self.requested, amd=self.amd)
@@ -212,8 +230,11 @@ class LaunchPlan:
             direct = launcher(kernel, self.constexprs, self.options)
         self.direct = direct  # None: the interpreter, which has no compiled kernels
         self.launching = launches.launching(self.name)
+        self.launch = tensor_binder(self.per_call, self)
 
-    def __call__(self, *tensors) -> None:
+    def launch_tensors(self, tensors: tuple) -> None:
+        """Launch with the per-call tensors in the kernel's order (what :attr:`launch`
+        binds by name)."""
         args = tensors + self.static_args
         captured = launches.capturing()
         if captured is not None:
@@ -268,9 +289,10 @@ def prelude_seconds(launch, arch: str, repeats: int = 2000) -> tuple[float, floa
     plan = LaunchPlan(jit, launch.grid, launch.options, names[:per_call],
                       dict(zip(names[per_call:], launch.args[per_call:])), launch.constexprs, amd=amd, direct=direct)
     direct.compiled[(0, (tensor_specialization(tensors, amd), plan.static_spec))] = _NoopCompiled()
+    named = dict(zip(names, tensors))
 
     def through_launcher():
-        plan(*tensors)
+        plan.launch(**named)
 
     return host_median_seconds(through_jit, repeats), host_median_seconds(through_launcher, repeats)
 

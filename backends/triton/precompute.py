@@ -238,13 +238,15 @@ class PrecomputePlan:
         part_acc, part_ss, counters = split_scratch(
             dummy, ((self.part_acc, torch.float32), (self.part_ss, torch.float32)), self.counters,
             kept_sums=self.atomic_sum)
-        # in the order of the plan's per_call names (the kernel's leading parameters)
-        self.main(call.states, fused.weight, fused.row_scale, part_acc, part_ss, counters, call.positions,
-                  fused.bias if fused.bias is not None else dummy, fused.k_norm, fused.cos_sin, self.table,
-                  slots if slots is not None else call.positions,  # positions: never read
-                  call.k_scales if call.k_scales is not None else dummy,
-                  call.v_scales if call.v_scales is not None else dummy,
-                  out_k if out_k is not None else dummy, out_v if out_v is not None else dummy)
+        self.main.launch(
+            x_ptr=call.states, w_ptr=fused.weight, row_scale_ptr=fused.row_scale, part_acc_ptr=part_acc,
+            part_ss_ptr=part_ss, counters_ptr=counters, positions_ptr=call.positions,
+            bias_ptr=fused.bias if fused.bias is not None else dummy, k_norm_ptr=fused.k_norm,
+            cos_sin_ptr=fused.cos_sin, meta_ptr=self.table,
+            slots_ptr=slots if slots is not None else call.positions,  # positions: never read
+            k_scales_ptr=call.k_scales if call.k_scales is not None else dummy,
+            v_scales_ptr=call.v_scales if call.v_scales is not None else dummy,
+            out_k_ptr=out_k if out_k is not None else dummy, out_v_ptr=out_v if out_v is not None else dummy)
 
 
 def plan_precompute(call: PrecomputeCall, config: PrecomputeLaunchConfig) -> PrecomputePlan:
@@ -270,7 +272,7 @@ def plan_precompute(call: PrecomputeCall, config: PrecomputeLaunchConfig) -> Pre
     split_tiles = grid_t * rows - whole if split_k > 1 else 0
     main = LaunchPlan(
         context_kv_kernel, (whole + split_tiles * split_k,), compiler_options(config),
-        # the kernel's tensor parameters, in the order PrecomputePlan.run passes them
+        # the kernel's tensor parameters, which PrecomputePlan.run passes by name
         ("x_ptr", "w_ptr", "row_scale_ptr", "part_acc_ptr", "part_ss_ptr", "counters_ptr", "positions_ptr",
          "bias_ptr", "k_norm_ptr", "cos_sin_ptr", "meta_ptr", "slots_ptr", "k_scales_ptr", "v_scales_ptr",
          "out_k_ptr", "out_v_ptr"),

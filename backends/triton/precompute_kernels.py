@@ -43,6 +43,8 @@ slot mapping is a kernel argument (one ``[N]`` tensor with layer stride 0, or wr
 layers' mappings stacked on the device).
 """
 
+from typing import NamedTuple
+
 import triton
 import triton.language as tl
 
@@ -50,6 +52,90 @@ from .common import packed_offset
 
 META_COLS = 16  # per layer: k_ptr, v_ptr, slot row, block_size, 6 K-cache strides, 6 V-cache strides
 _META_COLS: tl.constexpr = tl.constexpr(META_COLS)
+
+
+# Groups the kernel builds once and the helpers read by name. Constexpr groups are
+# annotated ``tl.constexpr`` where the kernel builds them (a plain assignment would turn
+# their members into runtime values); their members are constexprs wherever they are read.
+
+class Epilogue(NamedTuple):
+    """Constexprs of the epilogue (:func:`_epilogue`): the kernel's, by their names there."""
+
+    HK: tl.constexpr
+    D: tl.constexpr
+    R: tl.constexpr
+    BLOCK_T: tl.constexpr
+    BLOCK_D: tl.constexpr
+    HAS_BIAS: tl.constexpr
+    IS_NEOX: tl.constexpr
+    HAS_V_SCALE: tl.constexpr
+    NOPE_LAYERS: tl.constexpr
+    K_ROUND_DTYPE: tl.constexpr
+    K_ROW_PACK: tl.constexpr
+    K_DIM_PACK: tl.constexpr
+    K_ALIGNED: tl.constexpr
+    V_ROW_PACK: tl.constexpr
+    V_DIM_PACK: tl.constexpr
+    V_ALIGNED: tl.constexpr
+
+
+class Store(NamedTuple):
+    """Constexprs of how a tile is stored (:func:`_cache_rows`, :func:`_store_cols`): the
+    kernel's, by their names there."""
+
+    HK: tl.constexpr
+    D: tl.constexpr
+    IS_FP8: tl.constexpr
+    FP8_MAX: tl.constexpr
+    FP8_MIN_EXP: tl.constexpr
+    RETURN_KV: tl.constexpr
+    EXACT_FP8_ROUND: tl.constexpr
+    SLOTS_I32: tl.constexpr
+    CACHE_BLOCK: tl.constexpr
+    CACHE_DTYPE: tl.constexpr
+
+
+class EpilogueInputs(NamedTuple):
+    """What the epilogue reads besides the tile: the kernel's parameters of these names."""
+
+    positions_ptr: tl.tensor
+    bias_ptr: tl.tensor
+    k_norm_ptr: tl.tensor
+    cos_sin_ptr: tl.tensor
+    stride_cs: tl.tensor
+    v_scale: tl.tensor
+    eps: tl.tensor
+
+
+class CacheTarget(NamedTuple):
+    """Where a tile goes: the kernel's parameters of these names."""
+
+    meta_ptr: tl.tensor
+    slots_ptr: tl.tensor
+    stride_slot_layer: tl.tensor
+    k_scales_ptr: tl.tensor
+    v_scales_ptr: tl.tensor
+    out_k_ptr: tl.tensor
+    out_v_ptr: tl.tensor
+    N: tl.tensor
+
+
+class TileRows(NamedTuple):
+    """The rows of one tile of one head row."""
+
+    t: tl.tensor  # [BLOCK_T] tokens
+    t_ok: tl.tensor  # which are real
+    layer: tl.tensor
+    kind: tl.tensor  # 0: K, 1: V
+    kv_head: tl.tensor
+
+
+class CacheRows(NamedTuple):
+    """What :func:`_cache_rows` finds for a tile's rows in one kind's caches."""
+
+    ok: tl.tensor  # [BLOCK_T] rows to write
+    row_base: tl.tensor  # their offsets in the layer's cache
+    strides: tl.tensor  # the kind's strides in the cache table
 
 
 @triton.jit
@@ -107,18 +193,18 @@ def _cache_rows(rows, cache, ROW_PACK: tl.constexpr, STORE):
     """(rows to write, their offsets in the layer's cache of this kind, the kind's strides
     in the table) of the tile's tokens: once per tile, however many column groups it
     stores (each store then adds only its dims). A layer not written has no rows to write.
-    ``rows``, ``cache``, ``STORE``: see :func:`_epilogue`. ``CACHE_BLOCK``: the block size
+    ``rows``: the :class:`TileRows`; ``cache``: the :class:`CacheTarget`; ``STORE``: the
+    :class:`Store` constexprs. ``CACHE_BLOCK``: the block size
     every written cache shares, a constant divisor (a shift for a power of two; a division
     by a runtime value is a few dozen vector instructions on AMD); 0: read per layer."""
-    t, t_ok, layer, kind, kv_head = rows
-    meta_ptr, slots_ptr, stride_slot_layer, _, _, _, _, _ = cache
-    SLOTS_I32: tl.constexpr = STORE[7]
-    CACHE_BLOCK: tl.constexpr = STORE[8]
-    meta = meta_ptr + layer * _META_COLS
+    t = rows.t
+    SLOTS_I32: tl.constexpr = STORE.SLOTS_I32
+    CACHE_BLOCK: tl.constexpr = STORE.CACHE_BLOCK
+    meta = cache.meta_ptr + rows.layer * _META_COLS
     slot_row = tl.load(meta + 2)
     written = slot_row + tl.zeros_like(t) >= 0  # per row: the interpreter takes no scalar in a mask
-    slots = tl.load(slots_ptr + slot_row * stride_slot_layer + t, mask=t_ok & written, other=-1)
-    ok = t_ok & (slots >= 0)
+    slots = tl.load(cache.slots_ptr + slot_row * cache.stride_slot_layer + t, mask=rows.t_ok & written, other=-1)
+    ok = rows.t_ok & (slots >= 0)
     if SLOTS_I32:  # every cache has under 2**31 slots: 32-bit division
         slots = slots.to(tl.int32)
     if CACHE_BLOCK != 0:
@@ -130,41 +216,36 @@ def _cache_rows(rows, cache, ROW_PACK: tl.constexpr, STORE):
             block_size = block_size.to(tl.int32)
         block = slots // block_size
         in_block = slots - block * block_size
-    strides = meta + 4 + 6 * kind  # [block, row, row in pack, head, dim, dim in pack]
+    strides = meta + 4 + 6 * rows.kind  # [block, row, row in pack, head, dim, dim in pack]
     row_base = block.to(tl.int64) * tl.load(strides) + _table_offset(in_block, strides + 1,
-                                                                     ROW_PACK) + kv_head * tl.load(strides + 3)
-    return ok, row_base, strides
+                                                                     ROW_PACK) + rows.kv_head * tl.load(strides + 3)
+    return CacheRows(ok, row_base, strides)
 
 
 @triton.jit
-def _store_cols(value, dim, dim_ok, rows, target, cache, ALIGNED: tl.constexpr, DIM_PACK: tl.constexpr, STORE,
-                CACHE_DTYPE: tl.constexpr):
+def _store_cols(value, dim, dim_ok, rows, target, cache, ALIGNED: tl.constexpr, DIM_PACK: tl.constexpr, STORE):
     """Store ``value`` (columns = original dims ``dim``) into the cache rows ``target``
-    (what :func:`_cache_rows` found) and into the returned K/V; ``DIM_PACK`` is this cache
-    kind's dim pack factor. ``ALIGNED``: the host checked that every cache of this kind has
-    contiguous dim runs (the whole head dim, or the ``DIM_PACK`` dims of a pack) that start
-    16-byte aligned, so contiguous dims become vector stores. ``rows``, ``cache``,
-    ``STORE``: see :func:`_epilogue`."""
-    t, t_ok, layer, kind, kv_head = rows
-    ok, row_base, strides = target
-    meta_ptr, _, _, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, N = cache
-    HK: tl.constexpr = STORE[0]
-    D: tl.constexpr = STORE[1]
-    IS_FP8: tl.constexpr = STORE[2]
-    FP8_MAX: tl.constexpr = STORE[3]
-    FP8_MIN_EXP: tl.constexpr = STORE[4]
-    RETURN_KV: tl.constexpr = STORE[5]
-    EXACT_FP8_ROUND: tl.constexpr = STORE[6]
-    base = tl.load(meta_ptr + layer * _META_COLS + kind).to(tl.pointer_type(CACHE_DTYPE))
+    (the :class:`CacheRows` :func:`_cache_rows` found) and into the returned K/V;
+    ``DIM_PACK`` is this cache kind's dim pack factor. ``ALIGNED``: the host checked that
+    every cache of this kind has contiguous dim runs (the whole head dim, or the
+    ``DIM_PACK`` dims of a pack) that start 16-byte aligned, so contiguous dims become
+    vector stores. ``rows``, ``cache``, ``STORE``: see :func:`_cache_rows`."""
+    layer = rows.layer
+    kind = rows.kind
+    row_base = target.row_base
+    strides = target.strides
+    CACHE_DTYPE: tl.constexpr = STORE.CACHE_DTYPE
+    FP8_MAX: tl.constexpr = STORE.FP8_MAX
+    base = tl.load(cache.meta_ptr + layer * _META_COLS + kind).to(tl.pointer_type(CACHE_DTYPE))
     stored = value
-    if IS_FP8:
+    if STORE.IS_FP8:
         if kind == 0:
-            scale = tl.load(k_scales_ptr + layer)
+            scale = tl.load(cache.k_scales_ptr + layer)
         else:
-            scale = tl.load(v_scales_ptr + layer)
+            scale = tl.load(cache.v_scales_ptr + layer)
         stored = tl.minimum(tl.maximum(divide(stored, scale), -FP8_MAX), FP8_MAX)
-        if EXACT_FP8_ROUND:
-            stored = _round_to_fp8_grid(stored, FP8_MIN_EXP)
+        if STORE.EXACT_FP8_ROUND:
+            stored = _round_to_fp8_grid(stored, STORE.FP8_MIN_EXP)
     if ALIGNED and DIM_PACK == 1:  # every row starts 16-byte aligned and its dims are contiguous
         ptrs = tl.multiple_of(base + row_base[:, None] + dim[None, :], [16, 16])
     elif ALIGNED:  # every pack of DIM_PACK dims is contiguous and starts 16-byte aligned
@@ -172,14 +253,14 @@ def _store_cols(value, dim, dim_ok, rows, target, cache, ALIGNED: tl.constexpr, 
         ptrs = tl.multiple_of(base + row_base[:, None] + dims[None, :], [16, 16])
     else:
         ptrs = base + row_base[:, None] + _table_offset(dim, strides + 4, DIM_PACK)[None, :]
-    tl.store(ptrs, stored.to(CACHE_DTYPE), mask=ok[:, None] & dim_ok[None, :])
-    if RETURN_KV:
-        out = ((layer * N + t.to(tl.int64))[:, None] * HK + kv_head) * D + dim[None, :]
-        mask = t_ok[:, None] & dim_ok[None, :]
+    tl.store(ptrs, stored.to(CACHE_DTYPE), mask=target.ok[:, None] & dim_ok[None, :])
+    if STORE.RETURN_KV:
+        out = ((layer * cache.N + rows.t.to(tl.int64))[:, None] * STORE.HK + rows.kv_head) * STORE.D + dim[None, :]
+        mask = rows.t_ok[:, None] & dim_ok[None, :]
         if kind == 0:
-            tl.store(out_k_ptr + out, value.to(out_k_ptr.dtype.element_ty), mask=mask)
+            tl.store(cache.out_k_ptr + out, value.to(cache.out_k_ptr.dtype.element_ty), mask=mask)
         else:
-            tl.store(out_v_ptr + out, value.to(out_v_ptr.dtype.element_ty), mask=mask)
+            tl.store(cache.out_v_ptr + out, value.to(cache.out_v_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -192,39 +273,24 @@ def _row_scale(row_scale_ptr, head_row, D: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _epilogue(acc, inv_rms, pid_t, head_row, inputs, cache, EPILOGUE, STORE, CACHE_DTYPE: tl.constexpr,
-              K_ROUND_DTYPE: tl.constexpr, KIND: tl.constexpr = -1):
+def _epilogue(acc, inv_rms, pid_t, head_row, inputs, cache, EPILOGUE, STORE, KIND: tl.constexpr = -1):
     """Bias, the K head's RMSNorm and RoPE, the value scale, and the stores of token tile
-    ``pid_t`` of head row ``head_row``. The kernels group what it needs once (the names
-    are their parameters'): ``inputs = (positions_ptr, bias_ptr, k_norm_ptr, cos_sin_ptr,
-    stride_cs, v_scale, eps)``; ``cache = (meta_ptr, slots_ptr, stride_slot_layer,
-    k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, N)``, where the tile goes;
-    ``EPILOGUE = (HK, D, R, BLOCK_T, BLOCK_D, HAS_BIAS, IS_NEOX, HAS_V_SCALE, NOPE_LAYERS,
-    K_ROW_PACK, K_DIM_PACK, K_ALIGNED, V_ROW_PACK, V_DIM_PACK, V_ALIGNED)``; ``STORE = (HK,
-    D, IS_FP8, FP8_MAX, FP8_MIN_EXP, RETURN_KV, EXACT_FP8_ROUND, SLOTS_I32, CACHE_BLOCK)``,
-    how a tile is stored. The constexpr tuples are annotated ``tl.constexpr`` and their
-    members taken out one by one, each annotated (a plain assignment or unpacking would
-    turn them into runtime values); dtypes cannot sit in a Triton tuple, so ``CACHE_DTYPE``
-    and ``K_ROUND_DTYPE`` come apart. ``KIND``: 0 (K) or 1 (V) when the caller knows it (only
-    that kind's code is compiled), -1: read from ``head_row``. A NoPE layer's K rotates by
-    the identity (its cos/sin loads are masked to 1 and 0, as the pass-through dims' are)."""
-    positions_ptr, bias_ptr, k_norm_ptr, cos_sin_ptr, stride_cs, v_scale, eps = inputs
-    N = cache[7]
-    HK: tl.constexpr = EPILOGUE[0]
-    D: tl.constexpr = EPILOGUE[1]
-    R: tl.constexpr = EPILOGUE[2]
-    BLOCK_T: tl.constexpr = EPILOGUE[3]
-    BLOCK_D: tl.constexpr = EPILOGUE[4]
-    HAS_BIAS: tl.constexpr = EPILOGUE[5]
-    IS_NEOX: tl.constexpr = EPILOGUE[6]
-    HAS_V_SCALE: tl.constexpr = EPILOGUE[7]
-    NOPE_LAYERS: tl.constexpr = EPILOGUE[8]
-    K_ROW_PACK: tl.constexpr = EPILOGUE[9]
-    K_DIM_PACK: tl.constexpr = EPILOGUE[10]
-    K_ALIGNED: tl.constexpr = EPILOGUE[11]
-    V_ROW_PACK: tl.constexpr = EPILOGUE[12]
-    V_DIM_PACK: tl.constexpr = EPILOGUE[13]
-    V_ALIGNED: tl.constexpr = EPILOGUE[14]
+    ``pid_t`` of head row ``head_row``. The kernel groups what it needs once:
+    ``inputs``, the :class:`EpilogueInputs`; ``cache``, the :class:`CacheTarget` (where
+    the tile goes); the constexprs ``EPILOGUE`` (:class:`Epilogue`) and ``STORE``
+    (:class:`Store`, how a tile is stored). ``KIND``: 0 (K) or 1 (V) when the caller knows
+    it (only that kind's code is compiled), -1: read from ``head_row``. A NoPE layer's K
+    rotates by the identity (its cos/sin loads are masked to 1 and 0, as the pass-through
+    dims' are)."""
+    N = cache.N
+    HK: tl.constexpr = EPILOGUE.HK
+    D: tl.constexpr = EPILOGUE.D
+    R: tl.constexpr = EPILOGUE.R
+    BLOCK_T: tl.constexpr = EPILOGUE.BLOCK_T
+    BLOCK_D: tl.constexpr = EPILOGUE.BLOCK_D
+    IS_NEOX: tl.constexpr = EPILOGUE.IS_NEOX
+    NOPE_LAYERS: tl.constexpr = EPILOGUE.NOPE_LAYERS
+    K_ROUND_DTYPE: tl.constexpr = EPILOGUE.K_ROUND_DTYPE
     layer = head_row // (2 * HK)
     if KIND == -1:
         kind = (head_row // HK) % 2  # 0: K, 1: V
@@ -235,10 +301,10 @@ def _epilogue(acc, inv_rms, pid_t, head_row, inputs, cache, EPILOGUE, STORE, CAC
     t_ok = t < N
     c = tl.arange(0, BLOCK_D)
     c_ok = c < D
-    rows = (t, t_ok, layer, kind, kv_head)
+    rows = TileRows(t, t_ok, layer, kind, kv_head)
     acc = acc * inv_rms[:, None]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + head_row * D + c, mask=c_ok, other=0.0)[None, :]
+    if EPILOGUE.HAS_BIAS:
+        acc += tl.load(inputs.bias_ptr + head_row * D + c, mask=c_ok, other=0.0)[None, :]
     if kind == 0:
         # Column c holds original dim k_dim (K rows were permuted so RoPE pairs are adjacent).
         pair = c // 2
@@ -246,34 +312,35 @@ def _epilogue(acc, inv_rms, pid_t, head_row, inputs, cache, EPILOGUE, STORE, CAC
             k_dim = tl.where(pair < R // 2, pair + (c % 2) * (R // 2), c)
         else:
             k_dim = c
-        inv_k = tl.rsqrt(tl.sum(acc * acc, 1) / D + eps)
-        acc = acc * inv_k[:, None] * tl.load(k_norm_ptr + layer * D + k_dim, mask=c_ok, other=0.0)[None, :]
+        inv_k = tl.rsqrt(tl.sum(acc * acc, 1) / D + inputs.eps)
+        acc = acc * inv_k[:, None] * tl.load(inputs.k_norm_ptr + layer * D + k_dim, mask=c_ok, other=0.0)[None, :]
         if K_ROUND_DTYPE is not None:
             acc = acc.to(K_ROUND_DTYPE).to(tl.float32)
-        pos = tl.load(positions_ptr + t, mask=t_ok, other=0).to(tl.int64)
+        pos = tl.load(inputs.positions_ptr + t, mask=t_ok, other=0).to(tl.int64)
         i = tl.arange(0, BLOCK_D // 2)
         rot = t_ok[:, None] & (i < R // 2)[None, :]
         if NOPE_LAYERS != 0:
             rotated = ((NOPE_LAYERS >> layer.to(tl.int64)) & 1) + tl.zeros_like(t) == 0  # per row: no scalar mask
             rot = rot & rotated[:, None]
-        cs = cos_sin_ptr + pos[:, None] * stride_cs + i[None, :]
+        cs = inputs.cos_sin_ptr + pos[:, None] * inputs.stride_cs + i[None, :]
         cos = tl.load(cs, mask=rot, other=1.0)
         sin = tl.load(cs + R // 2, mask=rot, other=0.0)
         x1, x2 = tl.split(tl.reshape(acc, (BLOCK_T, BLOCK_D // 2, 2)))
         o1 = x1 * cos - x2 * sin
         o2 = x2 * cos + x1 * sin
-        target = _cache_rows(rows, cache, K_ROW_PACK, STORE)
+        target = _cache_rows(rows, cache, EPILOGUE.K_ROW_PACK, STORE)
         if IS_NEOX and R == D and D == BLOCK_D:  # the halves are dims [0, D/2) and [D/2, D)
-            _store_cols(o1, i, i < D // 2, rows, target, cache, K_ALIGNED, K_DIM_PACK, STORE, CACHE_DTYPE)
-            _store_cols(o2, i + D // 2, i < D // 2, rows, target, cache, K_ALIGNED, K_DIM_PACK, STORE, CACHE_DTYPE)
+            _store_cols(o1, i, i < D // 2, rows, target, cache, EPILOGUE.K_ALIGNED, EPILOGUE.K_DIM_PACK, STORE)
+            _store_cols(o2, i + D // 2, i < D // 2, rows, target, cache, EPILOGUE.K_ALIGNED, EPILOGUE.K_DIM_PACK,
+                        STORE)
         else:
             _store_cols(tl.reshape(tl.join(o1, o2), (BLOCK_T, BLOCK_D)), k_dim, c_ok, rows, target, cache,
-                        K_ALIGNED and not IS_NEOX, K_DIM_PACK, STORE, CACHE_DTYPE)
+                        EPILOGUE.K_ALIGNED and not IS_NEOX, EPILOGUE.K_DIM_PACK, STORE)
     else:
-        if HAS_V_SCALE:
-            acc = acc * v_scale
-        target = _cache_rows(rows, cache, V_ROW_PACK, STORE)
-        _store_cols(acc, c, c_ok, rows, target, cache, V_ALIGNED, V_DIM_PACK, STORE, CACHE_DTYPE)
+        if EPILOGUE.HAS_V_SCALE:
+            acc = acc * inputs.v_scale
+        target = _cache_rows(rows, cache, EPILOGUE.V_ROW_PACK, STORE)
+        _store_cols(acc, c, c_ok, rows, target, cache, EPILOGUE.V_ALIGNED, EPILOGUE.V_DIM_PACK, STORE)
 
 
 @triton.jit
@@ -469,15 +536,15 @@ def context_kv_kernel(
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # every part arrived: ready for the next launch
     if finish:
         inv_rms = tl.rsqrt(sum_sq / H + eps)
-        inputs = (positions_ptr, bias_ptr, k_norm_ptr, cos_sin_ptr, stride_cs, v_scale, eps)  # see _epilogue
-        cache = (meta_ptr, slots_ptr, stride_slot_layer, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, N)
-        EPILOGUE: tl.constexpr = (HK, D, R, BLOCK_T, BLOCK_D, HAS_BIAS, IS_NEOX, HAS_V_SCALE, NOPE_LAYERS,
-                                  K_ROW_PACK, K_DIM_PACK, K_ALIGNED, V_ROW_PACK, V_DIM_PACK, V_ALIGNED)
-        STORE: tl.constexpr = (HK, D, IS_FP8, FP8_MAX, FP8_MIN_EXP, RETURN_KV, EXACT_FP8_ROUND, SLOTS_I32, CACHE_BLOCK)
+        inputs = EpilogueInputs(positions_ptr, bias_ptr, k_norm_ptr, cos_sin_ptr, stride_cs, v_scale, eps)
+        cache = CacheTarget(meta_ptr, slots_ptr, stride_slot_layer, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, N)
+        EPILOGUE: tl.constexpr = Epilogue(HK, D, R, BLOCK_T, BLOCK_D, HAS_BIAS, IS_NEOX, HAS_V_SCALE, NOPE_LAYERS,
+                                          K_ROUND_DTYPE, K_ROW_PACK, K_DIM_PACK, K_ALIGNED, V_ROW_PACK, V_DIM_PACK,
+                                          V_ALIGNED)
+        STORE: tl.constexpr = Store(HK, D, IS_FP8, FP8_MAX, FP8_MIN_EXP, RETURN_KV, EXACT_FP8_ROUND, SLOTS_I32,
+                                    CACHE_BLOCK, CACHE_DTYPE)
         if HEADS == 2:  # the V head first: its light epilogue runs while the K tile waits in registers
             acc_v = acc_v * _row_scale(row_scale_ptr, head_row + HK, D, BLOCK_D)
-            _epilogue(acc_v, inv_rms, pid_t, head_row + HK, inputs, cache, EPILOGUE, STORE, CACHE_DTYPE,
-                      K_ROUND_DTYPE, 1)
+            _epilogue(acc_v, inv_rms, pid_t, head_row + HK, inputs, cache, EPILOGUE, STORE, 1)
         acc = acc * _row_scale(row_scale_ptr, head_row, D, BLOCK_D)
-        _epilogue(acc, inv_rms, pid_t, head_row, inputs, cache, EPILOGUE, STORE, CACHE_DTYPE, K_ROUND_DTYPE,
-                  0 if HEADS == 2 else -1)
+        _epilogue(acc, inv_rms, pid_t, head_row, inputs, cache, EPILOGUE, STORE, 0 if HEADS == 2 else -1)
