@@ -134,13 +134,15 @@ class ReloadTee:
         """The draft's top-level stream, with the inner model's ``load_weights`` watched for
         the block: a K/V input the top-level stream names that never reaches the inner
         loader (a class that routes it elsewhere) counts as unplaced."""
-        inner, original = self._inner, self._inner.load_weights
+        inner, original = self._inner, getattr(self._inner, "load_weights", None)
         self._kv_names = [0, 0]
-        inner.load_weights = lambda stream: original(self._watch(stream))
+        if original is not None:
+            inner.load_weights = lambda stream: original(self._watch(stream))
         try:
             yield self._scan(weights)
         finally:
-            del inner.load_weights
+            if original is not None:
+                del inner.load_weights
         if self._kv_names[0] and not self._kv_names[1]:
             self.unplaced.append(f"{self._kv_names[0]} K/V weight(s) that did not reach the draft's model loader")
 

@@ -62,6 +62,7 @@ class ServedDraft:
         self._dflash_stale: str | None = None  # why the held weights may differ from vLLM's (not served)
         self._dflash_update: draft_weights.ReloadTee | None = None  # the weight update in progress
         self._dflash_loaded = False  # load_weights or the post-load hook ran once
+        self._dflash_hooked = False  # the post-load hook ran once
         self._dflash_said_prefix = False
         self._dflash_views_key: tuple | None = None
         self._dflash_plans: dict[bool, ContextKVPlan | str] = {}  # writes caches -> plan (or why not)
@@ -135,10 +136,10 @@ class ServedDraft:
         parent = getattr(super(), "process_weights_after_loading", None)
         if parent is not None:
             parent()
-        first = not self._dflash_loaded
-        self._dflash_loaded = True
-        if first and self._dflash_weights is None and self._dflash_precompute_off is None:
+        first, self._dflash_hooked = not self._dflash_hooked, True
+        if not self._dflash_loaded and self._dflash_weights is None and self._dflash_precompute_off is None:
             self._take_weights(skeleton=True)  # load_weights never ran: a dummy start
+        self._dflash_loaded = True
         if self._dflash_update is not None:
             self._finish_update()
         if first:
@@ -157,7 +158,11 @@ class ServedDraft:
                         "K/V weight (was off: %s)", self._dflash_stale)
             self._dflash_stale = None
         if not launches.graph_capturing(self._dflash_weights.device):
-            refill_derived()
+            try:
+                refill_derived()
+            except Exception as exc:  # noqa: BLE001 - never fail vLLM's weight update
+                self._dflash_stale = f"refilling the backends' derived weights failed ({type(exc).__name__}: {exc})"
+                logger.warning("context-KV precompute goes back to vLLM's path: %s", self._dflash_stale)
         cache_config = getattr(self._dflash_vllm_config, "cache_config", None)
         if getattr(cache_config, "enable_prefix_caching", False) and not self._dflash_said_prefix:
             self._dflash_said_prefix = True
