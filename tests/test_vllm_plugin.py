@@ -412,7 +412,8 @@ def test_a_dummy_start_serves_the_precompute_from_the_first_weight_update(backen
 
     logger = logging.getLogger("dflash_rocm")
     logger.addHandler(logged)
-    level, logger.level = logger.level, logging.INFO
+    level = logger.level
+    logger.setLevel(logging.INFO)  # setLevel: a level set by assignment leaves the enabled-for cache stale
     try:
         ours = vllm_harness.generate(target, draft, plugin=True, backend=backend, prompts=[[10, 20, 30]],
                                      max_tokens=4, inspect=inspect, engine_extra={"load_format": "dummy"},
