@@ -105,11 +105,13 @@ def _layout(args):
 
 
 def cmd_info(args) -> int:
-    from .info import collect_info, format_info
+    """The report, whole; exit status 1 when an environment variable's value is not valid
+    (the report marks it and says why: info shows a bad value, it does not fail on it)."""
+    from .info import bad_environment, collect_info, format_info
 
     info = collect_info()
     print(json.dumps(info, indent=2) if args.json else format_info(info, *_layout(args)))
-    return 0
+    return 1 if bad_environment(info) else 0
 
 
 def cmd_check(args) -> int:
@@ -138,8 +140,13 @@ def cmd_check(args) -> int:
 
 def _check_outputs(outputs: dict[str, str | None], plot: str | None = None) -> None:
     """Refuse, before any work is done, outputs (flag -> path; None: not asked for) that
-    could not be written: more than one to stdout ('-'), a path that is a folder or whose
-    folder is missing or not writable; a ``plot`` file likewise, and without matplotlib."""
+    could not be written: an empty path, more than one to stdout ('-'), a path that is a
+    folder or whose folder is missing or not writable; a ``plot`` file likewise, and
+    without matplotlib."""
+    for flag, path in {**outputs, "--plot": plot}.items():
+        if path is not None and not path.strip():
+            accepted = "a file path" if flag == "--plot" else "a file path or '-' (stdout)"
+            raise ValueError(f"{flag}: expected {accepted}, got {path!r}")
     to_stdout = [flag for flag, path in outputs.items() if path == "-"]
     if len(to_stdout) > 1:
         raise ValueError(f"{' and '.join(to_stdout)}: only one output can go to stdout ('-'); give the others a path")
@@ -484,7 +491,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Every refusal is one line on stderr and exit status 2 (1: ``check`` found a
-    disagreement): bad arguments (argparse types), bad input files, devices or sizes."""
+    disagreement, ``info`` an environment value that is not valid): bad arguments
+    (argparse types, empty output paths), bad input files, devices or sizes."""
     from . import BackendUnavailable
 
     _use_interpreter_without_gpu()

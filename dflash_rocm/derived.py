@@ -145,7 +145,8 @@ class DerivedCache:
                     "these weights: make one eager call before capturing, and call dflash_rocm.refill_derived() "
                     "after updating the weights")
             previous = self._updated_in_place(tag, fingerprints, sources)
-        value = rebuild()
+        with torch.no_grad():  # derived layouts feed inference-only kernels: no autograd graph kept
+            value = rebuild()
         if previous is not None and refill_in_place(previous, value):
             value = previous
         self._keep(tag, sources, value, rebuild)
@@ -172,7 +173,8 @@ class DerivedCache:
         if any(t is not None and launches.graph_capturing(t.device) for _, sources, *_ in stale for t in sources):
             raise DerivedNotReady("refill_derived() was called while a CUDA graph is captured")
         for key, sources, value, rebuild in stale:
-            new = rebuild()
+            with torch.no_grad():
+                new = rebuild()
             if refill_in_place(value, new):
                 new = value
             else:

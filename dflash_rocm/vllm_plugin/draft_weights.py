@@ -238,6 +238,9 @@ class ReloadTee:
             if getattr(qkv, "tp_size", 1) != 1:
                 return "the update brings a fused qkv_proj under tensor parallelism"
             q_rows = tensor.shape[0] - 2 * rows
+            if q_rows < 0:
+                return (f"the reload's layers.{layer}.self_attn.qkv_proj.{kind} has {tensor.shape[0]} rows, fewer "
+                        f"than its layer's K and V rows ({2 * rows})")
             return [(target[start:start + 2 * rows], tensor.narrow(0, q_rows, 2 * rows))]
         start += (shard == "v") * rows
         if getattr(getattr(qkv, kind, None), "is_sharded_weight", False):  # this rank's rows already
