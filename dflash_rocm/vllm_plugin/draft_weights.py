@@ -137,7 +137,7 @@ class ReloadTee:
         inner, original = self._inner, getattr(self._inner, "load_weights", None)
         self._kv_names = [0, 0]
         if original is not None:
-            inner.load_weights = lambda stream: original(self._watch(stream))
+            inner.load_weights = lambda stream: original(self.watch(stream))
         try:
             yield self._scan(weights)
         finally:
@@ -151,7 +151,8 @@ class ReloadTee:
             self._kv_names[0] += _KV_INPUT.search(name) is not None
             yield name, tensor
 
-    def _watch(self, weights):
+    def watch(self, weights):
+        """The stream as the draft's model loader gets it, each tensor seen on the way."""
         for name, tensor in weights:
             self._kv_names[1] += _KV_INPUT.search(name) is not None
             self._see(name, tensor)

@@ -54,16 +54,17 @@ class ServedDraft:
 
     _dflash_rocm_served = True
     _dflash_vllm_class: type  # set by served_class
+    # per instance once set (class defaults: what a model gets before __init__'s end)
+    _dflash_stale: str | None = None  # why the held weights may differ from vLLM's (then not served)
+    _dflash_update: draft_weights.ReloadTee | None = None  # the weight update in progress
+    _dflash_loaded = False  # load_weights or the post-load hook ran once
+    _dflash_hooked = False  # the post-load hook ran once
+    _dflash_said_prefix = False
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self._dflash_weights: ContextKVWeights | None = None
         self._dflash_precompute_off: str | None = None  # why the precompute stays on vLLM
-        self._dflash_stale: str | None = None  # why the held weights may differ from vLLM's (not served)
-        self._dflash_update: draft_weights.ReloadTee | None = None  # the weight update in progress
-        self._dflash_loaded = False  # load_weights or the post-load hook ran once
-        self._dflash_hooked = False  # the post-load hook ran once
-        self._dflash_said_prefix = False
         self._dflash_views_key: tuple | None = None
         self._dflash_plans: dict[bool, ContextKVPlan | str] = {}  # writes caches -> plan (or why not)
         self._dflash_vllm_config = vllm_config
