@@ -170,8 +170,8 @@ CACHE_DIR = EnvVar(
     "where tuned launch configs are kept (default: $XDG_CACHE_HOME/dflash_rocm)")
 AITER = Switch(
     "DFLASH_ROCM_AITER", "auto",
-    "rocm: off (0/false/no) never uses aiter; auto or on uses its paged attention on CDNA where it "
-    "serves the call (checked against the Triton kernel on first use)",
+    "aiter backend: off (0/false/no) never uses aiter; auto or on lets it serve attention on CDNA where "
+    "aiter's paged attention serves the call (checked against the rocm backend's Triton kernel on first use)",
     modes=("auto",))
 TAIL_MERGE = Switch(
     "DFLASH_ROCM_TAIL_MERGE", "1",

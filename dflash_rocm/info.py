@@ -13,7 +13,7 @@ from .ops import OPS
 from .platform import platform_for
 from .report import WIDTH, Style, format_table, join_blocks, wrap
 from .version import __version__
-from .vllm_plugin import family, plugin_status
+from .vllm_plugin import family, plugin_status, quantized
 from .vllm_plugin.cache_views import vllm_order
 
 # (what, distributions that provide it, import name)
@@ -53,6 +53,7 @@ def collect_info() -> dict:
         "vllm_plugin": plugin,
         # read from vLLM's classes, nothing built; a failure is a reason, never an error
         "vllm_family": family.family_support() if plugin["vllm"] else [],
+        "vllm_quantization": _quantization_support() if plugin["vllm"] else [],
         "vllm_attention": [{"backend": b.name, "layout": b.layout, "dflash_rocm": b.served}
                            for b in vllm_order(p.vendor, p.arch)],
         "backend_status": backend_status(dispatch.device_reasons(device)),
@@ -70,6 +71,16 @@ def backend_status(reasons: dict[str, list[str]]) -> dict[str, str]:
             status.update(cls.status())
     return status
 
+
+
+def _quantization_support() -> list[dict]:
+    """How the plugin serves a draft quantized by each method the installed vLLM offers
+    (its ``QUANTIZATION_METHODS``); a vLLM laid out otherwise: none listed."""
+    try:
+        from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+    except Exception:  # noqa: BLE001 - info never fails on a vLLM it cannot read
+        return []
+    return [{"method": m, "served": how} for m, how in quantized.support(QUANTIZATION_METHODS)]
 
 
 def environment_entry(var: envs.EnvVar) -> dict:
@@ -106,6 +117,11 @@ def format_info(info: dict, width: int | None = WIDTH, style: Style = Style()) -
             [(r["architecture"], (r["vllm_class"] or "").rpartition(".")[2],
               *(_served(r[op], style) for op in ("precompute", "attention"))) for r in info["vllm_family"]],
             width=width, wrap_columns=["precompute", "draft attention"])
+    if info.get("vllm_quantization"):
+        integration += "\n\n" + wrap("A quantized draft's K/V rows, per quantization method this vLLM offers:",
+                                      width) + "\n" + format_table(
+            ["method", "dflash_rocm's precompute"], [(q["method"], q["served"]) for q in info["vllm_quantization"]],
+            width=width, wrap_columns=["dflash_rocm's precompute"])
     environment = format_table(["environment variable", "value", "meaning"],
                                [(n, _env_value(v, style), v["help"]) for n, v in info["environment"].items()],
                                width=width, wrap_columns=["value", "meaning"])

@@ -77,6 +77,20 @@ def test_info_says_what_the_plugin_serves_of_each_family_member(capsys):
 
 
 @pytest.mark.vllm
+def test_info_says_how_the_plugin_serves_each_quantization_method_of_this_vllm(capsys):
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    rc, out, _ = run_cli(capsys, "info", "--json")
+    rows = {r["method"]: r["served"] for r in json.loads(out)["vllm_quantization"]}
+    assert rc == 0 and set(rows) == set(QUANTIZATION_METHODS)
+    assert rows["compressed-tensors"].startswith("dequantized") and rows["gptq"].startswith("dequantized")
+    assert rows["torchao"].startswith("steps aside")
+    rc, out, _ = run_cli(capsys, "info", "--wide")
+    awq = next(line for line in out.splitlines() if line.startswith("awq "))
+    assert awq.split(None, 1)[1].startswith("dequantized")
+
+
+@pytest.mark.vllm
 def test_info_turns_every_family_failure_into_a_reason(capsys, monkeypatch):
     from dflash_rocm.vllm_plugin import family
 

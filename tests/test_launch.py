@@ -2,8 +2,9 @@
 
 A stand-in kernel records how it was launched: through the JIT (``kernel[grid](...)``,
 which returns the compiled kernel) or through the compiled kernel (``compiled[grid](...)``
-with every parameter, constexprs included, in order). The real path needs a GPU; its
-mechanics and Triton's specialisation rules are checked here.
+with the arguments its compiled signature names, in order, over three grid dimensions).
+The real launch needs a GPU; its mechanics, Triton's specialisation rules, and Triton's own
+``CompiledKernel[grid]`` entry over the signature Triton's JIT builds are checked here.
 """
 
 from types import SimpleNamespace as NS
@@ -26,15 +27,22 @@ class FakeKernel:
     def __getitem__(self, grid):
         def jit(*args, **kwargs):
             self.log.append(("jit", grid, args, kwargs))
-            return FakeCompiled(self.log)
+            return FakeCompiled(self.log, self.compiled_signature())
         return jit
+
+    def compiled_signature(self) -> dict:
+        """What Triton 3.3+ compiles into ``src.signature``: every parameter, by name."""
+        return {p.name: "constexpr" if p.is_constexpr else "i32" for p in self.params}
 
 
 class FakeCompiled:
-    def __init__(self, log):
-        self.log = log
+    """A compiled kernel: its entry indexes three grid dimensions, as Triton's does."""
+
+    def __init__(self, log, signature):
+        self.log, self.src = log, NS(signature=signature)
 
     def __getitem__(self, grid):
+        grid = (grid[0], grid[1], grid[2])
         return lambda *args: self.log.append(("compiled", grid, args))
 
 
@@ -60,7 +68,46 @@ def test_a_second_launch_with_the_same_specialisation_calls_the_compiled_kernel(
     launch(kernel, (4,), None, torch.zeros(64), 23, p2=5)
     assert [entry[0] for entry in kernel.log] == ["jit", "compiled"]
     assert kernel.log[0][3] == {"p2": 5}
-    assert kernel.log[1][1] == (4,) and kernel.log[1][2][1:] == (23, 5)  # runtime args, then constexprs
+    assert kernel.log[1][1] == (4, 1, 1) and kernel.log[1][2][1:] == (23, 5)  # runtime args, then constexprs
+
+
+@pytest.mark.parametrize("grid", [(5,), (5, 2), (5, 2, 3)])
+def test_a_grid_of_fewer_dimensions_reaches_the_compiled_kernel_as_three(on_a_gpu, grid):
+    """Triton's compiled entry reads ``grid[0..2]`` (an IndexError for a shorter tuple, seen
+    on an H200 for the precompute's one-dimensional grid); the JIT pads the same way."""
+    kernel = FakeKernel(False, True)
+    launch(kernel, grid, None, 3, p1=0)
+    launch(kernel, grid, None, 3, p1=0)
+    padded = grid + (1,) * (3 - len(grid))
+    assert [(entry[0], entry[1]) for entry in kernel.log] == [("jit", padded), ("compiled", padded)]
+
+
+@pytest.mark.parametrize("grid", [(), (1, 2, 3, 4)])
+def test_a_grid_triton_cannot_launch_is_refused_when_the_plan_is_made(on_a_gpu, grid):
+    kernel = FakeKernel(False)
+    with pytest.raises(ValueError, match="1 to 3 dimensions"):
+        launching.LaunchPlan(kernel, grid, {}, (), {"p0": 1}, {})
+    assert kernel.log == []
+
+
+@pytest.mark.parametrize("compiled_with,expected", [
+    ("every parameter", [("jit", (7, 1)), ("compiled", (7, 1, 5))]),  # Triton 3.3 and later
+    ("runtime parameters", [("jit", (7, 1)), ("compiled", (7, 1))]),  # Triton 3.0-3.2
+    ("something else", [("jit", (7, 1)), ("jit", (7, 1))]),  # unknown: the JIT launches every time
+    ("no signature", [("jit", (7, 1)), ("jit", (7, 1))]),
+])
+def test_the_direct_arguments_follow_the_compiled_kernels_signature(on_a_gpu, monkeypatch, compiled_with, expected):
+    """The compiled launcher takes one argument per entry of the signature the JIT compiled
+    the kernel with: every parameter (constexprs too) on Triton 3.3+, only the runtime ones
+    on 3.0-3.2; a signature that is neither is not trusted."""
+    kernel = FakeKernel(False, False, True)
+    signature = {"every parameter": {"p0": "i32", "p1": "i32", "p2": "constexpr"},
+                 "runtime parameters": {"p0": "i32", "p1": "i32"},
+                 "something else": {"p0": "i32"}, "no signature": None}[compiled_with]
+    monkeypatch.setattr(kernel, "compiled_signature", lambda: signature)
+    for _ in range(2):
+        launch(kernel, (1,), None, 7, 1, p2=5)
+    assert [(entry[0], entry[2]) for entry in kernel.log] == expected
 
 
 @pytest.mark.parametrize("first,second", [(2, 1), (2, 16), (16, 2), (5, 2 ** 31), (0.5, 1)],
@@ -147,6 +194,110 @@ def test_a_launch_refuses_a_wrong_tensor_name_naming_it(on_a_gpu, named, wrong):
     with pytest.raises(TypeError, match=wrong):
         plan.launch(**named)
     assert kernel.log == []
+
+
+# ---- Triton's own compiled entry over the signature Triton's JIT builds ---------------------
+
+def _accepts(ty: str, value) -> bool:
+    """Whether a launcher compiled for signature type ``ty`` takes ``value`` (Triton's C
+    launchers: an object for pointers and constexprs, which they skip; C ints and floats)."""
+    if ty == "constexpr":
+        return True
+    if ty.startswith("*"):
+        return isinstance(value, torch.Tensor)
+    if ty in ("i32", "i64", "u64"):
+        low, high = {"i32": (-2 ** 31, 2 ** 31), "i64": (-2 ** 63, 2 ** 63), "u64": (0, 2 ** 64)}[ty]
+        return type(value) is int and low <= value < high
+    if ty in ("fp32", "fp64"):
+        return type(value) is float
+    return ty == "i1" and type(value) is bool
+
+
+def _captured_launches():
+    """The launches of a precompute (one-dimensional grid) and of an attention call with a
+    separate merge launch, recorded from the real host code on CPU tensors."""
+    from dflash_rocm import launches
+    from dflash_rocm.backends.triton.attention import run_draft_attention
+    from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig, PrecomputeLaunchConfig
+    from dflash_rocm.backends.triton.precompute import run_precompute
+    from dflash_rocm.ops.attention import attention_call
+    from dflash_rocm.ops.precompute import precompute_call
+    from dflash_rocm.workloads import DraftShape, attention_inputs, precompute_inputs
+
+    shape = DraftShape("launch", hidden=256, layers=2, q_heads=8, kv_heads=2, head_dim=128)
+    cpu = torch.device("cpu")
+    pre = precompute_inputs(shape, 40, torch.bfloat16, torch.bfloat16, cpu)
+    att = attention_inputs(shape, 2, 700, torch.bfloat16, torch.bfloat16, cpu)
+    with launches.capture() as captured:
+        run_precompute(precompute_call(*pre.args(), **pre.kwargs()),
+                       PrecomputeLaunchConfig(block_t=16, block_k=64, split_k=2))
+        run_draft_attention(attention_call(*att.args(), **att.kwargs),
+                            AttentionLaunchConfig(block_m=64, block_n=32, num_segments=4, merge="launch"))
+    return captured
+
+
+def test_the_direct_path_launches_through_tritons_compiled_entry_with_the_arguments_it_compiled_for(monkeypatch):
+    """Every kernel's captured launch, planned as the GPU path plans it, goes the second time
+    through Triton's real ``CompiledKernel.__getitem__`` for a kernel compiled with the
+    signature Triton's own binder and ``_pack_args`` build for those arguments (sm_90): the
+    launcher gets three grid dimensions and exactly one argument of the right kind per
+    signature entry."""
+    import triton.compiler.compiler as triton_compiler
+    from triton.runtime.jit import JITFunction
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+
+    launched = []
+
+    class CompiledLikeTriton(triton_compiler.CompiledKernel):
+        """Triton's CompiledKernel, loaded (no driver): only its launcher is a check."""
+
+        def __init__(self, fn, signature):
+            self.src, self.name, self.module, self.function = NS(signature=signature, fn=fn), fn.__name__, 1, 0
+            self._module_pid, self.packed_metadata = None, (1, 1, 0)
+            self._run = lambda *a: launched.append((self.name, signature, a))
+
+        def __del__(self):
+            pass
+
+    captured = _captured_launches()  # as this machine runs them (the interpreter, if it is on)
+    on_a_gpu.__wrapped__(monkeypatch)
+    monkeypatch.setattr(triton_compiler, "driver", NS(active=NS(get_current_device=lambda: 0,
+                                                                   get_current_stream=lambda device: 0)))
+    assert sorted({c.kernel.__name__ for c in captured}) == ["context_kv_kernel", "draft_attention_kernel",
+                                                              "merge_segments_kernel"]
+    assert any(len(c.grid) < 3 for c in captured), "a grid of fewer dimensions than three is covered"
+    for c in captured:
+        jit = JITFunction(c.kernel.fn)
+        kwargs = {**c.constexprs, **launching.options_for(c.options, amd=False)}
+        bound, spec, options = create_function_from_signature(jit.signature, jit.params, backend)(*c.args, **kwargs)
+        signature = jit._pack_args(backend, kwargs, bound, spec, options)[1]  # what the JIT compiles with
+
+        class Kernel:  # Triton's JIT entry: returns the kernel compiled for these arguments
+            __name__, params = jit.__name__, jit.params
+
+            def __getitem__(self, grid):
+                return lambda *args, **kwargs: CompiledLikeTriton(jit, signature)
+
+        names = launching.kernel_parameters(jit)[0]
+        per_call = c.per_call if c.per_call is not None else len(c.args)
+        plan = launching.LaunchPlan(Kernel(), c.grid, c.options, names[:per_call],
+                                    dict(zip(names[per_call:], c.args[per_call:])), c.constexprs)
+        named = dict(zip(names[:per_call], c.args[:per_call]))
+        launched.clear()
+        plan.launch(**named)  # through the JIT, which keeps the compiled kernel
+        plan.launch(**named)  # through Triton's compiled entry
+        assert len(launched) == 1, c.kernel.__name__
+        _, signature, call = launched[0]
+        grid, args = call[:3], call[9:]
+        assert grid == c.grid + (1,) * (3 - len(c.grid)), c.kernel.__name__
+        assert len(args) == len(signature), (c.kernel.__name__, len(args), len(signature))
+        wrong = [(name, ty) for (name, ty), value in zip(signature.items(), args) if not _accepts(ty, value)]
+        assert not wrong, (c.kernel.__name__, wrong)
 
 
 @pytest.mark.parametrize("per_call,static,constexprs,named", [

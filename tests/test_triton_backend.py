@@ -323,6 +323,23 @@ def test_tail_merge_can_be_switched_off(monkeypatch):
     assert plan.main.constexprs["MERGERS"] == 0 and plan.merge is not None
 
 
+@pytest.mark.parametrize("segments", [3, 4, 8])
+def test_a_wave64_last_segment_merge_loads_two_partials_a_trip_and_masks_the_odd_one(segments):
+    """On wave64 the last segment's merge loads two segments' partials a trip: an odd count of
+    active segments leaves the second lane group of the last trip masked."""
+    from dflash_rocm.backends.triton.attention import merge_chunk, run_draft_attention
+    from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig
+    from dflash_rocm.ops.attention import attention_call
+
+    config = AttentionLaunchConfig(block_m=64, block_n=16, num_segments=segments, num_warps=1, wave_size=64)
+    assert merge_chunk(config, 32) == 2 and merge_chunk(dataclasses.replace(config, wave_size=32), 32) == 1
+    args = paged([70, 45], [16, 9], Hk=2, G=4, D=32, block_size=16)
+    ref = dflash_rocm.draft_attention(*args, backend="reference")
+    call = attention_call(*args)
+    run_draft_attention(call, config)
+    assert dflash_rocm.contract.relative_error(call.out, ref) < 2e-3
+
+
 def test_split_tile_counters_are_left_zero_for_the_next_launch():
     from dflash_rocm.backends.triton.attention import run_draft_attention
     from dflash_rocm.backends.triton.counters import _KEPT
@@ -639,3 +656,20 @@ def test_the_normed_k_is_rounded_before_rope_exactly_when_the_weights_say_so(neo
         differ_same = (got != k_of(rounded, "reference")).float().mean().item()
         differ_other = (got != k_of(not rounded, "reference")).float().mean().item()
         assert differ_same * 10 < differ_other, (rounded, differ_same, differ_other)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fnuz, torch.float8_e4m3fn], ids=str)
+def test_a_value_rounding_to_zero_is_stored_as_zero_in_an_fp8_cache(cache_dtype):
+    """The interpreter's fp8 epilogue rounds by arithmetic (``_round_to_fp8_grid``); a tiny
+    negative value rounds to zero, which must be stored as +0: in the fnuz formats 0x80 is
+    NaN, and Triton 3.8's interpreter converts -0.0 to 0x80 (3.9's to 0x00)."""
+    from divide_kernel import fp8_round_kernel
+
+    from dflash_rocm.backends.triton.precompute import _FP8_MIN_NORMAL_EXP
+
+    x = torch.tensor([-1e-9, -1e-30, -0.0, 0.0, 1e-9, -0.5, 0.5, -1.94, 3.0, -300.0, 1e-3, -1e-3, 0.0, 0.0, 0.0, 0.0])
+    y = torch.empty(x.shape, dtype=cache_dtype)
+    fp8_round_kernel[(1,)](x, y, MIN_EXP=_FP8_MIN_NORMAL_EXP[cache_dtype], BLOCK=x.numel())
+    assert not torch.isnan(y.float()).any(), y.view(torch.uint8).tolist()
+    finite = x.abs() <= torch.finfo(cache_dtype).max
+    assert torch.equal(y.float()[finite], x.to(cache_dtype).float()[finite])

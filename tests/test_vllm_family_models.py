@@ -461,9 +461,9 @@ def test_the_reload_tee_places_what_the_model_loader_sees_and_names_what_it_cann
     assert "load_weights" not in vars(inner)  # the watch is gone after the block
 
     odd = ReloadTee(inner)
-    with odd.attached([("layers.1.self_attn.k_proj.weight_scale", torch.ones(1))]) as stream:
+    with odd.attached([("layers.1.self_attn.kv_proj.weight", torch.ones(1))]) as stream:
         inner.load_weights(stream)
-    assert odd.unplaced == ["layers.1.self_attn.k_proj.weight_scale"] and not odd.covers(w)
+    assert odd.unplaced == ["layers.1.self_attn.kv_proj.weight"] and not odd.covers(w)
 
     elsewhere = ReloadTee(inner)
     with elsewhere.attached(list(_tee_stream(w, 1.0))) as stream:

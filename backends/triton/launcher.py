@@ -14,12 +14,15 @@ once per specialisation: it keeps the compiled kernel the JIT returned, and late
 whose arguments specialise the same way (:func:`specialization`, Triton 3.9's rules:
 16-byte alignment of pointers, 32-bit buffer ranges on AMD, ints equal to 1, multiples
 of 16, 32- or 64-bit) launch it directly through ``CompiledKernel[grid]``, Triton's own
-entry point for compiled kernels.
+entry point for compiled kernels. That entry point takes what the JIT would hand its
+launcher and nothing else: a grid of exactly three dimensions (:func:`launch_grid`) and
+the arguments the kernel was compiled to take (:func:`launch_tail`).
 """
 
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -87,27 +90,58 @@ def tensor_specialization(tensors: tuple, amd: bool) -> tuple | None:
         return specialization(tensors, amd)
 
 
+def launch_grid(grid: tuple[int, ...]) -> tuple[int, int, int]:
+    """``grid`` as the three dimensions a compiled kernel's entry indexes (``grid[0]``,
+    ``grid[1]``, ``grid[2]``: a shorter tuple raises IndexError there, in every Triton 3.x);
+    the JIT fills the missing ones with 1 itself, so both paths launch the same programs."""
+    grid = tuple(grid)
+    if not 1 <= len(grid) <= 3:
+        raise ValueError(f"a Triton grid has 1 to 3 dimensions, not {len(grid)}: {grid}")
+    return grid + (1,) * (3 - len(grid))
+
+
+def launch_tail(compiled, params, constexprs: dict) -> tuple | None:
+    """What a compiled kernel's launcher takes after the runtime arguments, read from the
+    signature the JIT compiled it with (``compiled.src.signature``: one entry, by parameter
+    name, per argument its launcher parses). Triton 3.3 and later put every parameter there
+    and pass every one, constexprs included (their launchers skip them): the tail is the
+    constexprs in order. Triton 3.0-3.2 put only the runtime parameters there and pass only
+    those: no tail. None where the signature is missing or names something else: that
+    launcher's arguments are unknown, so only the JIT may launch the kernel."""
+    signature = getattr(getattr(compiled, "src", None), "signature", None)
+    if not isinstance(signature, dict):
+        return None
+    names = list(signature)
+    constexpr_params = [p for p in params if p.is_constexpr]
+    if names == [p.name for p in params]:
+        return tuple(constexprs[p.name] for p in constexpr_params)
+    if names == [p.name for p in params if not p.is_constexpr]:
+        return ()
+    return None
+
+
 class Launcher:
     """Launches of one kernel with fixed constexprs and compiler options: the first launch
     of each argument specialisation (and device) goes through Triton's JIT, which compiles
-    or finds the kernel; later ones call the compiled kernel directly."""
+    or finds the kernel; later ones call the compiled kernel directly, with the arguments
+    :func:`launch_tail` reads from it, over a grid of three dimensions (:func:`launch_grid`)."""
 
     def __init__(self, kernel, constexprs: dict, options: dict):
         self.kernel, self.constexprs, self.options = kernel, dict(constexprs), dict(options)
         params = kernel.params
-        self.num_runtime = sum(1 for p in params if not p.is_constexpr)
-        if any(p.is_constexpr for p in params[:self.num_runtime]):
+        num_runtime = sum(1 for p in params if not p.is_constexpr)
+        if any(p.is_constexpr for p in params[:num_runtime]):
             raise TypeError(f"{kernel.__name__}: declare constexpr parameters after the runtime ones")
-        # Triton's compiled launcher takes every parameter in order, constexprs included.
-        self.tail = tuple(constexprs[p.name] for p in params[self.num_runtime:])
+        self.tail: tuple = ()  # set by keep() from the first compiled kernel (one Triton serves them all)
         self.amd = bool(getattr(torch.version, "hip", None))
         self.current_device = torch.cuda.current_device  # compiled kernels are loaded per device
         self.compiled: dict[tuple, Any] = {}
         self._lock = threading.Lock()
 
-    def run(self, grid: tuple[int, ...], args: tuple, spec) -> None:
-        """Launch with ``spec``: :func:`specialization` of ``args``, or any key that changes
-        whenever it would (None: only the JIT may launch)."""
+    def run(self, grid: tuple[int, int, int], args: tuple, spec) -> None:
+        """Launch over ``grid`` (three dimensions: :func:`launch_grid`) with ``spec``:
+        :func:`specialization` of ``args``, or any key that changes whenever it would (None:
+        only the JIT may launch)."""
         if spec is not None:
             spec = (self.current_device(), spec)
             compiled = self.compiled.get(spec)
@@ -116,7 +150,16 @@ class Launcher:
                 return
         compiled = self.kernel[grid](*args, **self.constexprs, **self.options)
         if spec is not None and compiled is not None:
+            self.keep(spec, compiled)
+
+    def keep(self, spec: tuple, compiled) -> None:
+        """Launch later calls of ``spec`` (device, specialisation) through ``compiled``
+        directly, if :func:`launch_tail` knows its launcher's arguments; otherwise they keep
+        going through the JIT."""
+        tail = launch_tail(compiled, self.kernel.params, self.constexprs)
+        if tail is not None:
             with self._lock:
+                self.tail = tail
                 self.compiled[spec] = compiled
 
 
@@ -220,6 +263,7 @@ class LaunchPlan:
     def __init__(self, kernel, grid: tuple[int, ...], options: dict, per_call: tuple[str, ...], static_args: dict,
                  constexprs: dict, *, amd: bool | None = None, direct: Launcher | None = None):
         self.kernel, self.grid, self.name = kernel, tuple(grid), kernel.__name__
+        self.launch_grid = launch_grid(self.grid)
         self.per_call, self.static_args = bound_names(kernel, tuple(per_call), static_args, constexprs)
         self.requested = dict(options)
         self.amd = bool(getattr(torch.version, "hip", None)) if amd is None else amd
@@ -250,7 +294,7 @@ class LaunchPlan:
     def launch_direct(self, tensors: tuple, args: tuple) -> None:
         dynamic = tensor_specialization(tensors, self.amd)
         spec = None if dynamic is None or self.static_spec is None else (dynamic, self.static_spec)
-        self.direct.run(self.grid, args, spec)
+        self.direct.run(self.launch_grid, args, spec)
 
 
 def prelude_seconds(launch, arch: str, repeats: int = 2000) -> tuple[float, float]:
@@ -288,7 +332,7 @@ def prelude_seconds(launch, arch: str, repeats: int = 2000) -> tuple[float, floa
     names = kernel_parameters(jit)[0]
     plan = LaunchPlan(jit, launch.grid, launch.options, names[:per_call],
                       dict(zip(names[per_call:], launch.args[per_call:])), launch.constexprs, amd=amd, direct=direct)
-    direct.compiled[(0, (tensor_specialization(tensors, amd), plan.static_spec))] = _NoopCompiled()
+    direct.keep((0, (tensor_specialization(tensors, amd), plan.static_spec)), _NoopCompiled(jit.params))
     named = dict(zip(names, tensors))
 
     def through_launcher():
@@ -298,7 +342,11 @@ def prelude_seconds(launch, arch: str, repeats: int = 2000) -> tuple[float, floa
 
 
 class _NoopCompiled:
-    """A compiled kernel whose launch does nothing (host-cost measurement)."""
+    """A compiled kernel whose launch does nothing (host-cost measurement), compiled as
+    Triton 3.3 and later compile (every parameter in its signature)."""
+
+    def __init__(self, params):
+        self.src = SimpleNamespace(signature={p.name: None for p in params})
 
     def __getitem__(self, grid):
         return _noop

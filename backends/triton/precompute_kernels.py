@@ -156,12 +156,13 @@ def _round_to_fp8_grid(x, MIN_EXP: tl.constexpr):
     """Round float32 ``x`` to the nearest e4m3 value (3 mantissa bits; normals down to
     2**MIN_EXP, subnormals below). Interpreter only: its float->fp8 conversion drops the
     carry when rounding crosses a power of two (1.94 becomes 1.0, not 2.0); a value already
-    on the grid converts exactly."""
+    on the grid converts exactly. A value that rounds to zero is +0: the fnuz formats have no
+    -0 (their 0x80 is NaN), and Triton 3.8's interpreter converts -0.0 to 0x80."""
     a = tl.abs(x)
     e = tl.maximum(tl.floor(tl.log2(tl.maximum(a, 1e-30))), MIN_EXP)
     step = tl.exp2(e - 3)
     r = tl.floor(a / step + 0.5) * step
-    return tl.where(x < 0, -r, r)
+    return tl.where((x < 0) & (r > 0), -r, r)
 
 
 @triton.jit

@@ -57,6 +57,16 @@ def _jit_function(kernel):
     return kernel
 
 
+# The compilation knobs ``JITFunction.run`` adds to a launch's options: Triton 3.6-3.8 add
+# ``instrumentation_mode``, 3.9 also ``fpsan_homomorphic_casts``. Only the installed Triton's
+# are passed: ``_pack_args`` refuses an option its backend does not know (a KeyError).
+_JIT_RUN_KNOBS = ("instrumentation_mode", "fpsan_homomorphic_casts")
+
+
+def _jit_run_knobs(knobs) -> dict:
+    return {name: getattr(knobs.compilation, name) for name in _JIT_RUN_KNOBS if hasattr(knobs.compilation, name)}
+
+
 def specialise(launch: Launch, target: Target) -> Specialisation:
     """The signature, constexprs, attributes and options Triton's launcher derives from
     ``launch``'s arguments for ``target``."""
@@ -68,8 +78,7 @@ def specialise(launch: Launch, target: Target) -> Specialisation:
     kernel = _jit_function(launch.kernel)
     backend = make_backend(target.triton_target())
     kwargs = {**launch.constexprs, **options_for(launch.options, target.amd), "debug": False,
-              "instrumentation_mode": knobs.compilation.instrumentation_mode,
-              "fpsan_homomorphic_casts": knobs.compilation.fpsan_homomorphic_casts}
+              **_jit_run_knobs(knobs)}
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, spec, options = binder(*launch.args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, spec, options)

