@@ -9,6 +9,7 @@ Public API::
     ContextKVWeights                        # the draft tensors the precompute needs
     load_context_kv_weights(path)           # ... from a DFlash draft checkpoint
     PackedCache                             # caches packed beyond a strided view (vLLM ROCM_ATTN)
+    refill_derived()                        # backends' derived weights refilled in place after an update
     BackendUnavailable, explain(...), available_backends(), dispatch_counts()
 """
 
@@ -45,6 +46,7 @@ _configure_logging()
 
 from .api import available_backends, draft_attention, explain, precompute_and_store_context_kv  # noqa: E402
 from .checkpoint import load_context_kv_weights  # noqa: E402
+from .derived import refill_derived  # noqa: E402
 from .dispatch import BackendUnavailable, dispatch_counts, reset_dispatch_counts  # noqa: E402
 from .paged import PackedCache  # noqa: E402
 from .plan import ContextKVPlan, DraftAttentionPlan, PlanMismatch, plan_context_kv, plan_draft_attention  # noqa: E402
@@ -54,6 +56,7 @@ from .weights import ContextKVWeights  # noqa: E402
 __all__ = [
     "BackendUnavailable", "ContextKVPlan", "ContextKVWeights", "DraftAttentionPlan", "PackedCache", "PlanMismatch",
     "available_backends", "dispatch_counts", "draft_attention", "explain", "load_context_kv_weights",
-    "plan_context_kv", "plan_draft_attention", "precompute_and_store_context_kv", "reset_dispatch_counts",
+    "plan_context_kv", "plan_draft_attention", "precompute_and_store_context_kv", "refill_derived",
+    "reset_dispatch_counts",
     "__version__",
 ]

@@ -1,41 +1,51 @@
-"""Derived copies of user tensors (fused weights, float32 tables), rebuilt when a source changes.
+"""Derived copies of user tensors (fused weights, float32 tables), refilled when a source changes.
 
 Backends keep their own layouts of ``ContextKVWeights`` (a fused, permuted K/V weight;
-float32 norms and cos/sin). Users may update weights in place between calls (RL
-frameworks sync weights into a running server), so a derived copy is keyed by each
+float32 norms, row scales and cos/sin). Users may update weights in place between calls
+(RL frameworks sync weights into a running server), so a derived copy is keyed by each
 source tensor's identity, storage address and version counter: an in-place write bumps
 the version, a rebinding changes the address, and a weak reference to every source
 makes sure a dead tensor's address reused by a new one is never mistaken for it.
+
+The rule every backend's derived state follows: it lives in a :class:`DerivedCache`
+(each one registers itself), so :func:`refill_derived` reaches all of it. After an
+in-place update of the sources, a value is recomputed *into its own tensors* (same
+addresses), so launches recorded before the update (a CUDA graph captured with them:
+vLLM captures the draft's precompute) write the new weights' K/V when replayed, as
+vLLM's ``refill_derived`` keeps its own buffers. That happens at the latest at the next
+eager call; a serving engine whose graphs replay without one calls
+:func:`refill_derived` where it finishes a weight update (the vLLM plugin: in the draft's
+post-load hook, outside any capture). Only a value whose structure changed (shapes,
+dtypes) is replaced, and then said in one log line: graphs recorded with the old one
+read stale values until captured again.
+
+Nothing derives weights while a CUDA graph is captured: a capture that finds no current
+value for its sources is refused (:class:`DerivedNotReady`, a ``ValueError``: callers
+step aside before anything is written) rather than recording the derivation into the
+graph, where it would run again at every replay. (vLLM runs each size eagerly right
+before capturing it, so there the kept value is found.)
 
 What cannot be seen: a write through ``tensor.data`` (a detached alias with its own
 version counter) leaves the version unchanged. Callers that update weights that way
 (vLLM's weight loaders do) must write the new values into the tensors a
 ``ContextKVWeights`` holds with an ordinary in-place op; the vLLM plugin does after every
 ``load_weights``.
-
-An in-place update of the same source tensors refills the derived value in place: its
-tensors keep their addresses, so a CUDA graph captured with them (vLLM captures the
-draft's precompute) reads the new weights when replayed, as vLLM's ``refill_derived``
-keeps its own buffers. Only a value whose structure changed (shapes, dtypes) is replaced.
-
-While a CUDA graph is captured on the sources' device, a value that must be built (none
-kept, or its sources changed) is built into the graph, which derives it again at every
-replay, and is neither kept nor written into the kept value: what a capture records has
-not run when the capture ends. (vLLM runs each size eagerly right before capturing it,
-so there the kept value is found.)
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from collections import OrderedDict
-from dataclasses import fields, is_dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
 from . import launches
+
+logger = logging.getLogger("dflash_rocm")
 
 
 def _fingerprint(t: torch.Tensor | None) -> tuple:
@@ -80,7 +90,9 @@ def refill_in_place(old: Any, new: Any) -> bool:
                 return False
         elif isinstance(b, torch.Tensor) or a != b:
             return False
-    targets = [(a, b) for a, b in zip(before, after) if isinstance(a, torch.Tensor) and a is not b]
+    # A leaf that is its source (or a view of it: a float32 table from float32 weights)
+    # already holds the new values; copying it onto itself would only move its version.
+    targets = [(a, b) for a, b in zip(before, after) if isinstance(a, torch.Tensor) and not _same_view(a, b)]
     # A value built inside a serving engine's inference mode holds inference tensors,
     # which only accept in-place writes there.
     with torch.no_grad(), torch.inference_mode(any(a.is_inference() for a, _ in targets)):
@@ -89,17 +101,37 @@ def refill_in_place(old: Any, new: Any) -> bool:
     return True
 
 
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b or (a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape)
+
+
+class DerivedNotReady(ValueError):
+    """A derived value was needed while a CUDA graph is captured and none is current."""
+
+
+_CACHES: "weakref.WeakSet[DerivedCache]" = weakref.WeakSet()
+
+
 class DerivedCache:
-    """A small LRU of values derived from source tensors (one per backend)."""
+    """A small LRU of values derived from source tensors (one per backend's layout);
+    every instance is reached by :func:`refill_derived`."""
 
     def __init__(self, capacity: int = 8):
         self._capacity = capacity
-        self._entries: OrderedDict[Hashable, tuple[tuple, Any]] = OrderedDict()
+        # key (tag, fingerprints) -> (weak refs to the sources, value, how to build it again)
+        self._entries: OrderedDict[Hashable, tuple[tuple, Any, Callable[[], Any]]] = OrderedDict()
         self._lock = threading.Lock()
+        _CACHES.add(self)
 
-    def get(self, sources: Sequence[torch.Tensor | None], tag: Hashable, build: Callable[[], Any]) -> Any:
-        """``build()``'s value for these sources, reused while none of them changed; after
-        an in-place update of the same sources, the previous value refilled in place."""
+    def get(self, sources: Sequence[torch.Tensor | None], tag: Hashable, build: Callable[..., Any],
+            owner: Any = None) -> Any:
+        """``build()``'s value for these sources (``build(owner)`` when an owner is given),
+        reused while none of them changed; after an in-place update of the same sources,
+        the previous value refilled in place. The entry keeps ``build`` to refill the value
+        later (:meth:`refill`): a backend passes the object the value is derived from as
+        ``owner``, held by weak reference, and a ``build`` that holds no tensor, so a kept
+        entry never keeps its sources alive."""
+        rebuild = build if owner is None else _Rebuild(build, weakref.ref(owner))
         fingerprints = tuple(_fingerprint(t) for t in sources)
         key = (tag, fingerprints)
         with self._lock:
@@ -107,35 +139,107 @@ class DerivedCache:
             if entry is not None and _alive(entry[0], sources):
                 self._entries.move_to_end(key)
                 return entry[1]
-            capturing = any(t is not None and launches.graph_capturing(t.device) for t in sources)
-            previous = None if capturing else self._updated_in_place(tag, fingerprints, sources)
+            if any(t is not None and launches.graph_capturing(t.device) for t in sources):
+                raise DerivedNotReady(
+                    "a derived weight layout is needed while a CUDA graph is captured and none is current for "
+                    "these weights: make one eager call before capturing, and call dflash_rocm.refill_derived() "
+                    "after updating the weights")
+            previous = self._updated_in_place(tag, fingerprints, sources)
         with torch.no_grad():  # derived layouts feed inference-only kernels: no autograd graph kept
-            value = build()
-        if capturing:  # recorded into the graph being captured (see the module)
-            return value
+            value = rebuild()
         if previous is not None and refill_in_place(previous, value):
             value = previous
+        self._keep(tag, sources, value, rebuild)
+        return value
+
+    def refill(self) -> int:
+        """Recompute, in place, every kept value whose sources were written in place since
+        it was built; returns how many. A value whose structure changed is replaced (one
+        warning: launches recorded with the old one read stale values); one whose sources
+        or owner died is dropped. Refuses (:class:`DerivedNotReady`) while a CUDA graph is
+        captured on a source's device, before anything is written."""
+        with self._lock:
+            entries = list(self._entries.items())
+        stale = []
+        for key, (refs, value, rebuild) in entries:
+            sources = tuple(None if ref is None else ref() for ref in refs)
+            dead = any(ref is not None and t is None for ref, t in zip(refs, sources))
+            if dead or (isinstance(rebuild, _Rebuild) and rebuild.owner() is None):
+                with self._lock:
+                    self._entries.pop(key, None)
+                continue
+            if tuple(_fingerprint(t) for t in sources) != key[1]:
+                stale.append((key, sources, value, rebuild))
+        if any(t is not None and launches.graph_capturing(t.device) for _, sources, *_ in stale for t in sources):
+            raise DerivedNotReady("refill_derived() was called while a CUDA graph is captured")
+        for key, sources, value, rebuild in stale:
+            with torch.no_grad():
+                new = rebuild()
+            if refill_in_place(value, new):
+                new = value
+            else:
+                logger.warning("a derived weight layout changed its structure (shapes or dtypes) with a weight "
+                               "update: launches recorded before it read the old one until captured again")
+            with self._lock:
+                self._entries.pop(key, None)
+            self._keep(key[0], sources, new, rebuild)
+        return len(stale)
+
+    def _keep(self, tag: Hashable, sources, value: Any, rebuild: Callable[[], Any]) -> None:
+        """Keep ``value`` under the sources' fingerprints as they are now, after any refill."""
+        key = (tag, tuple(_fingerprint(t) for t in sources))
         refs = tuple(None if t is None else weakref.ref(t) for t in sources)
         with self._lock:
-            self._entries[key] = (refs, value)
+            self._entries[key] = (refs, value, rebuild)
             self._entries.move_to_end(key)
             while len(self._entries) > self._capacity:
                 self._entries.popitem(last=False)
-        return value
 
     def _updated_in_place(self, tag: Hashable, fingerprints: tuple, sources) -> Any:
         """The value derived from these very tensors (same objects, same addresses) before
         their versions moved, dropped from the cache; None if there is none."""
         identity = tuple(f[:2] for f in fingerprints)
-        for key, (refs, value) in self._entries.items():
+        for key, (refs, value, _) in self._entries.items():
             if key[0] == tag and tuple(f[:2] for f in key[1]) == identity and _alive(refs, sources):
                 del self._entries[key]
                 return value
         return None
 
+    def values(self) -> list[Any]:
+        """The values kept now (for tests and tools that check every backend's derived state)."""
+        with self._lock:
+            return [entry[1] for entry in self._entries.values()]
+
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+
+
+@dataclass(frozen=True)
+class _Rebuild:
+    """``build(owner)`` with the owner held weakly."""
+
+    build: Callable[[Any], Any]
+    owner: weakref.ref
+
+    def __call__(self) -> Any:
+        owner = self.owner()
+        if owner is None:
+            raise RuntimeError("the object a derived value was built from is gone")
+        return self.build(owner)
+
+
+def caches() -> list[DerivedCache]:
+    """Every live :class:`DerivedCache` (every backend's derived state)."""
+    return list(_CACHES)
+
+
+def refill_derived() -> int:
+    """Recompute in place every derived value whose sources were updated in place, in
+    every backend (:meth:`DerivedCache.refill`); returns how many. Call it where a weight
+    update ends and outside any graph capture: launches recorded before the update then
+    read the new weights when replayed."""
+    return sum(cache.refill() for cache in caches())
 
 
 def _alive(refs: tuple, sources: Sequence[torch.Tensor | None]) -> bool:

@@ -55,7 +55,7 @@ def collect_info() -> dict:
         "vllm_family": family.family_support() if plugin["vllm"] else [],
         "vllm_quantization": _quantization_support() if plugin["vllm"] else [],
         "vllm_attention": [{"backend": b.name, "layout": b.layout, "dflash_rocm": b.served}
-                           for b in vllm_order(p.vendor)],
+                           for b in vllm_order(p.vendor, p.arch)],
         "backend_status": backend_status(dispatch.device_reasons(device)),
     }
     return info

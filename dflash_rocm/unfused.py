@@ -14,7 +14,9 @@ normed K is stored in the states' dtype before RoPE in every case, which is what
 
 from __future__ import annotations
 
+import functools
 import importlib
+
 import torch
 import torch.nn.functional as F
 
@@ -109,11 +111,16 @@ def _projection(w: ContextKVWeights) -> tuple[torch.Tensor, torch.Tensor]:
     weights' dtype (vLLM's sequence runs in that dtype: a fold past it overflows there)."""
     if not w.per_layer_hidden_norm:
         return w.hidden_norm_weight, w.kv_weight
+    return _FOLDED.get((w.kv_weight, w.hidden_norm_weight), "folded", _fold, w)
 
-    def fold() -> tuple[torch.Tensor, torch.Tensor]:
-        rows, scale = w.folded_kv_weight()
-        return torch.ones(w.hidden_size, dtype=w.dtype, device=w.device), (rows * scale[:, None]).to(w.dtype)
-    return _FOLDED.get((w.kv_weight, w.hidden_norm_weight), "folded", fold)
+
+def _fold(w: ContextKVWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, scale = w.folded_kv_weight()
+    return torch.ones(w.hidden_size, dtype=w.dtype, device=w.device), (rows * scale[:, None]).to(w.dtype)
+
+
+def _cos_sin_as(w: ContextKVWeights, dtype: torch.dtype) -> torch.Tensor:
+    return w.cos_sin_cache.to(dtype)
 
 
 def unfused_precompute(call: PrecomputeCall, ops: TorchOps):
@@ -130,7 +137,7 @@ def unfused_precompute(call: PrecomputeCall, ops: TorchOps):
     k = torch.empty_like(k_raw)
     ops.grouped_rms_norm(k, k_raw, w.k_norm_weight, w.eps)
     # vLLM's rotary kernel reads the table in the activations' dtype.
-    cos_sin = _COS_SIN.get((w.cos_sin_cache,), call.dtype, lambda: w.cos_sin_cache.to(call.dtype))
+    cos_sin = _COS_SIN.get((w.cos_sin_cache,), call.dtype, functools.partial(_cos_sin_as, dtype=call.dtype), w)
     unrotated = [k[layer].clone() for layer in w.nope_layers]
     ops.rotary(call.positions.long().repeat(L), k.view(L * N, Hk * D), D, cos_sin, w.is_neox)
     for layer, saved in zip(w.nope_layers, unrotated):

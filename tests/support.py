@@ -47,3 +47,12 @@ def bare(cls, **children):
     for name, value in children.items():
         setattr(obj, name, value)
     return obj
+
+
+def replay(recorded) -> None:
+    """Run launches recorded by :func:`dflash_rocm.launches.capture` again, by hand, with
+    the tensors they recorded (as a CUDA graph replays its launches: same addresses)."""
+    from dflash_rocm.backends.triton.launcher import options_for
+
+    for launch in recorded:
+        launch.kernel[launch.grid](*launch.args, **launch.constexprs, **options_for(launch.options, amd=False))

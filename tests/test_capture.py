@@ -65,6 +65,7 @@ def test_split_work_captured_without_kept_scratch_merges_in_the_same_launch(monk
         return run_launch(plan, tensors)
 
     monkeypatch.setattr(launcher.LaunchPlan, "launch_tensors", recording)
+    precompute.fused_weights(pre.weights)  # vLLM's eager run of each size before its capture
     with simulate_platform("gfx942"), graph_capture(monkeypatch):
         out = dflash_rocm.draft_attention(*inputs.args(), **inputs.kwargs, backend="rocm")
         k, v = precompute.run_precompute(pre_call, PrecomputeLaunchConfig(block_t=16, block_k=16, split_k=2))
@@ -88,6 +89,7 @@ def test_a_precompute_first_called_in_a_capture_builds_its_cache_table_for_that_
     inputs = precompute_inputs(SHAPE, 24, torch.float16, torch.float16, torch.device("cpu"))
     ref_k, ref_v = dflash_rocm.precompute_and_store_context_kv(inputs.states, inputs.positions, inputs.weights,
                                                                None, None, None, return_kv=True, backend="reference")
+    precompute.fused_weights(inputs.weights)  # derived weights are never built in a capture
     with graph_capture(monkeypatch):
         dflash_rocm.precompute_and_store_context_kv(*inputs.args(), backend="triton")
     assert not precompute._TABLES
@@ -100,21 +102,29 @@ def test_a_precompute_first_called_in_a_capture_builds_its_cache_table_for_that_
     assert len(precompute._TABLES) == 1
 
 
-def test_a_derived_value_built_in_a_capture_is_neither_kept_nor_written_into_the_kept_one(monkeypatch):
+def test_a_capture_derives_nothing_it_finds_the_value_refilled_before_it(monkeypatch):
+    """Nothing derives weights while a graph is captured: a capture that finds no current
+    value is refused (a ValueError, before anything is written) and leaves the kept value
+    as it was; after ``refill_derived()`` (where a weight update ends) the capture finds the
+    kept value, refilled at its address."""
+    from dflash_rocm.derived import DerivedNotReady, refill_derived
+
     cache, builds = DerivedCache(), []
     a = torch.ones(4)
 
-    def build():
+    def build(source):
         builds.append(1)
-        return a * 2
+        return source * 2
 
-    kept = cache.get((a,), "t", build)
-    a.mul_(5)  # an in-place update: the next eager call refills `kept` in place
+    kept = cache.get((a,), "t", build, a)
+    a.mul_(5)  # an in-place update
+    with graph_capture(monkeypatch), pytest.raises(DerivedNotReady):
+        cache.get((a,), "t", build, a)
+    assert len(builds) == 1 and torch.equal(kept, torch.full((4,), 2.0))
+    assert refill_derived() >= 1 and len(builds) == 2
     with graph_capture(monkeypatch):
-        in_graph = cache.get((a,), "t", build)
-        assert cache.get((a,), "t", build) is not in_graph and len(builds) == 3
-    assert in_graph is not kept and torch.equal(kept, torch.full((4,), 2.0))
-    assert cache.get((a,), "t", build) is kept and torch.equal(kept, torch.full((4,), 10.0))
+        assert cache.get((a,), "t", build, a) is kept
+    assert len(builds) == 2 and torch.equal(kept, torch.full((4,), 10.0))
 
 
 def test_a_structure_first_checked_in_a_capture_keeps_no_scale_tensor(monkeypatch):

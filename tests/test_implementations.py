@@ -8,8 +8,10 @@ simulated platforms' code paths on CPU tensors, through the Triton interpreter).
 """
 
 import contextlib
+import dataclasses
 
 import pytest
+import torch
 
 from dflash_rocm import dispatch, registry
 from dflash_rocm.contract import relative_error
@@ -79,3 +81,58 @@ def test_the_registry_lists_both_ops_for_the_full_backends():
     for name in ("reference", "triton", "rocm", "cpu"):
         assert {(name, op) for op in OPS} <= pairs
     assert ("aiter", "precompute_and_store_context_kv") not in pairs or registry.load("aiter") is None
+
+
+PRECOMPUTES = [pair for pair in registered() if pair[1] == "precompute_and_store_context_kv"]
+
+
+@pytest.mark.parametrize("name,op_name", PRECOMPUTES)
+@pytest.mark.parametrize("per_layer_norm", [False, True])
+def test_every_backends_derived_weights_follow_an_update_into_launches_recorded_before_it(
+        name, op_name, per_layer_norm, monkeypatch):
+    """The rule for every backend's derived state (fused rows, folded norms, row scales,
+    float32 tables): one step's launches recorded, the weights updated in place,
+    ``refill_derived()`` (where vLLM's post-load hook calls it), then the recorded launches
+    replayed by hand write the new weights' K/V; a call made as if a CUDA graph were being
+    captured derives nothing (it would be refused) and writes them too. A backend that
+    kept derived state outside :class:`dflash_rocm.derived.DerivedCache` would replay
+    stale values or re-derive while capturing."""
+    from dflash_rocm import launches
+    from dflash_rocm.derived import refill_derived
+    from support import replay
+
+    op = OPS[op_name]
+    args = precompute_args()
+    w = args["weights"]
+    g = torch.Generator().manual_seed(7)
+    if per_layer_norm:  # Laguna's [L, H] hidden norm, folded into the rows by the backends that fold
+        args["weights"] = w = dataclasses.replace(w, hidden_norm_weight=torch.rand(w.num_layers, w.hidden_size,
+                                                                                   generator=g) + 0.5)
+    arch, reasons = where_it_serves(name, op, args)
+    if arch is False:
+        pytest.skip(f"{name} cannot serve {op_name} here: {reasons}")
+    run(op, args, name, arch)  # the eager step before any capture
+    with launches.capture() as recorded:
+        run(op, args, name, arch)
+    with torch.no_grad():  # what a weight update does, in place
+        w.kv_weight.mul_(-1.5)
+        w.hidden_norm_weight.add_(0.25)
+        w.k_norm_weight.mul_(0.5)
+    refill_derived()
+    caches = args["key_caches"] + args["value_caches"]
+    for c in caches:  # rows the step writes hold the old weights' K/V: zero everything, then compare
+        c.zero_()
+    expected = {**args, **{k: [c.clone() for c in args[k]] for k in ("key_caches", "value_caches")}}
+    run(op, expected, "reference", None)
+    replays = {"by hand": lambda: replay(recorded)} if recorded else {}
+    replays["in a capture"] = lambda: run(op, args, name, arch)
+    for how, replayed in replays.items():
+        for c in caches:
+            c.zero_()
+        with monkeypatch.context() as m:
+            if how == "in a capture":
+                m.setattr(launches, "graph_capturing", lambda device: True)
+            replayed()
+        tolerance = op.tolerance(op.build_call(**args))
+        for got, want in zip(caches, expected["key_caches"] + expected["value_caches"]):
+            assert relative_error(got, want) <= tolerance, how

@@ -1,6 +1,7 @@
 """The plans: ``plan_draft_attention`` (one batch, every layer) and ``plan_context_kv`` (one
 model's caches, every step), each run checked against the reference."""
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -219,3 +220,31 @@ def test_a_plan_reads_the_batch_written_into_its_tensors_strided_or_not(backend,
         if case.kwargs["sinks"] is not None:
             case.kwargs["sinks"].copy_(torch.randn(case.kwargs["sinks"].shape, generator=g))
         check_attention(case, backend, run=lambda call: plan.run(query, key_cache, value_cache, out=call.out))
+
+
+@pytest.mark.parametrize("backend,arch", [("cpu", None), pytest.param("rocm", "gfx942", marks=needs_interpreter)])
+def test_eager_steps_whose_max_seq_len_differs_share_one_plan(backend, arch):
+    """vLLM 0.34 hands each eager step its own ``max_seq_len``: the plan is keyed by its
+    bucket (the next power of two, at most the block table's capacity), so steps with
+    maxima 130-256 share one plan, each reading its exact lengths from ``seq_lens`` (it
+    matches the reference), and a longer one gets its own."""
+    from dflash_rocm.ops.attention.call import seq_len_bucket
+    from dflash_rocm.workloads import DraftShape, attention_inputs
+
+    shape = DraftShape("eager", hidden=64, layers=1, q_heads=4, kv_heads=2, head_dim=16, block_tokens=4)
+    inputs = attention_inputs(shape, 2, 400, torch.float32, torch.float32, torch.device("cpu"))
+    capacity = inputs.block_table.shape[1] * inputs.key_cache.shape[1]
+    assert 257 < capacity < 512
+    buckets = [seq_len_bucket(n, capacity) for n in (0, 5, 17, 130, 256, 257)]
+    assert buckets == [16, 16, 32, 256, 256, capacity]
+    plans = []
+    with simulate_platform(arch) if arch else contextlib.nullcontext():
+        for longest in (130, 200, 256, 300):
+            inputs.seq_lens.copy_(torch.tensor([longest - 7, longest]))
+            kwargs = {**inputs.kwargs, "max_seq_len": longest}
+            plan = dflash_rocm.plan_draft_attention(*inputs.args(), **kwargs, backend=backend, validate=False)
+            out = plan.run(inputs.query, inputs.key_cache, inputs.value_cache)
+            ref = dflash_rocm.draft_attention(*inputs.args(), **inputs.kwargs, backend="reference")
+            assert rel_err(out, ref) <= 2e-3, longest
+            plans.append(plan._plan)
+    assert plans[0] is plans[1] is plans[2] and plans[3] is not plans[0]

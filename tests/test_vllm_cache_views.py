@@ -258,3 +258,17 @@ def test_draft_forward_maps_flash_metadata_onto_the_spec():
     metadata.causal = torch.tensor([True, False])
     impl.forward(layer, q.reshape(10, -1), None, None, kv, metadata, output)
     assert len(base_calls) == 1
+
+
+def test_vllm_034_puts_triton_attn_first_on_rdna3_and_rdna4():
+    """What ``dflash-rocm info`` lists as vLLM's attention order: 0.34 swaps ROCM_ATTN and
+    TRITON_ATTN on gfx1100 and gfx1201 (platforms/rocm.py), elsewhere on AMD ROCM_ATTN leads."""
+    from dflash_rocm.vllm_plugin.cache_views import vllm_order
+
+    def names(vendor, arch):
+        return [b.name for b in vllm_order(vendor, arch)]
+
+    assert names("rocm", "gfx942") == ["ROCM_ATTN", "ROCM_AITER_FA", "TRITON_ATTN"]
+    for arch in ("gfx1100", "gfx1201"):
+        assert names("rocm", arch) == ["TRITON_ATTN", "ROCM_AITER_FA", "ROCM_ATTN"]
+    assert names("cuda", "sm_90")[0] == "FLASH_ATTN" and names("cpu", None) == ["CPU_ATTN"]

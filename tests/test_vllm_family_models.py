@@ -289,11 +289,13 @@ def test_a_fused_qkv_reload_with_fewer_rows_than_k_and_v_is_named_and_the_precom
     assert why is not None and "layers.1.self_attn.qkv_proj.weight" in why
     assert f"{short.shape[0]} rows" in why and f"{2 * KV_HEADS * D}" in why
     assert torch.equal(held.kv_weight, before)
-    monkeypatch.setattr(lg.DFlashLagunaForCausalLM, "load_weights", lambda self, weights: {n for n, _ in weights},
-                        raising=False)
+    # vLLM's classes as far as names go: the top level hands the stream to its model's loader
+    monkeypatch.setattr(lg.DFlashLagunaForCausalLM, "load_weights", lambda self, weights: self.model.load_weights(
+        weights), raising=False)
+    monkeypatch.setattr(lg.DFlashLagunaModel, "load_weights", lambda self, weights: {n for n, _ in weights})
     with caplog.at_level(logging.WARNING, logger="dflash_rocm"):
         assert served.load_weights(iter(stream)) == {"layers.1.self_attn.qkv_proj.weight"}
-    assert served._dflash_weights is None
+    assert "layers.1.self_attn.qkv_proj.weight" in served._dflash_stale  # vLLM's path serves from now on
     assert "layers.1.self_attn.qkv_proj.weight" in caplog.text and "vLLM's path" in caplog.text
 
 
@@ -397,3 +399,74 @@ def test_an_attention_subclass_adding_a_softcap_or_alibi_keeps_vllms_attention()
         "DFlashQwen3Attention's attention layer computes a logit softcap, which the draft attention contract "
         "does not cover")
     assert "ALiBi slopes" in family.attention_support(draft(logits_soft_cap=None, alibi_slopes=torch.ones(4)))
+
+
+# -- the reload tee: names as the draft's model loader sees them ------------------------------
+
+class _Mapper:
+    """``k_proj``/``v_proj`` to ``qkv_proj`` shards, as vLLM's stacked-parameter mapping does."""
+
+    def _map_name_with_shard(self, name):
+        for shard in "qkv":
+            if f".{shard}_proj." in name:
+                return name.replace(f".{shard}_proj.", ".qkv_proj."), shard
+        return name, None
+
+
+class _Inner:
+    """A draft model's inner module: its own ``load_weights`` consumes the stream."""
+
+    hf_to_vllm_mapper = _Mapper()
+
+    def __init__(self, layers):
+        Module = torch.nn.Module
+        self.layers = [bare(Module, self_attn=bare(Module, qkv_proj=bare(Module))) for _ in range(layers)]
+        self.received = []
+
+    def load_weights(self, weights):
+        self.received += [name for name, _ in weights]
+
+
+def _tee_stream(w, scale):
+    Hk, D = w.num_kv_heads, w.head_dim
+    for layer in range(w.num_layers):
+        k, v = (w.kv_weight.view(w.num_layers, 2, Hk * D, -1)[layer, i] * scale for i in (0, 1))
+        yield f"layers.{layer}.self_attn.k_proj.weight", k
+        yield f"layers.{layer}.self_attn.v_proj.weight", v
+        yield f"layers.{layer}.self_attn.k_norm.weight", w.k_norm_weight[layer] * scale
+    yield "hidden_norm.weight", w.hidden_norm_weight * scale
+
+
+def test_the_reload_tee_places_what_the_model_loader_sees_and_names_what_it_cannot():
+    """Names reach the tee after the top-level class's renaming (here: a loader that strips
+    ``model.``, as LiLiCorr's does); every K/V input placed writes the held tensors and the
+    update covers them all. A K/V-like name it cannot place, or K/V weights that never reach
+    the model loader, are named (the plugin then steps aside)."""
+    from dflash_rocm.vllm_plugin.draft_weights import ReloadTee
+    from strategies import make_generator, make_weights
+
+    w = make_weights(make_generator(0, "cpu"), "cpu", L=2, Hk=1, D=16, H=24, R=16, is_neox=True, bias=False,
+                     v_scale=None, dtype=torch.float32, max_position=64)
+    before = w.kv_weight.clone()
+    inner = _Inner(w.num_layers)
+    tee = ReloadTee(inner)
+
+    def lilicorr_load(weights):  # the class's own load_weights: strips model., hands the rest on
+        inner.load_weights((name.removeprefix("model."), t) for name, t in weights)
+
+    with tee.attached(("model." + n, t) for n, t in _tee_stream(w, 2.0)) as stream:
+        lilicorr_load(stream)
+    assert tee.refill(w) is None and tee.covers(w) and tee.unplaced == []
+    assert torch.equal(w.kv_weight, before * 2.0) and "layers.0.self_attn.k_proj.weight" in inner.received
+    assert "load_weights" not in vars(inner)  # the watch is gone after the block
+
+    odd = ReloadTee(inner)
+    with odd.attached([("layers.1.self_attn.kv_proj.weight", torch.ones(1))]) as stream:
+        inner.load_weights(stream)
+    assert odd.unplaced == ["layers.1.self_attn.kv_proj.weight"] and not odd.covers(w)
+
+    elsewhere = ReloadTee(inner)
+    with elsewhere.attached(list(_tee_stream(w, 1.0))) as stream:
+        list(stream)  # a class that routes the K/V weights around the model's loader
+    assert elsewhere.refill(w) is None and len(elsewhere.unplaced) == 1
+    assert "did not reach the draft's model loader" in elsewhere.unplaced[0]

@@ -372,3 +372,77 @@ def test_startup_tuning_covers_each_distinct_layer_setup():
     assert all(s.cache_dtype == torch.float8_e4m3fnuz and s.block_size == 16 for s in specs)
     with simulate_platform("gfx1201"):
         assert {s.cache_dtype for s in attention_specs(model, config, torch.device("cpu"))} == {torch.float8_e4m3fn}
+
+
+class _Logged(logging.Handler):
+    """dflash_rocm's log records at INFO and above, kept for a test to read."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+    def warnings(self):
+        return [r.getMessage() for r in self.records if r.levelno >= logging.WARNING]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_dummy_start_serves_the_precompute_from_the_first_weight_update(backend, models):
+    """RL's usual start: ``load_format=dummy`` (no ``load_weights``), then the weights come
+    by a layerwise update (vLLM 0.34's default; the layers sit on the meta device while it
+    loads). Until then vLLM's path serves the precompute; after it the plugin does, its K/V
+    equal to vLLM's own for the new weights, and launches recorded then follow the next
+    update. Nothing is read from a meta tensor and nothing is warned of but prefix caching's
+    old blocks."""
+    import vllm_harness
+    from safetensors.torch import load_file
+
+    target, draft = models["non-causal"]
+    checkpoint = load_file(f"{draft}/model.safetensors")
+    logged = _Logged()
+
+    def inspect(model):
+        before = {"serving": model._dflash_stale is None, "held": model._dflash_weights is not None}
+        vllm_harness.update_draft(model, vllm_harness.updated(checkpoint, 0))
+        first = model._dflash_stale is None
+        return {"before": before, "first": first,
+                "updates": vllm_harness.update_checks(model, [("second", vllm_harness.updated(checkpoint, 1))])}
+
+    logger = logging.getLogger("dflash_rocm")
+    logger.addHandler(logged)
+    level = logger.level
+    logger.setLevel(logging.INFO)  # setLevel: a level set by assignment leaves the enabled-for cache stale
+    try:
+        ours = vllm_harness.generate(target, draft, plugin=True, backend=backend, prompts=[[10, 20, 30]],
+                                     max_tokens=4, inspect=inspect, engine_extra={"load_format": "dummy"},
+                                     load_order="0.34")  # 0.32's own class builds its buffers only in load_weights
+    finally:
+        logger.removeHandler(logged)
+        logger.setLevel(level)
+    checks = ours.draft_checks
+    assert checks["before"] == {"serving": False, "held": True} and checks["first"], checks
+    assert (PRECOMPUTE, backend) not in ours.counts  # vLLM's path served the dummy weights
+    second = checks["updates"]["second"]
+    assert second["serving"] and second["moved"] > 1e-2 and second["error"] < 1e-4, second
+    assert any("first weight update" in r.getMessage() for r in logged.records)
+    assert [w for w in logged.warnings() if "prefix cache" not in w] == []
+
+
+def test_prefix_cache_hits_give_the_cold_runs_proposals(models):
+    """vLLM keeps prefix caching on for DFlash drafts and the draft layers share the
+    target's blocks, so a restored block carries the draft K/V the plugin's precompute
+    wrote when it was first computed: a warm run with a prefix hit proposes what the cold
+    run proposed, the plugin serving both operations in both."""
+    import vllm_harness
+
+    target, draft = models["non-causal"]
+    prompts = [list(range(100, 250)), list(range(400, 540))]  # several 32-token blocks each
+    ours = vllm_harness.generate(target, draft, plugin=True, backend="cpu", prompts=prompts, max_tokens=8,
+                                 rounds=2, engine_extra={"enable_prefix_caching": True, "block_size": 32})
+    (cold, cold_cached), (warm, warm_cached) = ours.rounds
+    assert cold_cached == [0, 0] and min(warm_cached) > 0, (cold_cached, warm_cached)
+    assert warm == cold and len(cold) > 0
+    steps = len(cold) + len(warm)
+    assert ours.counts == {(PRECOMPUTE, "cpu"): steps, (ATTENTION, "cpu"): 2 * steps}

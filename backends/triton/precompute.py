@@ -60,7 +60,7 @@ _FUSED = DerivedCache()
 def fused_weights(w: ContextKVWeights) -> FusedKVWeights:
     """This backend's layout of ``w``, rebuilt whenever a source tensor changes."""
     sources = (w.kv_weight, w.hidden_norm_weight, w.kv_bias, w.k_norm_weight, w.cos_sin_cache)
-    return _FUSED.get(sources, (w.num_layers, w.num_kv_heads, w.head_dim, w.is_neox), lambda: _fuse(w))
+    return _FUSED.get(sources, (w.num_layers, w.num_kv_heads, w.head_dim, w.is_neox), _fuse, w)
 
 
 def _fuse(w: ContextKVWeights) -> FusedKVWeights:
@@ -141,15 +141,18 @@ def _table_in_graph(rows: list[tuple], device: torch.device) -> torch.Tensor:
 
 def slot_rows(call: PrecomputeCall) -> tuple[torch.Tensor | None, int]:
     """(slot mapping, layer stride): the written layers' mappings as the kernel reads them,
-    row ``r`` of the table's written layer ``r`` at ``r * stride``. One tensor shared by
-    every written layer is passed as is (stride 0); different ones are stacked on the
-    device (no host data), widened to int64 when their dtypes differ. None: no layer is
-    written."""
+    row ``r`` of the table's written layer ``r`` at ``r * stride``. One mapping shared by
+    every written layer (one tensor, or equal views of one: vLLM 0.34 passes each layer
+    a slice of its group's row) is passed as is (stride 0), so a call inside a CUDA graph
+    adds no copy; different ones are stacked on the device (no host data), widened to
+    int64 when their dtypes differ. None: no layer is written."""
     slots = [call.slot_mappings[i] for i in call.written_layers]
     if not slots:
         return None, 0
-    if all(s is slots[0] for s in slots):
-        return slots[0], 0
+    first = slots[0]
+    if all(s is first or (s.data_ptr() == first.data_ptr() and s.shape == first.shape
+                          and s.stride() == first.stride() and s.dtype == first.dtype) for s in slots):
+        return first, 0
     if len({s.dtype for s in slots}) > 1:
         slots = [s.to(torch.int64) for s in slots]
     return torch.stack(slots), call.num_tokens

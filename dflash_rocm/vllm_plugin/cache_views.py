@@ -56,18 +56,25 @@ BACKENDS: tuple[VllmBackend, ...] = (
 _BY_IMPL = {b.impl: b for b in BACKENDS}
 _BY_NAME = {b.name: b for b in BACKENDS}
 
-# vLLM 0.33's order for a non-causal draft per platform vendor (platforms/rocm.py:531-569,
-# platforms/cuda.py:169-181, platforms/cpu.py:148-197); aiter's entries need VLLM_ROCM_USE_AITER=1.
+# vLLM 0.34's order for a non-causal draft per platform vendor (platforms/rocm.py
+# _get_backend_priorities ~536-580, platforms/cuda.py, platforms/cpu.py); aiter's entries need
+# VLLM_ROCM_USE_AITER=1. On gfx1100 and gfx1201 0.34 swaps ROCM_ATTN and TRITON_ATTN
+# (rocm.py ~765-780; an fp8_e5m2 cache keeps ROCM_ATTN first): RDNA3/RDNA4 drafts get TRITON_ATTN.
 VLLM_ORDER: dict[str, tuple[str, ...]] = {
     "rocm": ("ROCM_ATTN", "ROCM_AITER_FA", "TRITON_ATTN"),
     "cuda": ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"),
     "cpu": ("CPU_ATTN",),
 }
+TRITON_FIRST_ARCHS = ("gfx1100", "gfx1201")
 
 
-def vllm_order(vendor: str) -> list[VllmBackend]:
-    """The backends vLLM tries for a non-causal DFlash draft on this platform, in order."""
-    return [_BY_NAME[name] for name in VLLM_ORDER.get(vendor, ())]
+def vllm_order(vendor: str, arch: str | None = None) -> list[VllmBackend]:
+    """The backends vLLM 0.34 tries for a non-causal DFlash draft on this platform, in order."""
+    names = list(VLLM_ORDER.get(vendor, ()))
+    if vendor == "rocm" and arch is not None and arch.split(":")[0] in TRITON_FIRST_ARCHS:
+        i, j = names.index("ROCM_ATTN"), names.index("TRITON_ATTN")
+        names[i], names[j] = names[j], names[i]
+    return [_BY_NAME[name] for name in names]
 
 
 _CPU_PLAIN_ISAS = ("vec", "vec16")

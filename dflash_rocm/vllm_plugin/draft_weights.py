@@ -15,6 +15,7 @@ a CUDA graph captured before the reload replays with the new weights.
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import torch
@@ -73,13 +74,17 @@ def _rope_of(attns, rope_layers) -> object | str:
     return rope
 
 
-def read(inner, *, rope_layers: tuple[bool, ...] | None = None,
-         per_layer_norm: bool = False) -> ContextKVWeights | str:
+def read(inner, *, rope_layers: tuple[bool, ...] | None = None, per_layer_norm: bool = False,
+         skeleton: bool = False) -> ContextKVWeights | str:
     """``inner`` (a ``DFlashQwen3Model``)'s precompute weights, or why they cannot be read.
     ``rope_layers``: the layers whose K is rotated (None: all; see :func:`.family.rope_layers`);
     ``per_layer_norm``: each layer's ``input_layernorm`` normalises the context (Laguna),
     stacked to an ``[L, H]`` hidden norm weight, else the model's ``hidden_norm``.
-    Never raises for a model vLLM built: an attribute it lacks is a reason."""
+    ``skeleton``: zero K/V rows of the right shape instead of the layers' (after a
+    ``load_format=dummy`` start, when post-load processing may have repacked them): tensors
+    for the first weight update to fill (:class:`ReloadTee`). Never reads a meta tensor
+    (a layerwise reload in progress) and never raises for a model vLLM built: an attribute
+    it lacks is a reason."""
     try:
         attns = [layer.self_attn for layer in inner.layers]
         first = attns[0]
@@ -90,16 +95,32 @@ def read(inner, *, rope_layers: tuple[bool, ...] | None = None,
             if (a.num_kv_heads, a.head_dim, a.q_norm.variance_epsilon) != (
                     first.num_kv_heads, first.head_dim, first.q_norm.variance_epsilon):
                 return "the draft's layers differ in KV heads, head size or norm epsilon"
+        plain = all(_unquantised(a.qkv_proj) for a in attns)
+        if skeleton and not plain:
+            return "a quantized draft started without weights (load_format=dummy)"
+        has_bias = getattr(first.qkv_proj, "bias", None) is not None
+        norms = [a.k_norm.weight for a in attns] + (
+            [layer.input_layernorm.weight for layer in inner.layers] if per_layer_norm else [inner.hidden_norm.weight])
+        kv_parts = [t for a in attns for t in (a.qkv_proj.weight, a.qkv_proj.bias) if t is not None] if (
+            plain and not skeleton) else []
+        if any(t.is_meta for t in norms + kv_parts + [rope.cos_sin_cache]):
+            return "the draft's weights are on the meta device (a layerwise weight update in progress)"
         with torch.no_grad():
             source = None
-            if not all(_unquantised(a.qkv_proj) for a in attns):
+            if skeleton:
+                rows = len(attns) * 2 * first.num_kv_heads * first.head_dim
+                dtype = getattr(first.qkv_proj, "params_dtype", first.k_norm.weight.dtype)
+                device = first.k_norm.weight.device
+                kv_weight = torch.zeros(rows, norms[-1].shape[-1], dtype=dtype, device=device)
+                kv_bias = torch.zeros(rows, dtype=dtype, device=device) if has_bias else None
+            elif not plain:
                 source = QuantizedKV(attns)
                 kv_weight = source.kv_weight(first.k_norm.weight.dtype)
+                kv_bias = torch.cat([a.qkv_proj.bias[a.q_size:] for a in attns]) if has_bias else None
             else:
                 kv_weight = torch.cat([a.qkv_proj.weight[a.q_size:] for a in attns])
+                kv_bias = torch.cat([a.qkv_proj.bias[a.q_size:] for a in attns]) if has_bias else None
             setattr(inner, QUANTIZED_KV, source)
-            has_bias = getattr(first.qkv_proj, "bias", None) is not None
-            kv_bias = torch.cat([a.qkv_proj.bias[a.q_size:] for a in attns]) if has_bias else None
             k_norm = torch.stack([a.k_norm.weight for a in attns])
             if per_layer_norm:
                 hidden_norm = torch.stack([layer.input_layernorm.weight.detach() for layer in inner.layers])
@@ -126,26 +147,64 @@ def quantized_methods(inner) -> list[str]:
 _QKV_PARAM = re.compile(r"^layers\.(\d+)\.self_attn\.qkv_proj\.(bias|" + "|".join(quantized.WEIGHT_TENSORS) + ")$")
 _K_NORM_PARAM = re.compile(r"^layers\.(\d+)\.self_attn\.k_norm\.weight$")
 _INPUT_NORM_PARAM = re.compile(r"^layers\.(\d+)\.input_layernorm\.weight$")
+# What feeds the context K/V, under any naming: a name like this that the tee cannot
+# place means the reload changed K/V inputs the plugin did not take.
+_KV_INPUT = re.compile(r"(self_attn\.(qkv_proj|kv_proj|k_proj|v_proj|k_norm)|hidden_norm|input_layernorm)\.")
 
 
 class ReloadTee:
-    """The new values of a weight reload, taken from the checkpoint stream as vLLM loads it.
+    """The new values of a weight update, taken from the checkpoint stream as vLLM loads it.
 
-    A reload cannot be read from the layers afterwards: vLLM reloads layer by layer and
+    An update cannot be read from the layers afterwards: vLLM reloads layer by layer and
     processes each as it completes (on CPU, repacking ``qkv_proj.weight`` for its GEMM
-    library), and some of its buffers are placeholders until the end. The stream itself
-    holds the checkpoint's tensors: names are mapped as the draft's own loader maps them
-    (``hf_to_vllm_mapper``) and each layer's K/V rows narrowed to this rank's heads as its
-    ``qkv_proj`` loads them. What the stream does not name keeps its value.
+    library; in layerwise mode the layers sit on the meta device meanwhile), and some of
+    its buffers are placeholders until the end. The stream itself holds the checkpoint's
+    tensors. It is taken where the draft's own ``DFlashQwen3Model.load_weights`` gets it
+    (:meth:`attached`), after the top-level class's renaming (LiLiCorr strips ``model.``)
+    and as vLLM 0.34's own ``_tee_context_kv`` takes it: names mapped with that class's
+    ``hf_to_vllm_mapper``, each layer's K/V rows narrowed to this rank's heads as its
+    ``qkv_proj`` loads them (not for ``is_sharded_weight`` parameters, which vLLM does not
+    narrow). What the stream does not name keeps its value.
+
+    One tee lasts one update (every ``load_weights`` call until the post-load hook): it
+    records which inputs the update covered (:meth:`covers`), and every name that feeds
+    the K/V but could not be placed (:attr:`unplaced`).
     """
 
     def __init__(self, inner):
         self._inner = inner
         self._mapper = getattr(type(inner), "hf_to_vllm_mapper", None)
         self._seen: list[tuple[str, int, str | None, torch.Tensor]] = []  # (param, layer, shard, tensor)
+        self._covered: set[tuple[str, int, str | None]] = set()
+        self.unplaced: list[str] = []
+        self._kv_names = [0, 0]  # K/V-like names of the current load_weights call: given, reaching the model
+
+    @contextlib.contextmanager
+    def attached(self, weights):
+        """The draft's top-level stream, with the inner model's ``load_weights`` watched for
+        the block: a K/V input the top-level stream names that never reaches the inner
+        loader (a class that routes it elsewhere) counts as unplaced."""
+        inner, original = self._inner, getattr(self._inner, "load_weights", None)
+        self._kv_names = [0, 0]
+        if original is not None:
+            inner.load_weights = lambda stream: original(self.watch(stream))
+        try:
+            yield self._scan(weights)
+        finally:
+            if original is not None:
+                del inner.load_weights
+        if self._kv_names[0] and not self._kv_names[1]:
+            self.unplaced.append(f"{self._kv_names[0]} K/V weight(s) that did not reach the draft's model loader")
+
+    def _scan(self, weights):
+        for name, tensor in weights:
+            self._kv_names[0] += _KV_INPUT.search(name) is not None
+            yield name, tensor
 
     def watch(self, weights):
+        """The stream as the draft's model loader gets it, each tensor seen on the way."""
         for name, tensor in weights:
+            self._kv_names[1] += _KV_INPUT.search(name) is not None
             self._see(name, tensor)
             yield name, tensor
 
@@ -154,22 +213,46 @@ class ReloadTee:
         if mapped is None:
             return
         param, shard = mapped
+        found = None
         if param == "hidden_norm.weight":
-            self._seen.append(("hidden_norm", 0, None, tensor))
+            found = ("hidden_norm", 0, None)
         elif (m := _K_NORM_PARAM.match(param)) is not None:
-            self._seen.append(("k_norm", int(m[1]), None, tensor))
+            found = ("k_norm", int(m[1]), None)
         elif (m := _INPUT_NORM_PARAM.match(param)) is not None:
-            self._seen.append(("input_norm", int(m[1]), None, tensor))
+            found = ("input_norm", int(m[1]), None)
         elif (m := _QKV_PARAM.match(param)) is not None and shard in ("k", "v", None):
-            self._seen.append((m[2], int(m[1]), shard, tensor))
+            found = (m[2], int(m[1]), shard)
+        elif (m := _QKV_PARAM.match(param)) is not None and shard == "q":
+            return  # the Q rows: not the precompute's
+        if found is None:
+            if _KV_INPUT.search(param + ".") is not None:
+                self.unplaced.append(name)
+            return
+        self._seen.append((*found, tensor))
+
+    def covers(self, held: ContextKVWeights) -> bool:
+        """Whether the update named every tensor ``held`` takes from the draft: every
+        layer's K and V rows (and bias), its K norm, and the hidden norm(s)."""
+        c = self._covered
+        for layer in range(held.num_layers):
+            kinds = ("weight", "bias") if held.kv_bias is not None else ("weight",)
+            for kind in kinds:
+                if (kind, layer, None) not in c and not {(kind, layer, "k"), (kind, layer, "v")} <= c:
+                    return False
+            if ("k_norm", layer, None) not in c:
+                return False
+            if held.per_layer_hidden_norm and ("input_norm", layer, None) not in c:
+                return False
+        return held.per_layer_hidden_norm or ("hidden_norm", 0, None) in c
 
     def refill(self, held: ContextKVWeights) -> str | None:
-        """Write what the stream held into ``held``'s tensors in place; why not (nothing
-        written) if a tensor does not fit. A quantized draft's streamed K/V tensors
-        replace their shard's checkpoint-layout tensors and its rows are dequantized again."""
+        """Write what the stream held since the last call into ``held``'s tensors in place;
+        why not (nothing written) if a tensor does not fit. A quantized draft's streamed K/V
+        tensors replace their shard's checkpoint-layout tensors and its rows are dequantized again."""
+        seen, self._seen = self._seen, []
         source = getattr(self._inner, QUANTIZED_KV, None)
         writes, updated = [], {}  # updated: (layer, shard) -> that shard's tensors after the reload
-        for kind, layer, shard, tensor in self._seen:
+        for kind, layer, shard, tensor in seen:
             if kind == "hidden_norm" and held.per_layer_hidden_norm:
                 continue  # the model's own hidden norm; the precompute's are the layers' input norms
             if kind == "hidden_norm":
@@ -205,6 +288,7 @@ class ReloadTee:
                 source.shards[layer][shard] = tensors
             for dst, src in writes:
                 dst.copy_(src)
+        self._covered.update((kind, layer, shard) for kind, layer, shard, _ in seen)
         return None
 
     def _quantized_update(self, source, updated: dict, layer: int, shard: str | None, kind: str,
@@ -254,6 +338,8 @@ class ReloadTee:
                 return (f"the reload's layers.{layer}.self_attn.qkv_proj.{kind} has {tensor.shape[0]} rows, fewer "
                         f"than its layer's K and V rows ({2 * rows})")
             return [(target[start:start + 2 * rows], tensor.narrow(0, q_rows, 2 * rows))]
-        rank = getattr(qkv, "tp_rank", 0) // getattr(qkv, "num_kv_head_replicas", 1)
         start += (shard == "v") * rows
+        if getattr(getattr(qkv, kind, None), "is_sharded_weight", False):  # this rank's rows already
+            return [(target[start:start + rows], tensor)]
+        rank = getattr(qkv, "tp_rank", 0) // getattr(qkv, "num_kv_head_replicas", 1)
         return [(target[start:start + rows], tensor.narrow(0, rank * rows, rows))]

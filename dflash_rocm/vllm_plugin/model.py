@@ -13,9 +13,17 @@ for that operation with one warning saying why, and vLLM's code serves it.
 
 Where the weights come from: :mod:`.draft_weights` reads them from the layers right
 after the first ``load_weights`` (vLLM 0.34 builds its own fused buffers only in
-``process_weights_after_loading``, and on CPU never), and on a weight reload takes the
-new values from the checkpoint stream and writes them into the same tensors, so plans
-and captured CUDA graphs stay valid.
+``process_weights_after_loading``, and on CPU never). A weight update (vLLM 0.34:
+``start_draft_weight_update``, the transfer engine's ``load_weights`` calls, then the
+post-load hooks) is taken from the stream the draft's own model loader sees and written
+into the same tensors; the post-load hook, which runs outside any capture, then refills
+every backend's derived state in place (:func:`dflash_rocm.refill_derived`), so plans
+and launches a CUDA graph recorded before the update write the new weights' K/V.
+
+The held tensors serve only while they are known to equal vLLM's weights: after a
+``load_format=dummy`` start (RL's usual start) they are a skeleton until an update names
+every K/V input, and an update that touched K/V inputs the plugin could not place makes
+the precompute vLLM's again (one log line) until an update covers them all.
 """
 
 from __future__ import annotations
@@ -26,8 +34,9 @@ import logging
 
 import torch
 
-from .. import dispatch
+from .. import dispatch, launches
 from ..contract import FP8_DTYPES
+from ..derived import refill_derived
 from ..dispatch import BackendUnavailable
 from ..ops import ATTENTION
 from ..ops.attention import AttentionSpec
@@ -46,6 +55,12 @@ class ServedDraft:
 
     _dflash_rocm_served = True
     _dflash_vllm_class: type  # set by served_class
+    # per instance once set (class defaults: what a model gets before __init__'s end)
+    _dflash_stale: str | None = None  # why the held weights may differ from vLLM's (then not served)
+    _dflash_update: draft_weights.ReloadTee | None = None  # the weight update in progress
+    _dflash_loaded = False  # load_weights or the post-load hook ran once
+    _dflash_hooked = False  # the post-load hook ran once
+    _dflash_said_prefix = False
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
@@ -83,18 +98,24 @@ class ServedDraft:
         logger.warning("dflash_rocm steps aside for this %s draft: %s", self._dflash_vllm_class.__name__, why)
 
     def load_weights(self, weights):
-        tee = None
-        if self._dflash_weights is not None:  # a reload: the new values as they stream by
-            tee = draft_weights.ReloadTee(self.model)
-            weights = tee.watch(weights)
-        with self._own_buffers_guarded():
-            loaded = super().load_weights(weights)
-        if self._dflash_precompute_off is None:
-            if tee is None:
+        if self._dflash_weights is None:  # the first load (or the precompute is vLLM's for good)
+            with self._own_buffers_guarded():
+                loaded = super().load_weights(weights)
+            if self._dflash_precompute_off is None and not self._dflash_loaded:
                 self._take_weights()
-            elif (why := tee.refill(self._dflash_weights)) is not None:
-                self._dflash_weights = None
-                logger.warning("context-KV precompute goes back to vLLM's path after a weight reload: %s", why)
+            self._dflash_loaded = True
+            return loaded
+        # an update (every call until the post-load hook): the new values as they stream by
+        tee = self._dflash_update = self._dflash_update or draft_weights.ReloadTee(self.model)
+        with tee.attached(weights) as watched, self._own_buffers_guarded():
+            loaded = super().load_weights(watched)
+        why = tee.refill(self._dflash_weights)
+        if why is None and tee.unplaced:
+            why = f"it names K/V weights the plugin cannot place ({', '.join(tee.unplaced[:3])})"
+        if why is not None:
+            self._dflash_stale = why
+            attention.warn_once("update:" + why, "context-KV precompute goes back to vLLM's path after a weight "
+                                "update: %s", why)
         return loaded
 
     @contextlib.contextmanager
@@ -125,15 +146,20 @@ class ServedDraft:
         finally:
             del inner._build_fused_kv_buffers
 
-    def _take_weights(self) -> None:
+    def _take_weights(self, skeleton: bool = False) -> None:
         variants = family.precompute_variants(self)
         mask = family.rope_layers(self.model) if family.NOPE in variants else None
         found = mask if isinstance(mask, str) else draft_weights.read(
-            self.model, rope_layers=mask, per_layer_norm=family.PER_LAYER_NORM in variants)
+            self.model, rope_layers=mask, per_layer_norm=family.PER_LAYER_NORM in variants, skeleton=skeleton)
         if isinstance(found, str):
             logger.warning("context-KV precompute stays on vLLM's path: %s", found)
             return
         self._dflash_weights, self._dflash_plans, self._dflash_views_key = found, {}, None
+        if skeleton:
+            self._dflash_stale = "no weights loaded yet"
+            logger.info("draft loaded without weights (load_format=dummy?): its context-KV precompute runs through "
+                        "dflash_rocm from the first weight update that names every K/V weight")
+            return
         methods = draft_weights.quantized_methods(self.model)
         logger.info("context-KV precompute of this draft runs through dflash_rocm (%d layers%s%s)", found.num_layers,
                     "".join(f", {v}" for v in sorted(variants)),
@@ -144,43 +170,77 @@ class ServedDraft:
         if parent is not None:
             with self._own_buffers_guarded():
                 parent()
-        if self._dflash_weights is None and self._dflash_precompute_off is None:
-            logger.warning("context-KV precompute stays on vLLM's path: the draft's weights did not come "
-                           "through load_weights (dummy weights?)")
-        try:
-            _warm_up(self, self._dflash_vllm_config)
-        except Exception as exc:  # noqa: BLE001 - startup tuning is an optimisation, never a failed load
-            logger.warning("dflash_rocm start-up tuning skipped: %s: %s", type(exc).__name__, exc)
+        first, self._dflash_hooked = not self._dflash_hooked, True
+        if not self._dflash_loaded and self._dflash_weights is None and self._dflash_precompute_off is None:
+            self._take_weights(skeleton=True)  # load_weights never ran: a dummy start
+        self._dflash_loaded = True
+        if self._dflash_update is not None:
+            self._finish_update()
+        if first:
+            try:
+                _warm_up(self, self._dflash_vllm_config)
+            except Exception as exc:  # noqa: BLE001 - startup tuning is an optimisation, never a failed load
+                logger.warning("dflash_rocm start-up tuning skipped: %s: %s", type(exc).__name__, exc)
+
+    def _finish_update(self) -> None:
+        """The end of a weight update (vLLM's post-load hook, outside any capture): serve
+        again if the update named every K/V input, refill every backend's derived state in
+        place, and say what prefix caching keeps."""
+        tee, self._dflash_update = self._dflash_update, None
+        if self._dflash_stale is not None and not tee.unplaced and tee.covers(self._dflash_weights):
+            logger.info("context-KV precompute runs through dflash_rocm again: the weight update named every "
+                        "K/V weight (was off: %s)", self._dflash_stale)
+            self._dflash_stale = None
+        if not launches.graph_capturing(self._dflash_weights.device):
+            try:
+                refill_derived()
+            except Exception as exc:  # noqa: BLE001 - never fail vLLM's weight update
+                self._dflash_stale = f"refilling the backends' derived weights failed ({type(exc).__name__}: {exc})"
+                logger.warning("context-KV precompute goes back to vLLM's path: %s", self._dflash_stale)
+        cache_config = getattr(self._dflash_vllm_config, "cache_config", None)
+        if getattr(cache_config, "enable_prefix_caching", False) and not self._dflash_said_prefix:
+            self._dflash_said_prefix = True
+            logger.warning(
+                "draft weights updated with prefix caching on: cached blocks restored later hold "
+                "draft K/V computed with the old weights until the prefix cache is reset (LLM.reset_prefix_cache(), "
+                "POST /reset_prefix_cache); the target verifies every proposal, so output stays right and only "
+                "acceptance may drop")
 
     def _context_kv_plan(self, writes: bool) -> ContextKVPlan | str:
         """The precompute's plan (weights, every layer's cache views, fp8 scales taken once),
-        or why the caches cannot be read; made again only when vLLM rebinds its caches."""
+        or why the caches cannot be read; made again only when vLLM rebinds its caches.
+        One first made while a CUDA graph is captured serves that call alone: its scale
+        tensors hold their values only once the graph replays. (vLLM 0.34 runs every size
+        eagerly before capturing it, so there the kept plan is found.)"""
+        keep = not launches.graph_capturing(self._dflash_weights.device)
         if not writes:
             plan = self._dflash_plans.get(False)
             if plan is None:
-                plan = self._dflash_plans[False] = plan_context_kv(self._dflash_weights, None, None)
+                plan = plan_context_kv(self._dflash_weights, None, None)
+                if keep:
+                    self._dflash_plans[False] = plan
             return plan
         layers = [layer.self_attn.attn for layer in self.model.layers]
         caches = [_layer_cache(a) for a in layers]
         key = tuple((c.data_ptr(), tuple(c.shape), c.stride()) for c in caches)
-        if self._dflash_views_key != key or True not in self._dflash_plans:
-            views = [kv_cache_views(a.impl, a, c) for a, c in zip(layers, caches)]
-            bad = next((v for v in views if isinstance(v, str)), None)
-            if bad:
-                plan = bad
-            else:
-                key_caches, value_caches = [v[0] for v in views], [v[1] for v in views]
-                k_scales = v_scales = None
-                if key_caches[0].dtype in FP8_DTYPES:  # vLLM sets the scales at load time
-                    k_scales = torch.cat([a._k_scale.reshape(1).float() for a in layers])
-                    v_scales = torch.cat([a._v_scale.reshape(1).float() for a in layers])
-                plan = plan_context_kv(self._dflash_weights, key_caches, value_caches, k_scales=k_scales,
-                                       v_scales=v_scales)
+        if self._dflash_views_key == key and True in self._dflash_plans:
+            return self._dflash_plans[True]
+        views = [kv_cache_views(a.impl, a, c) for a, c in zip(layers, caches)]
+        plan = next((v for v in views if isinstance(v, str)), None)
+        if plan is None:
+            key_caches, value_caches = [v[0] for v in views], [v[1] for v in views]
+            k_scales = v_scales = None
+            if key_caches[0].dtype in FP8_DTYPES:  # vLLM sets the scales at load time
+                k_scales = torch.cat([a._k_scale.reshape(1).float() for a in layers])
+                v_scales = torch.cat([a._v_scale.reshape(1).float() for a in layers])
+            plan = plan_context_kv(self._dflash_weights, key_caches, value_caches, k_scales=k_scales,
+                                   v_scales=v_scales)
+        if keep:
             self._dflash_plans[True], self._dflash_views_key = plan, key
-        return self._dflash_plans[True]
+        return plan
 
     def precompute_and_store_context_kv(self, context_states, context_positions, context_slot_mapping=None):
-        if self._dflash_weights is None or self._dflash_precompute_off is not None:
+        if self._dflash_weights is None or self._dflash_precompute_off is not None or self._dflash_stale is not None:
             return super().precompute_and_store_context_kv(context_states, context_positions, context_slot_mapping)
         slots = context_slot_mapping
         if isinstance(slots, (list, tuple)) and all(s is None for s in slots):
@@ -193,7 +253,8 @@ class ServedDraft:
                 return None
         except (ValueError, TypeError, BackendUnavailable) as exc:  # refused before any write
             plan = f"{type(exc).__name__}: {exc}"
-            self._dflash_plans[slots is not None] = plan
+            if not launches.graph_capturing(context_states.device):  # a capture's refusal is that graph's
+                self._dflash_plans[slots is not None] = plan
         attention.warn_once("precompute:" + plan, "context-KV precompute stays on vLLM's path: %s", plan)
         return super().precompute_and_store_context_kv(context_states, context_positions, context_slot_mapping)
 

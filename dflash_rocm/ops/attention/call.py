@@ -16,6 +16,16 @@ from ...paged import PackedCache, cache_packing, memory_of
 from ...platform import simulated_platform
 
 
+def seq_len_bucket(max_seq_len: int, capacity: int) -> int:
+    """The bound a call is planned with for a host ``max_seq_len``: the next power of two
+    (at least 16), at most the block table's ``capacity`` (vLLM's is ``max_model_len``)
+    when that still bounds it. The plan is keyed by it, so eager steps whose exact maxima
+    differ (vLLM 0.34 passes each step's own) share one plan, as graph replays share the
+    one made with ``max_model_len``; the kernels read the exact lengths from ``seq_lens``."""
+    bucket = max(16, 1 << max(max_seq_len - 1, 0).bit_length())
+    return max(max_seq_len, min(bucket, capacity))
+
+
 @dataclass(frozen=True)
 class AttentionSpec:
     """The part of an attention call that is fixed for a model layer: everything but the
@@ -123,7 +133,8 @@ class AttentionCall:
 
     @property
     def key_span_bound(self) -> int:
-        """Largest sequence length: the host hint, else what the block table can hold."""
+        """Largest sequence length: the host bound (bucketed: :func:`seq_len_bucket`), else
+        what the block table can hold."""
         if self.max_seq_len is not None:
             return self.max_seq_len
         return self.block_table.shape[1] * self.block_size

@@ -16,7 +16,7 @@ from ...validation import (IndexChecks, StructureMemo, cache_arg, check_device, 
                            check_layout_once, check_scale_values, check_shape, check_writable, holds_tensor,
                            index_tensor, int_bound, merged_ranges, positive_float, scale_tensor, signature,
                            storage_range, storages_meet, tensor_arg)
-from .call import AttentionCall
+from .call import AttentionCall, seq_len_bucket
 
 
 _STRUCTURES = StructureMemo()
@@ -79,6 +79,8 @@ def attention_call(query, key_cache, value_cache, block_table, query_start_loc, 
         if checks.on_host and seq_lens.shape[0]:  # free on the host: exact bounds size the launch
             max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
             max_seq_len = int(seq_lens.max())
+    if max_seq_len is not None:
+        max_seq_len = seq_len_bucket(max_seq_len, block_table.shape[1] * key_cache.shape[1])
     call = AttentionCall(query=query, key_cache=key_cache, value_cache=value_cache,
                          block_table=block_table, query_start_loc=query_start_loc, seq_lens=seq_lens,
                          out=out, scale=derived.scale, causal=causal, sliding_window=derived.sliding_window,
