@@ -49,11 +49,15 @@ class Switches(NamedTuple):
 
 
 _switches: dict[tuple, Switches] = {}
+# os.environ's own mapping and its keys as it stores them: a read of the raw values costs a
+# dictionary lookup each (os.environ.get encodes the key and decodes the value every time).
+_ENVIRON = os.environ._data
+_KEYS = tuple(os.environ.encodekey(var.name) for var in PLANNING_SWITCHES)
 
 
 def switches() -> Switches:
     """The planning switches now: the raw values read on every call, parsed once each."""
-    raw = tuple([os.environ.get(var.name) for var in PLANNING_SWITCHES])
+    raw = tuple(map(_ENVIRON.get, _KEYS))
     found = _switches.get(raw)
     if found is None:
         found = Switches(*(var.setting() for var in PLANNING_SWITCHES))
@@ -72,6 +76,13 @@ class EngineSettings:
     batch_limit: int = 64
     max_model_len: int = 32768
     layer_causal: tuple[bool, ...] | None = None  # scopes tuning to what the draft runs
+
+    def __hash__(self) -> int:  # hashed with every planning record: once
+        found = self.__dict__.get("_hash")
+        if found is None:
+            found = hash((self.query_limit, self.batch_limit, self.max_model_len, self.layer_causal))
+            object.__setattr__(self, "_hash", found)
+        return found
 
 
 SETTINGS = tuple(f.name for f in fields(EngineSettings))

@@ -33,6 +33,15 @@ class PrecomputeCall:
     return_kv: bool
     structure: object = None  # the call's structure, as the structural checks read it (see AttentionCall)
 
+    @classmethod
+    def of(cls, **fields) -> "PrecomputeCall":
+        """A call from every field by name, built as :meth:`AttentionCall.with_tensors`
+        builds one (a frozen dataclass's ``__init__`` sets each field through
+        ``object.__setattr__``: a few microseconds on every call of a plan)."""
+        call = object.__new__(cls)
+        call.__dict__.update(fields)
+        return call
+
     @property
     def num_tokens(self) -> int:
         return self.states.shape[0]
