@@ -51,16 +51,17 @@ class BackendUnavailable(RuntimeError):
 class Planned:
     """A call structure's plan: the backend that serves it and what runs one call."""
 
-    __slots__ = ("backend", "op", "run")
+    __slots__ = ("backend", "op", "run", "_counted")
 
     def __init__(self, backend: str, op: Op, run: Callable[[Any], Any]):
         self.backend, self.op, self.run = backend, op, run
+        self._counted = (op.name, backend)
 
     def __call__(self, call):
         """Run ``call`` (of the planned structure) and count who served it."""
         result = self.run(call)
         with _lock:
-            _counts[(self.op.name, self.backend)] += 1
+            _counts[self._counted] += 1
         return result
 
 

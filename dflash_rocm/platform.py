@@ -85,7 +85,8 @@ def platform_for(device: torch.device | str | None = None) -> Platform:
     """The platform of ``device`` (default: the current GPU if any, else CPU)."""
     if device is None:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(device)
+    elif type(device) is not torch.device:  # (every call's planning record asks with a tensor's device)
+        device = torch.device(device)
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         return _detect_gpu(index)

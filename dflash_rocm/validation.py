@@ -208,7 +208,7 @@ def signature(x: Any) -> tuple:
 
 class Structure:
     """A call's structure (the tuple of its arguments' :func:`signature`), hashed once: it
-    keys the structural checks' memo here and, inside a call's ``plan_key()``, dispatch's
+    keys the structural checks' memo here and, inside a call's planning record, dispatch's
     plan cache."""
 
     __slots__ = ("parts", "_hash")

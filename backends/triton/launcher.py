@@ -238,8 +238,8 @@ class LaunchPlan:
         args = tensors + self.static_args
         captured = launches.capturing()
         if captured is not None:
-            captured.append(launches.Launch(self.kernel, self.grid, args, self.constexprs, self.requested,
-                                            per_call=len(tensors)))
+            captured.append(launches.Launch.recorded(self.kernel, self.grid, args, self.constexprs, self.requested,
+                                                     len(tensors)))
             return
         with self.launching:
             if self.direct is None:  # every launch runs the Python
