@@ -128,6 +128,9 @@ def plan_attention(record: PlanningRecord, config: AttentionLaunchConfig) -> Att
     segment_args = dict(num_seqs=call.num_seqs, num_tokens=call.num_tokens, window=call.sliding_window or 0,
                         num_segments=segments, min_segment_keys=config.min_segment_keys)
     out_strides = dict(stride_ot=out.stride(0), stride_oh=out.stride(1), stride_od=out.stride(2))
+    counters = 0 if not split or merge == "launch" else num_tiles * call.num_kv_heads
+    # the plan's own scratch (PlanScratch): specialised once
+    kept_scratch = (("part_out_ptr", "part_lse_ptr") if split else ()) + (("counters_ptr",) if counters else ())
     cache_strides = {f"stride_{kind}{axis}": stride for kind, strides in (("k", k_strides), ("v", v_strides))
                      for axis, stride in zip(("b", "s", "s_in", "h", "d", "d_in"), strides)}
     main = LaunchPlan(
@@ -142,7 +145,8 @@ def plan_attention(record: PlanningRecord, config: AttentionLaunchConfig) -> Att
              IS_FP8=call.is_fp8, FP32_MATH=fp32_math(q.dtype),
              FP16_DOTS=config.fp16_dots and call.is_fp8 and q.dtype in (torch.float16, torch.bfloat16)
              and not fp32_math(q.dtype), **tiles,
-             **{f"K_{k}": v for k, v in k_pack.items()}, **{f"V_{k}": v for k, v in v_pack.items()}))
+             **{f"K_{k}": v for k, v in k_pack.items()}, **{f"V_{k}": v for k, v in v_pack.items()}),
+        kept=kept_scratch)
     second = None
     if split and merge == "launch":
         second = LaunchPlan(
@@ -150,8 +154,8 @@ def plan_attention(record: PlanningRecord, config: AttentionLaunchConfig) -> Att
             compiler_options(config),
             ("part_out_ptr", "part_lse_ptr", "qsl_ptr", "seq_lens_ptr", "sinks_ptr", "out_ptr"),
             dict(segment_args, **out_strides),
-            dict(HQ=call.num_q_heads, ROWS=rows, MERGE_CHUNK=merge_load_segments(rows, segments), **tiles))
-    counters = 0 if not split or merge == "launch" else num_tiles * call.num_kv_heads
+            dict(HQ=call.num_q_heads, ROWS=rows, MERGE_CHUNK=merge_load_segments(rows, segments), **tiles),
+            kept=("part_out_ptr", "part_lse_ptr"))
     partials = ((segments * call.num_tokens * call.num_q_heads * call.head_dim if split else 0, out.dtype),
                 (segments * call.num_tokens * call.num_q_heads if split else 0, torch.float32))
     return AttentionPlan(config, main, second, PlanScratch(partials, counters))

@@ -309,6 +309,11 @@ def plan_precompute(record: PlanningRecord, config: PrecomputeLaunchConfig) -> P
     slot_layer = shared_slot_layer(call)
     x = call.states
     split_tiles = grid_t * rows - whole if split_k > 1 else 0
+    parts = split_tiles * (1 if atomic_sum else split_k) * config.block_t  # rows of the partials
+    # the tensors the plan (and the fused weights it checks) keeps: specialised once
+    kept = ("w_ptr", "row_scale_ptr", "k_norm_ptr", "cos_sin_ptr", "meta_ptr") + (
+        ("bias_ptr",) if w.kv_bias is not None else ()) + (
+        ("part_acc_ptr", "part_ss_ptr", "counters_ptr") if split_tiles else ())
     main = LaunchPlan(
         context_kv_kernel, (whole + split_tiles * split_k,), compiler_options(config),
         # the kernel's tensor parameters, which PrecomputePlan.launch passes by name
@@ -331,8 +336,7 @@ def plan_precompute(record: PlanningRecord, config: PrecomputeLaunchConfig) -> P
              V_ALIGNED=all(aligned_runs(call.value_caches[i]) for i in call.written_layers),
              K_ROW_PACK=k_rows, K_DIM_PACK=k_dims, V_ROW_PACK=v_rows, V_DIM_PACK=v_dims,
              SLOTS_I32=slots_fit_int32(call), CACHE_BLOCK=shared_block_size(call), EXACT_FP8_ROUND=INTERPRETING,
-             FP32_MATH=fp32_math(dtype), **variant_constexprs(call)))
-    parts = split_tiles * (1 if atomic_sum else split_k) * config.block_t  # rows of the partials
+             FP32_MATH=fp32_math(dtype), **variant_constexprs(call)), kept=kept)
     scratch = PlanScratch(((parts * block_d, torch.float32), (parts, torch.float32)), split_tiles,
                           kept_sums=atomic_sum)
     return PrecomputePlan(config, main, atomic_sum, cache_table(call), scratch, slot_layer)
