@@ -29,7 +29,7 @@ import torch
 from . import envs, launches, registry
 from .backend import SETTINGS, Backend, Runner
 from .ops import Op
-from .planning import configure_engine, planning_record
+from .planning import configure_engine, environ_value, planning_record
 from .platform import platform_for
 
 logger = logging.getLogger("dflash_rocm")
@@ -72,8 +72,25 @@ PLANS_KEPT = 1024
 _plans: dict[tuple, Planned] = {}
 
 
+_resolved: dict = {}
+
+
 def resolve_name(backend: str | None) -> str:
-    """``backend=`` wins, else ``DFLASH_ROCM_BACKEND``, else ``auto``; unknown names are refused."""
+    """``backend=`` wins, else ``DFLASH_ROCM_BACKEND``, else ``auto``; unknown names are refused.
+    Every call asks: a name (or the variable's raw value) seen before is answered from a memo."""
+    key = (backend, environ_value(envs.BACKEND.name)) if backend is None else backend
+    try:
+        found = _resolved.get(key)
+    except TypeError:  # an unhashable backend= (refused below)
+        found = None
+    if found is None:
+        found = _resolve_name(backend)
+        if len(_resolved) < 64 and isinstance(backend, (str, type(None))):
+            _resolved[key] = found
+    return found
+
+
+def _resolve_name(backend: str | None) -> str:
     source = "backend="
     if backend is None:
         backend, source = envs.BACKEND.get(), envs.BACKEND.name

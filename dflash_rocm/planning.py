@@ -55,6 +55,12 @@ _ENVIRON = os.environ._data
 _KEYS = tuple(os.environ.encodekey(var.name) for var in PLANNING_SWITCHES)
 
 
+def environ_value(name: str) -> str | None:
+    """``os.environ.get(name)`` as os.environ stores it (bytes on POSIX): a lookup, for
+    memo keys read on every call."""
+    return _ENVIRON.get(os.environ.encodekey(name))
+
+
 def switches() -> Switches:
     """The planning switches now: the raw values read on every call, parsed once each."""
     raw = tuple(map(_ENVIRON.get, _KEYS))
@@ -76,13 +82,6 @@ class EngineSettings:
     batch_limit: int = 64
     max_model_len: int = 32768
     layer_causal: tuple[bool, ...] | None = None  # scopes tuning to what the draft runs
-
-    def __hash__(self) -> int:  # hashed with every planning record: once
-        found = self.__dict__.get("_hash")
-        if found is None:
-            found = hash((self.query_limit, self.batch_limit, self.max_model_len, self.layer_causal))
-            object.__setattr__(self, "_hash", found)
-        return found
 
 
 SETTINGS = tuple(f.name for f in fields(EngineSettings))
@@ -214,8 +213,11 @@ class PlanningRecord(RecordFields):
 def planning_record(op: str, backend: str, call) -> PlanningRecord:
     """The record of ``call`` (of ``op``, for the backend asked for): see the module."""
     structure, bounds, alignment = call.planning_parts()
-    return PlanningRecord(op, backend, structure, bounds, alignment, platform_for(call.device), switches(),
-                          _settings, tuning.generation(), torch.are_deterministic_algorithms_enabled())
+    return _new(PlanningRecord, (op, backend, structure, bounds, alignment, platform_for(call.device), switches(),
+                                 _settings, tuning.generation(), torch.are_deterministic_algorithms_enabled()))
+
+
+_new = tuple.__new__  # a NamedTuple's own __new__ is a Python function in front of this
 
 
 def record_for(op: str, backend: str, call) -> PlanningRecord:
