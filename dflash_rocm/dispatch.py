@@ -118,7 +118,7 @@ def planned(op: Op, call, backend: str | None) -> Planned:
     """The plan of ``call`` for the requested ``backend`` (``None``: the environment's
     choice, else ``auto``): kept per planning record, made on first use."""
     record = planning_record(op.name, resolve_name(backend), call)
-    keep = record.keepable
+    keep = record.structure is not None  # (record.keepable, without a property's frame)
     if keep:
         found = _plans.get(record)
         if found is not None:
