@@ -70,10 +70,14 @@ class BenchPlan:
     notes: list[str] = field(default_factory=list)
 
 
-def default_plan(device: torch.device, *, shapes=None, tokens=None, batches=None, contexts=None, ops=None,
-                 backends=None, dtype=torch.bfloat16, cache_dtype=None, repeats=None, quick=False) -> BenchPlan:
+def default_plan(device: torch.device, *, shapes=None, tp: int = 1, tokens=None, batches=None, contexts=None,
+                 ops=None, backends=None, dtype=torch.bfloat16, cache_dtype=None, repeats=None,
+                 quick=False) -> BenchPlan:
+    """The sweep's plan; ``tp``: each shape as one rank of a ``tp``-way tensor-parallel
+    deployment runs it (:meth:`DraftShape.per_rank`)."""
     cpu = device.type == "cpu"
     chosen = [SHAPES[s] for s in (shapes or (["qwen3-8b-dflash-b16"] if cpu or quick else list(SHAPES)))]
+    chosen = [s.per_rank(tp) for s in chosen]
     if cpu:
         chosen = [s.scaled_for_cpu() for s in chosen]
     notes = ["CPU run: Triton executes in its interpreter and torch on 2 cores; the numbers say nothing "
@@ -168,7 +172,8 @@ class _Floor:
         return "; ".join(parts)
 
 
-def _flush(device: torch.device):
+def l2_flush(device: torch.device):
+    """What clears the GPU's caches before a timed call (a 256 MiB write); None off a GPU."""
     if device.type != "cuda":
         return None
     buffer = torch.empty(256 << 20, dtype=torch.uint8, device=device)
@@ -297,7 +302,7 @@ def _time_contenders(plan, op, shape, case, contenders, cost, floor, model=None)
             rows[name] = BenchRow(op=op, shape=shape.name, case=case, backend=name,
                                   note=f"ERROR {type(exc).__name__}: {exc}"[:200])
     seconds = interleaved_median_seconds(runnable, plan.device, warmup=plan.warmup, repeats=plan.repeats,
-                                         setup=_flush(plan.device)) if runnable else {}
+                                         setup=l2_flush(plan.device)) if runnable else {}
     for name, s in seconds.items():
         rows[name] = _row(op, shape, case, name, s, cost, floor, launches[name])
         if model is not None:

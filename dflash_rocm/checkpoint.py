@@ -216,6 +216,7 @@ class _Files:
     def __init__(self, stack: contextlib.ExitStack) -> None:
         self._stack = stack
         self._open: dict[Path, Any] = {}
+        self._names: dict[Path, set[str]] = {}
 
     def get(self, file: Path):
         if file not in self._open:
@@ -226,6 +227,12 @@ class _Files:
                 raise ValueError(f"checkpoint file {str(file)!r} is not a readable safetensors file "
                                  f"({type(exc).__name__}: {exc})") from None
         return self._open[file]
+
+    def names(self, file: Path) -> set[str]:
+        """The tensor names ``file``'s header holds."""
+        if file not in self._names:
+            self._names[file] = set(self.get(file).keys())
+        return self._names[file]
 
 
 def _sources(path: Path, wanted: set[str], files: _Files) -> dict[str, tuple[Path, str]]:
@@ -281,6 +288,9 @@ def _load_tensors(path: Path, expected: dict[str, tuple[int, ...]]) -> dict[str,
             shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
             raise ValueError(f"checkpoint {str(path)!r}: missing tensors {shown}")
         for name, (file, stored) in sources.items():  # every header first: nothing is read yet
+            if stored not in files.names(file):  # only an index can name a file without the tensor
+                raise ValueError(f"index {str(path / INDEX_FILE)!r}: tensor {stored} is in {file.name!r}, which "
+                                 "does not hold it")
             _check_header(files.get(file), stored, file, expected[name])
         tensors = {}
         for name, (file, stored) in sources.items():

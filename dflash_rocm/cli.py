@@ -105,11 +105,13 @@ def _layout(args):
 
 
 def cmd_info(args) -> int:
-    from .info import collect_info, format_info
+    """The report, whole; exit status 1 when an environment variable's value is not valid
+    (the report marks it and says why: info shows a bad value, it does not fail on it)."""
+    from .info import bad_environment, collect_info, format_info
 
     info = collect_info()
     print(json.dumps(info, indent=2) if args.json else format_info(info, *_layout(args)))
-    return 0
+    return 1 if bad_environment(info) else 0
 
 
 def cmd_check(args) -> int:
@@ -138,8 +140,13 @@ def cmd_check(args) -> int:
 
 def _check_outputs(outputs: dict[str, str | None], plot: str | None = None) -> None:
     """Refuse, before any work is done, outputs (flag -> path; None: not asked for) that
-    could not be written: more than one to stdout ('-'), a path that is a folder or whose
-    folder is missing or not writable; a ``plot`` file likewise, and without matplotlib."""
+    could not be written: an empty path, more than one to stdout ('-'), a path that is a
+    folder or whose folder is missing or not writable; a ``plot`` file likewise, and
+    without matplotlib."""
+    for flag, path in {**outputs, "--plot": plot}.items():
+        if path is not None and not path.strip():
+            accepted = "a file path" if flag == "--plot" else "a file path or '-' (stdout)"
+            raise ValueError(f"{flag}: expected {accepted}, got {path!r}")
     to_stdout = [flag for flag, path in outputs.items() if path == "-"]
     if len(to_stdout) > 1:
         raise ValueError(f"{' and '.join(to_stdout)}: only one output can go to stdout ('-'); give the others a path")
@@ -182,9 +189,11 @@ def cmd_bench(args) -> int:
     device = _device(args.device)
     if args.host:
         return _bench_host(args, device)
+    if args.assumptions:
+        return _bench_assumptions(args, device)
     _check_outputs({"--json": args.json, "--csv": args.csv}, plot=args.plot)
     dtype = DTYPES[args.dtype]
-    plan = bench.default_plan(device, shapes=args.shape, tokens=args.tokens, batches=args.batch,
+    plan = bench.default_plan(device, shapes=args.shape, tp=args.tp, tokens=args.tokens, batches=args.batch,
                               contexts=args.context, ops=args.op and [_OPS[o] for o in args.op],
                               backends=args.backend, dtype=dtype,
                               cache_dtype=CACHE_DTYPES[args.kv_cache_dtype] or dtype, repeats=args.repeats,
@@ -216,6 +225,24 @@ def _bench_host(args, device) -> int:
         rows = [r for r in rows if r.op in {_OPS[o] for o in args.op}]
     width, _ = _layout(args)
     _emit(lambda: host_bench.format_host_rows(rows, arch, width),
+          ((args.json, lambda: json.dumps([r.as_dict() for r in rows], indent=2)),))
+    return 0
+
+
+def _bench_assumptions(args, device) -> int:
+    from .audit import assumptions
+    from .platform import platform_for
+
+    if args.csv or args.plot:
+        raise ValueError("--assumptions: writes a table and --json only (no --csv, --plot)")
+    _check_outputs({"--json": args.json})
+    def progress(r):
+        print(f"{r.check} {r.case} {r.config}: measured {r.measured_us} us, model {r.model_us} us {r.note}",
+              file=sys.stderr, flush=True)
+
+    rows = assumptions.assumption_rows(device, repeats=args.repeats, progress=None if args.quiet else progress)
+    width, _ = _layout(args)
+    _emit(lambda: assumptions.format_rows(rows, platform_for(device), width),
           ((args.json, lambda: json.dumps([r.as_dict() for r in rows], indent=2)),))
     return 0
 
@@ -298,6 +325,8 @@ def cmd_tune(args) -> int:
 
 
 _WIDE_HELP = "one line per row with every note in full (default: fit 100 columns)"
+_TP_HELP = ("tensor-parallel degree: time the shape one rank runs (query and KV heads divided by it, as vLLM "
+            "shards them; default 1)")
 
 
 class _HelpWithExamples(argparse.RawDescriptionHelpFormatter):
@@ -322,12 +351,15 @@ def cmd_inspect(args) -> int:
     if "dflash_rocm.backends.triton.common" not in sys.modules:
         os.environ.pop("TRITON_INTERPRET", None)
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    from .audit import report, run
+    from .audit import fc, report, run
     from .audit.compiler import FactsCache, default_cache_dir
+    from .report import join_blocks
     from .workloads import SHAPES
 
     _check_outputs({"--json": args.json, "--csv": args.csv})
-    plan = run.AuditPlan(shapes=tuple(SHAPES[s] for s in (args.shape or ["qwen3-8b-dflash-b16"])),
+    shapes = [SHAPES[s] for s in (args.shape or ["qwen3-8b-dflash-b16"])]
+    shapes = [s.per_rank(tp) for tp in (args.tp or [1]) for s in shapes]
+    plan = run.AuditPlan(shapes=tuple(shapes),
                          targets=tuple(args.target or run.TARGETS), ops=tuple(args.op or ("attention", "precompute")),
                          kv=tuple(args.kv or ("bf16", "fp8")),
                          batches=tuple(args.batch or run.sweep.ATTENTION_BATCHES),
@@ -337,7 +369,9 @@ def cmd_inspect(args) -> int:
                          packed=not (args.batch or args.context or args.tokens), planned=tuple(args.planned or ()))
     cache = FactsCache(None if args.no_cache else (args.cache_dir or default_cache_dir()))
     audit = run.run_audit(plan, cache, jobs=args.jobs, progress=None if args.quiet else _progress_bar)
-    _emit(lambda: report.format_results(audit), ((args.json, lambda: report.results_to_json(audit)),
+    text = report.format_results(audit) if not args.tp else join_blocks(
+        report.format_results(audit), fc.format_fc(shapes, plan.targets))
+    _emit(lambda: text, ((args.json, lambda: report.results_to_json(audit)),
                                                  (args.csv, lambda: report.results_to_csv(audit))))
     errors = [launch for r in audit.cases for launch in r.launches if launch.error]
     return 1 if errors else 0
@@ -395,6 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
                     ("dflash-rocm bench --json bench.json --csv bench.csv --plot bench.png",
                      "the full sweep, saved")))
     bench.add_argument("--shape", action="append", choices=sorted(SHAPES), help="draft shape (repeatable)")
+    bench.add_argument("--tp", type=positive_int, default=1, help=_TP_HELP)
     bench.add_argument("--op", action="append", choices=sorted(_OPS), help="only this operation (repeatable)")
     bench.add_argument("--tokens", type=positive_int_list,
                        help="context tokens per step for the precompute, e.g. 1,16,256")
@@ -415,6 +450,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--pairs", type=int, help="--vllm: interleaved (vLLM, plugin) pairs (default 3; 1 with --quick)")
     bench.add_argument("--host", action="store_true",
                        help="host microseconds per call instead: launches captured, their own cost measured apart")
+    bench.add_argument("--assumptions", action="store_true",
+                       help="the model's assumptions measured instead: the per-rank precompute at TP8 under the "
+                            "table's and what-if launches, the TP1 precompute at N=256 against the model's L2, "
+                            "the launch gap under a replayed CUDA graph (what scripts/gpu_check.sh runs)")
     bench.add_argument("--arch", choices=sorted(KNOWN_ARCHS),
                        help="with --host: the GPU whose launch costs count (default: this device's, else gfx942)")
     bench.add_argument("--wide", action="store_true", help=_WIDE_HELP)
@@ -462,6 +501,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "--planned 32768,131072", "those cases under plans captured for 32k and 128k on H200"),
                     ("dflash-rocm inspect --json audit.json", "every fact, machine-readable")))
     inspect.add_argument("--shape", action="append", choices=sorted(SHAPES), help="draft shape (repeatable)")
+    inspect.add_argument("--tp", type=positive_int_list, metavar="DEGREES",
+                         help="per-rank shapes of these tensor-parallel degrees, e.g. 2,4,8 (KV and query heads "
+                              "divided by each), with the replicated and a sharded fc modelled beside")
     inspect.add_argument("--target", action="append", choices=list(TARGETS), help="GPU target (repeatable)")
     inspect.add_argument("--op", action="append", choices=["attention", "precompute"], help="only this operation")
     inspect.add_argument("--kv", action="append", choices=["bf16", "fp8"], help="KV cache dtype (repeatable)")
@@ -485,7 +527,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Every refusal is one line on stderr and exit status 2 (1: ``check`` found a
-    disagreement): bad arguments (argparse types), bad input files, devices or sizes."""
+    disagreement, ``info`` an environment value that is not valid): bad arguments
+    (argparse types, empty output paths), bad input files, devices or sizes."""
     from . import BackendUnavailable
 
     _use_interpreter_without_gpu()

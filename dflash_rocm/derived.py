@@ -109,7 +109,8 @@ class DerivedCache:
                 return entry[1]
             capturing = any(t is not None and launches.graph_capturing(t.device) for t in sources)
             previous = None if capturing else self._updated_in_place(tag, fingerprints, sources)
-        value = build()
+        with torch.no_grad():  # derived layouts feed inference-only kernels: no autograd graph kept
+            value = build()
         if capturing:  # recorded into the graph being captured (see the module)
             return value
         if previous is not None and refill_in_place(previous, value):

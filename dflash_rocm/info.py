@@ -107,10 +107,23 @@ def format_info(info: dict, width: int | None = WIDTH, style: Style = Style()) -
               *(_served(r[op], style) for op in ("precompute", "attention"))) for r in info["vllm_family"]],
             width=width, wrap_columns=["precompute", "draft attention"])
     environment = format_table(["environment variable", "value", "meaning"],
-                               [(n, v["value"] if v["set"] else f"{v['value']} (default)".strip(), v["help"])
-                                for n, v in info["environment"].items()],
+                               [(n, _env_value(v, style), v["help"]) for n, v in info["environment"].items()],
                                width=width, wrap_columns=["value", "meaning"])
-    return join_blocks(f"dflash_rocm {info['dflash_rocm']}", packages, device, backends, integration, environment)
+    problems = "\n".join(wrap(style.paint("not valid: ", "red") + problem, width) for problem in bad_environment(info))
+    return join_blocks(f"dflash_rocm {info['dflash_rocm']}", packages, device, backends, integration, environment,
+                       problems)
+
+
+def bad_environment(info: dict) -> list[str]:
+    """Why each environment variable whose value is not valid is not (``cmd_info`` exits 1
+    when any is: a script sees it without parsing the report)."""
+    return [v["problem"] for v in info["environment"].values() if not v["valid"]]
+
+
+def _env_value(entry: dict, style: Style) -> str:
+    if not entry["valid"]:
+        return style.paint(f"{entry['value']} (not valid)", "red")
+    return entry["value"] if entry["set"] else f"{entry['value']} (default)".strip()
 
 
 def _served(reason: str | None, style: Style) -> str:

@@ -6,7 +6,7 @@ every call of one structure once and returns a :class:`~dflash_rocm.backend.Runn
 dispatch hands later calls with an equal record to that runner. So the record must hold
 everything a plan may read, and a plan must read nothing else: the call's structure
 (every argument's shape, strides, dtype and device, and the scalars), its host bounds,
-the alignment (or addresses) of the tensors plans specialise on, the platform, the
+the alignment and storage sizes (or addresses) of the tensors plans specialise on, the platform, the
 environment switches planning reads (:data:`PLANNING_SWITCHES`), what the serving engine
 configured (:class:`EngineSettings`), the generation of the tuned tables
 (:mod:`dflash_rocm.tuning`) and whether torch asks for deterministic algorithms.
@@ -15,8 +15,8 @@ configured (:class:`EngineSettings`), the generation of the tuned tables
 hand: the structure is hashed once per call structure, the switches are parsed once per
 raw value). When dispatch has no plan for it, :meth:`PlanningRecord.with_facts` adds the
 call's facts, :attr:`PlanningRecord.call`: the call with every tensor replaced by its
-:class:`TensorFacts` (shape, strides, dtype, device, and the address or alignment only
-where the record holds it), derived from the fields and so not part of equality. A plan
+:class:`TensorFacts` (shape, strides, dtype, device, and the address, alignment or storage size only
+where the record holds them), derived from the fields and so not part of equality. A plan
 receives that record, never the tensors; ``tests/test_planning.py`` walks every
 implementation's ``plan()`` (and what it calls) and refuses a direct read of the
 environment, the settings or torch's global flags.
@@ -110,16 +110,18 @@ def engine_settings() -> EngineSettings:
 
 
 class TensorFacts:
-    """What a plan may know of a tensor: shape, strides, dtype, device, and its address as
-    far as the record holds it: all of it (``"address"``: the precompute's caches, whose
-    addresses are part of its structure), its residue modulo 16 (``"alignment"``), or
-    nothing (``data_ptr()`` then raises: a plan that needs it must put it in the record)."""
+    """What a plan may know of a tensor: shape, strides, dtype, device, and of its memory as
+    much as the record holds: its address (``"address"``: the precompute's caches, whose
+    addresses are part of its structure), or its residue modulo 16 and its storage's size
+    (``"memory"``: the attention's caches), or nothing (``data_ptr()`` and
+    ``untyped_storage()`` then raise: a plan that needs them must put them in the record)."""
 
-    __slots__ = ("shape", "_strides", "dtype", "device", "_address")
+    __slots__ = ("shape", "_strides", "dtype", "device", "_address", "_storage")
 
     def __init__(self, t: torch.Tensor, address: str | None):
         self.shape, self._strides, self.dtype, self.device = t.shape, t.stride(), t.dtype, t.device
         self._address = t.data_ptr() if address == "address" else t.data_ptr() & 15 if address else None
+        self._storage = StorageFacts(t.untyped_storage().nbytes()) if address == "memory" else None
 
     def stride(self, dim: int | None = None):
         return self._strides if dim is None else self._strides[dim]
@@ -135,6 +137,21 @@ class TensorFacts:
             raise TypeError("the planning record holds no address for this tensor (only its shape, strides, dtype "
                             "and device): a plan that depends on it must add it to the record")
         return self._address
+
+    def untyped_storage(self) -> "StorageFacts":
+        if self._storage is None:
+            raise TypeError("the planning record holds no storage size for this tensor: a plan that depends on it "
+                            "must add it to the record")
+        return self._storage
+
+
+class StorageFacts(NamedTuple):
+    """A storage as a plan may know it: its size."""
+
+    size: int
+
+    def nbytes(self) -> int:
+        return self.size
 
 
 def _facts(value: Any, address: str | None, seen: dict[int, Any]) -> Any:
@@ -160,7 +177,7 @@ def _facts(value: Any, address: str | None, seen: dict[int, Any]) -> Any:
 
 def call_facts(call) -> Any:
     """``call`` (an op's call type) with every tensor replaced by its :class:`TensorFacts`;
-    its fields named in ``PLANNED_ADDRESSES`` keep the address or alignment named there."""
+    its fields named in ``PLANNED_ADDRESSES`` keep the memory facts named there."""
     addresses = getattr(type(call), "PLANNED_ADDRESSES", {})
     seen: dict[int, Any] = {}
     facts = object.__new__(type(call))
@@ -175,7 +192,7 @@ class RecordFields(NamedTuple):
     backend: str  # the backend asked for: "auto" or a name
     structure: Any  # the call's structure (validation's Structure; None: built outside validation)
     bounds: tuple  # host bounds that size launches
-    alignment: tuple  # 16-byte alignment residues of the tensors plans specialise on
+    memory: tuple  # of the tensors plans specialise on: 16-byte alignment residues, storage sizes
     platform: Platform
     switches: Switches
     settings: EngineSettings
@@ -212,8 +229,8 @@ class PlanningRecord(RecordFields):
 
 def planning_record(op: str, backend: str, call) -> PlanningRecord:
     """The record of ``call`` (of ``op``, for the backend asked for): see the module."""
-    structure, bounds, alignment = call.planning_parts()
-    return _new(PlanningRecord, (op, backend, structure, bounds, alignment, platform_for(call.device), switches(),
+    structure, bounds, memory = call.planning_parts()
+    return _new(PlanningRecord, (op, backend, structure, bounds, memory, platform_for(call.device), switches(),
                                  _settings, tuning.generation(), torch.are_deterministic_algorithms_enabled()))
 
 

@@ -105,11 +105,15 @@ _FOLDED = DerivedCache()
 
 def _projection(w: ContextKVWeights) -> tuple[torch.Tensor, torch.Tensor]:
     """(hidden norm weight, K/V rows) of the GEMM: the weights' own, or, for per-layer norm
-    weights, ones and the rows with each layer's weight folded in (rounded once)."""
+    weights, ones and the rows with each layer's weight folded in, rounded once to the
+    weights' dtype (vLLM's sequence runs in that dtype: a fold past it overflows there)."""
     if not w.per_layer_hidden_norm:
         return w.hidden_norm_weight, w.kv_weight
-    return _FOLDED.get((w.kv_weight, w.hidden_norm_weight), "folded", lambda: (
-        torch.ones(w.hidden_size, dtype=w.dtype, device=w.device), w.folded_kv_weight().to(w.dtype)))
+
+    def fold() -> tuple[torch.Tensor, torch.Tensor]:
+        rows, scale = w.folded_kv_weight()
+        return torch.ones(w.hidden_size, dtype=w.dtype, device=w.device), (rows * scale[:, None]).to(w.dtype)
+    return _FOLDED.get((w.kv_weight, w.hidden_norm_weight), "folded", fold)
 
 
 def unfused_precompute(call: PrecomputeCall, ops: TorchOps):

@@ -11,6 +11,9 @@ import torch
 
 from .contract import QUERY_DTYPES
 
+# Folded K/V rows are kept within float16's largest value (ContextKVWeights.folded_kv_weight).
+FOLD_ROW_LIMIT = 65504.0
+
 
 @dataclass(frozen=True, eq=False, kw_only=True)
 class ContextKVWeights:
@@ -133,16 +136,36 @@ class ContextKVWeights:
         """The layers whose K is not rotated (``rope_layers[l]`` False)."""
         return () if self.rope_layers is None else tuple(i for i, r in enumerate(self.rope_layers) if not r)
 
-    def folded_kv_weight(self) -> torch.Tensor:
-        """float32 ``[L*2*Hk*D, H]``: every K/V row times its layer's hidden norm weight.
+    def folded_kv_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rows, row_scale)``: every K/V row times its layer's hidden norm weight, as float32
+        rows ``[L*2*Hk*D, H]`` each divided by its ``row_scale`` (float32 ``[L*2*Hk*D]``): the
+        smallest power of two, at least 1, that brings the row within :data:`FOLD_ROW_LIMIT`.
 
-        ``rms_norm(x, w_l) @ W_l.T == (x / rms(x)) @ (W_l * w_l).T``: the statistic does not
-        depend on the weight, so a backend runs one GEMM for every layer with these rows and
-        scales each token's row by ``1 / rms(x)``. Folded in float32; the caller rounds once.
+        ``rms_norm(x, w_l) @ W_l.T == ((x / rms(x)) @ (W_l * w_l / s).T) * s``: the statistic
+        does not depend on the weight, so a backend runs one GEMM for every layer with these
+        rows, then scales each output by ``1 / rms(x)`` and its row's ``s``. The products are
+        formed in float64 (exact for float32 operands), one layer at a time, so a fold past
+        float32 (a norm weight of 1e20 on weight rows of 1e20) still gives finite rows; the
+        caller rounds once to its dtype (a power-of-two division is exact). Rows within the
+        limit (every trained draft's) are unscaled. The limit is float16's largest value
+        whatever the dtype: a GEMM on states ``|x| < 2**64`` (beyond, SPEC's own float32
+        ``mean(x**2)`` overflows) with rows below ``2**16`` stays in float32 for any ``H``
+        below ``2**47``, and multiplied by ``1 / rms(x)`` first, by ``s`` last, the result
+        overflows only where SPEC's order does. ``s`` stops at ``2**127`` (float32's largest
+        power of two): a fold past ``2**143`` (both factors near float32's largest) is
+        outside the fold's range (SPEC.md section 2).
         """
-        H = self.hidden_size
-        rows = self.kv_weight.float().view(self.num_layers, -1, H)
-        return (rows * self.hidden_norm_weight.float().view(-1, 1, H)).view(-1, H)
+        L, H = self.num_layers, self.hidden_size
+        kv = self.kv_weight.view(L, -1, H)
+        norm = self.hidden_norm_weight.view(-1, 1, H)  # [1 or L, 1, H]
+        rows = torch.empty(kv.shape, dtype=torch.float32, device=self.device)
+        scale = torch.empty(kv.shape[:2], dtype=torch.float32, device=self.device)
+        for layer in range(L):
+            fold = kv[layer].double() * norm[layer % norm.shape[0]].double()
+            exponent = torch.ceil(torch.log2(fold.abs().amax(dim=1) / FOLD_ROW_LIMIT)).clamp_(0, 127)
+            scale[layer] = torch.exp2(exponent)
+            rows[layer] = fold / scale[layer, :, None].double()
+        return rows.view(-1, H), scale.view(-1)
 
     @property
     def device(self) -> torch.device:
@@ -174,26 +197,60 @@ class ContextKVWeights:
                     rope_layers: Sequence[bool] | None = None,
                     round_k_before_rope: bool = False) -> "ContextKVWeights":
         """Stack per-layer ``k_proj``/``v_proj``/``k_norm`` tensors into the fused layout; a
-        sequence of per-layer ``hidden_norm_weight`` tensors is stacked to ``[L, H]``."""
+        sequence of per-layer ``hidden_norm_weight`` tensors is stacked to ``[L, H]``. Every
+        layer's tensor is checked before anything is stacked (``ValueError`` naming the
+        sequence and the layer: a shape or device unlike layer 0's ``k_proj``)."""
         n = len(k_proj_weights)
         if n == 0 or len(v_proj_weights) != n or len(k_norm_weights) != n:
             raise ValueError(
                 f"from_layers: expected the same positive number of k_proj, v_proj and k_norm "
                 f"weights, got {len(k_proj_weights)}, {len(v_proj_weights)}, {len(k_norm_weights)}")
-        rows = [w for pair in zip(k_proj_weights, v_proj_weights) for w in pair]
-        bias = None
         if (k_proj_biases is None) != (v_proj_biases is None):
             raise ValueError("from_layers: give both k_proj_biases and v_proj_biases, or neither")
+        first = _layer_tensor("k_proj_weights", 0, k_proj_weights[0])
+        H = first.shape[-1] if first.dim() else -1
+        rows, cols = (num_kv_heads * head_dim, "num_kv_heads*head_dim"), (H, "hidden")
+        per_layer = {"k_proj_weights": (k_proj_weights, (rows, cols)), "v_proj_weights": (v_proj_weights, (rows, cols)),
+                     "k_norm_weights": (k_norm_weights, ((head_dim, "head_dim"),))}
+        if k_proj_biases is not None:
+            per_layer.update(k_proj_biases=(k_proj_biases, (rows,)), v_proj_biases=(v_proj_biases, (rows,)))
+        if not isinstance(hidden_norm_weight, torch.Tensor):
+            per_layer["hidden_norm_weight"] = (hidden_norm_weight, (cols,))
+        for name, (tensors, dims) in per_layer.items():
+            if len(tensors) != n:
+                raise ValueError(f"from_layers: expected {n} {name} (one per layer), got {len(tensors)}")
+            for layer, t in enumerate(tensors):
+                _check_layer(name, layer, t, dims, first.device)
+        bias = None
         if k_proj_biases is not None:
             bias = torch.cat([b for pair in zip(k_proj_biases, v_proj_biases) for b in pair])
         if not isinstance(hidden_norm_weight, torch.Tensor):
             hidden_norm_weight = torch.stack(list(hidden_norm_weight))
+        rows = [w for pair in zip(k_proj_weights, v_proj_weights) for w in pair]
         return cls(hidden_norm_weight=hidden_norm_weight, kv_weight=torch.cat(rows, dim=0),
                    kv_bias=bias, k_norm_weight=torch.stack(list(k_norm_weights)),
                    cos_sin_cache=cos_sin_cache, is_neox=is_neox, eps=float(eps), v_scale=v_scale,
                    rope_layers=rope_layers,
                    round_k_before_rope=round_k_before_rope, num_layers=n, num_kv_heads=num_kv_heads,
                    head_dim=head_dim)
+
+
+def _layer_tensor(name: str, layer: int, t) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"from_layers: {name}[{layer}]: expected a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _check_layer(name: str, layer: int, t, dims: tuple[tuple[int, str], ...], device: torch.device) -> None:
+    """Layer ``layer``'s tensor of the sequence ``name``: shaped ``dims`` (sizes and their
+    words), on ``device`` (layer 0's ``k_proj``'s)."""
+    _layer_tensor(name, layer, t)
+    shape = [size for size, _ in dims]
+    if list(t.shape) != shape:
+        words = ", ".join(word for _, word in dims)
+        raise ValueError(f"from_layers: {name}[{layer}]: expected [{words}] = {shape}, got {list(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"from_layers: {name}[{layer}]: on {t.device}, k_proj_weights[0] on {device}")
 
 
 def _expect_shape(name: str, t: torch.Tensor, shape: tuple[int, ...], words: str) -> None:

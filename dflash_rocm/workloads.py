@@ -37,6 +37,27 @@ class DraftShape:
     def rope_dim(self) -> int:
         return self.rotary_dim or self.head_dim
 
+    def per_rank(self, tp: int) -> "DraftShape":
+        """The shape one rank of a ``tp``-way tensor-parallel deployment runs: its share of the
+        query heads and of the KV heads (vLLM's ``QKVParallelLinear``; with fewer KV heads than
+        ranks each rank holds one, replicated). vLLM's own conditions: ``tp`` divides the query
+        heads, and divides the KV heads or is a multiple of them. TP 1 is the shape itself."""
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tp: expected a positive int, got {tp!r}")
+        if tp == 1:
+            return self
+        if self.q_heads % tp or (self.kv_heads % tp and tp % self.kv_heads):
+            raise ValueError(f"tp {tp}: {self.name} has {self.q_heads} query and {self.kv_heads} KV heads; "
+                             "tensor parallelism needs tp to divide the query heads and to divide or be a "
+                             "multiple of the KV heads")
+        return replace(self, name=f"{self.name}@tp{tp}", q_heads=self.q_heads // tp,
+                       kv_heads=max(1, self.kv_heads // tp))
+
+    def tp_degrees(self, largest: int = 8) -> tuple[int, ...]:
+        """The tensor-parallel degrees up to ``largest`` this shape splits into (:meth:`per_rank`)."""
+        return tuple(tp for tp in range(1, largest + 1)
+                     if not self.q_heads % tp and (not self.kv_heads % tp or not tp % self.kv_heads))
+
     def scaled_for_cpu(self) -> "DraftShape":
         """Same heads and features, fewer layers and a narrower hidden size: the Triton
         interpreter runs every program in Python."""
@@ -54,6 +75,15 @@ SHAPES: dict[str, DraftShape] = {s.name: s for s in (
                note="gemma-style draft: sliding-window causal layers with attention sinks"),
 )}
 DEFAULT_SHAPE = "qwen3-8b-dflash-b16"
+
+
+def shape_named(name: str) -> DraftShape:
+    """A preset by name, or one rank's share of it as :meth:`DraftShape.per_rank` names it
+    (``qwen3-8b-dflash-b16@tp8``)."""
+    base, _, tp = name.partition("@tp")
+    if base not in SHAPES or (tp and not tp.isdigit()):
+        raise ValueError(f"unknown draft shape {name!r}: expected one of {sorted(SHAPES)}, optionally with @tpN")
+    return SHAPES[base].per_rank(int(tp)) if tp else SHAPES[base]
 
 
 def draft_shape(path: str | os.PathLike):

@@ -2,6 +2,9 @@
 # One call on a lent GPU machine: environment facts, the GPU tests under a time budget
 # (real shapes, graph capture and replay, no device sync on the default path),
 # `dflash-rocm bench --host` (host microseconds per call, this GPU's launch costs),
+# `dflash-rocm bench --assumptions` (the model's assumptions measured: the per-rank precompute at TP8
+# under the table's and what-if launches, the TP1 precompute at N=256 against the model's L2, the
+# launch gap under a replayed CUDA graph; measured beside modelled),
 # `dflash-rocm bench --vllm` (vLLM with and without the plugin, when vLLM is importable),
 # then `dflash-rocm bench --quick` at real shapes. Logs, JSON, CSV and a plot go to $OUT
 # (default ./gpu-check-out); a short table is printed last, with `dflash-rocm inspect`'s
@@ -29,6 +32,7 @@ DRY=0
 TEST_BUDGET="${TEST_BUDGET:-300}"   # seconds for pytest
 BENCH_BUDGET="${BENCH_BUDGET:-150}" # seconds for the benchmark
 VLLM_BUDGET="${VLLM_BUDGET:-300}"   # seconds for the end-to-end vLLM comparison (when vLLM is importable)
+ASSUME_BUDGET="${ASSUME_BUDGET:-240}" # seconds for bench --assumptions (compiles ~10 launches, models them)
 
 if [ "$DRY" = 1 ]; then
     export TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES="" HIP_VISIBLE_DEVICES=""
@@ -59,6 +63,13 @@ echo "== bench --host"
 timeout 120 "$PY" -m dflash_rocm bench --host --repeats "$HOST_REPEATS" > "$OUT/bench_host.txt" 2> "$OUT/bench_host.err"
 HOST_RC=$?
 
+echo "== bench --assumptions (budget ${ASSUME_BUDGET}s)"
+ASSUME_ARGS=()
+[ "$DRY" = 1 ] && ASSUME_ARGS=(--device cpu)
+timeout "$ASSUME_BUDGET" "$PY" -m dflash_rocm bench --assumptions "${ASSUME_ARGS[@]}" \
+    --json "$OUT/bench_assumptions.json" > "$OUT/bench_assumptions.txt" 2> "$OUT/bench_assumptions.err"
+ASSUME_RC=$?
+
 echo "== bench (budget ${BENCH_BUDGET}s)"
 timeout "$BENCH_BUDGET" "$PY" -m dflash_rocm bench "${BENCH_ARGS[@]}" --quiet --json "$OUT/bench.json" \
     --csv "$OUT/bench.csv" --plot "$OUT/bench.png" > "$OUT/bench.txt" 2> "$OUT/bench.err"
@@ -80,6 +91,9 @@ echo "== summary"
 echo "pytest -m $MARK: exit $TEST_RC ($(grep -Eo '[0-9]+ (passed|failed|skipped|error)' "$OUT/pytest.log" | tr '\n' ' '))"
 echo "bench --host: exit $HOST_RC"
 cat "$OUT/bench_host.txt"
+echo "bench --assumptions: exit $ASSUME_RC"
+cat "$OUT/bench_assumptions.txt"
+[ "$ASSUME_RC" = 0 ] || tail -n 20 "$OUT/bench_assumptions.err"  # the rows made before it stopped
 echo "bench --vllm: $VLLM_RC"
 [ -s "$OUT/bench_vllm.txt" ] && cat "$OUT/bench_vllm.txt"
 echo "bench: exit $BENCH_RC"
@@ -88,4 +102,4 @@ cat "$OUT/bench.txt"
 if [ "$DRY" = 1 ]; then
     grep -qE '[0-9]+ skipped' "$OUT/pytest.log" || TEST_RC=1
 fi
-[ "$TEST_RC" = 0 ] && [ "$BENCH_RC" = 0 ] && [ "$HOST_RC" = 0 ]
+[ "$TEST_RC" = 0 ] && [ "$BENCH_RC" = 0 ] && [ "$HOST_RC" = 0 ] && [ "$ASSUME_RC" = 0 ]

@@ -343,3 +343,14 @@ def test_an_index_naming_a_missing_shard_is_refused_naming_the_shard(tmp_path):
     (tmp_path / "model-00002-of-00003.safetensors").unlink()
     with pytest.raises(ValueError, match=r"model-00002-of-00003\.safetensors' is not a readable"):
         dflash_rocm.load_context_kv_weights(tmp_path)
+
+
+def test_an_index_naming_a_shard_that_lacks_the_tensor_is_refused_naming_all_three(tmp_path):
+    shard(tmp_path)
+    index = tmp_path / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["weight_map"][K0] = "model-00002-of-00003.safetensors"  # which holds layer 1's tensors
+    index.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=rf"index '.*index\.json': tensor {re.escape(K0)} is in "
+                                         r"'model-00002-of-00003\.safetensors', which does not hold it"):
+        dflash_rocm.load_context_kv_weights(tmp_path)

@@ -38,6 +38,22 @@ def test_info_table(capsys):
     assert rc == 0 and "backend" in out and "auto order: " + " > ".join(registry.PRIORITIES["cpu"]) in out
 
 
+@pytest.mark.parametrize("name,value", [("DFLASH_ROCM_TUNE", "sometimes"), ("DFLASH_ROCM_QUERY_LIMIT", "-3"),
+                                        ("DFLASH_ROCM_QUERY_LIMIT", "16x")])
+def test_info_marks_a_bad_environment_value_not_valid_and_exits_1(capsys, monkeypatch, name, value):
+    """The report is printed whole (info shows a bad value, it does not fail on it), the
+    variable's row says the value is not valid, a line under the table says why, and the
+    exit status is 1, as for --json."""
+    monkeypatch.setenv(name, value)
+    rc, out, _ = run_cli(capsys, "info", "--wide")
+    row = next(line for line in out.splitlines() if line.startswith(name + " "))
+    assert rc == 1 and f"{value} (not valid)" in row, row
+    assert f"not valid: {name}={value!r}" in out and "backend" in out
+    rc, out, _ = run_cli(capsys, "info", "--json")
+    entry = json.loads(out)["environment"][name]
+    assert rc == 1 and entry["valid"] is False and name in entry["problem"]
+
+
 @pytest.mark.vllm
 def test_info_says_what_the_plugin_serves_of_each_family_member(capsys):
     from dflash_rocm.vllm_plugin import family
@@ -250,6 +266,18 @@ def test_outputs_that_cannot_all_be_written_are_refused_before_the_run(capsys, m
     monkeypatch.setattr(bench, "run_bench", _never_run)
     monkeypatch.setattr(host_bench, "host_rows", _never_run)
     assert "dflash-rocm bench: " in one_line_refusal(capsys, *argv)
+
+
+@pytest.mark.parametrize("argv", [["bench", "--json", ""], ["bench", "--csv", " "], ["bench", "--plot", ""],
+                                  ["bench", "--host", "--json", ""], ["inspect", "--json", ""]])
+def test_an_empty_output_path_is_refused_before_the_run(capsys, monkeypatch, argv):
+    from dflash_rocm import bench, host_bench
+    from dflash_rocm.audit import run
+
+    for module, name in ((bench, "run_bench"), (host_bench, "host_rows"), (run, "run_audit")):
+        monkeypatch.setattr(module, name, _never_run)
+    err = one_line_refusal(capsys, *argv)
+    assert f"{argv[-2]}: expected a file path" in err and f"got {argv[-1]!r}" in err, err
 
 
 def _csv_rows(text: str) -> list[dict]:

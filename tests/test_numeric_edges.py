@@ -2,6 +2,7 @@
 into the K/V weight, and bfloat16 values at and below the smallest normal (SPEC.md,
 "Subnormal bfloat16 inputs")."""
 
+from contextlib import nullcontext
 from dataclasses import replace
 
 import pytest
@@ -82,15 +83,115 @@ def test_the_folded_rows_scale_returns_in_every_epilogue(split_k, heads, determi
     assert relative_error(v, ref_v) < TOLERANCES[torch.float16]
 
 
-def test_rows_that_fit_are_folded_unscaled():
-    from dflash_rocm.backends.triton.precompute import fold_row_scale
+def test_rows_that_fit_are_folded_unscaled_and_others_scaled_by_powers_of_two():
+    """Row scales from the folded rows' own magnitudes, whatever the dtype: 1 within
+    65504, else the smallest power of two that brings the row there, past float32 too."""
+    limit = 65504.0
+    g = make_generator(8, "cpu")
+    w = make_weights(g, "cpu", L=1, Hk=1, D=2, H=2, R=2, is_neox=True, bias=False, v_scale=None,
+                     dtype=torch.float32)
+    norm = torch.tensor([1e20, 1.0])
+    kv = torch.tensor([[1e-20, -limit], [3 * limit * 1e-20, 0.5], [-5 * limit * 1e-20, 1.0], [1e20, 0.0]])
+    rows, scale = replace(w, hidden_norm_weight=norm, kv_weight=kv).folded_kv_weight()
+    exact = kv.double() * norm.double()
+    assert scale[:3].tolist() == [1.0, 4.0, 8.0]
+    assert scale[3] == 2.0 ** 117  # 1e40 / 2**117 = 6.0e4
+    assert rows.abs().max() <= limit
+    assert torch.allclose(rows.double() * scale.double()[:, None], exact, rtol=1e-7, atol=0)
 
-    limit = torch.finfo(torch.float16).max
-    rows = torch.tensor([[1.0, -limit], [3 * limit, 0.5], [-5 * limit, 1.0]])
-    scale = fold_row_scale(rows, torch.float16)
-    assert scale.tolist() == [1.0, 4.0, 8.0]
-    assert (rows / scale[:, None]).abs().max() <= limit
-    assert fold_row_scale(rows, torch.float32).tolist() == [1.0, 1.0, 1.0]
+
+def fold_range_case(dtype, per_layer, seed=4):
+    """Weights whose hidden-norm column 3 (1e20) times its K/V weight column (1e20) is 1e40,
+    past float32's range once folded, while the states carry 1e-30 of their RMS in that
+    column: SPEC's order (the normed states 1e-10 there, times 1e20) gives K/V of about 1e10."""
+    g = make_generator(seed, "cpu")
+    H = 64
+    w = make_weights(g, "cpu", L=2, Hk=2, D=32, H=H, R=16, is_neox=True, bias=True, v_scale=None,
+                     dtype=dtype, per_layer_norm=per_layer)
+    norm, kv = w.hidden_norm_weight.clone(), w.kv_weight.clone()
+    norm[..., 3], kv[:, 3] = 1e20, 1e20
+    states = torch.randn(9, H, generator=g).to(dtype)
+    states[:, 3] = 1e-30
+    return replace(w, hidden_norm_weight=norm, kv_weight=kv), states, torch.randint(0, 4096, (9,), generator=g)
+
+
+def served_like_the_reference(backend, w, states, positions):
+    ref_k, ref_v = dflash_rocm.precompute_and_store_context_kv(states, positions, w, None, None, None,
+                                                               return_kv=True, backend="reference")
+    assert torch.isfinite(ref_k).all() and torch.isfinite(ref_v).all(), "SPEC's order stays in range"
+    k, v = serve(dflash_rocm.precompute_and_store_context_kv, backend, states, positions, w, None, None, None,
+                 return_kv=True)
+    assert relative_error(k, ref_k) < TOLERANCES[states.dtype]
+    assert relative_error(v, ref_v) < TOLERANCES[states.dtype]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("per_layer", [False, True], ids=["norm[H]", "norm[L,H]"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_fold_past_float32_is_served_where_spec_order_stays_in_range(backend, per_layer, dtype):
+    served_like_the_reference(backend, *fold_range_case(dtype, per_layer))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_large_values_whose_fold_is_scaled_are_normalised_before_the_scale_returns(backend):
+    """float32 states of RMS 1e10 and V rows of 1e28: the V projection (about 1e29) is in
+    range, the un-normalised GEMM times the rows' scale (1e39) is not."""
+    g = make_generator(9, "cpu")
+    w = make_weights(g, "cpu", L=2, Hk=2, D=32, H=64, R=16, is_neox=True, bias=False, v_scale=None,
+                     dtype=torch.float32)
+    kv = w.kv_weight.clone().view(2, 2, -1, 64)
+    kv[:, 1] *= 1e28
+    states = torch.randn(9, 64, generator=g) * 1e10
+    served_like_the_reference(backend, replace(w, kv_weight=kv.view(-1, 64)), states,
+                              torch.randint(0, 4096, (9,), generator=g))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float16_normed_states_past_65504_are_served_where_spec_order_stays_in_range(backend):
+    """A norm weight of 3e4 on a column the states fill (4x their RMS): the normed states
+    pass float16's 65504 in float32, but times a weight column of 1e-3 the K/V do not."""
+    w, states, positions = large_norm_case()
+    kv = w.kv_weight.clone()
+    kv[:, 3] = 1e-3
+    states = states.clone()
+    states[:, 3] = 4 * states.float().pow(2).mean(-1).sqrt().half()
+    served_like_the_reference(backend, replace(w, kv_weight=kv), states, positions)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_float16_k_projection_past_65504_before_its_norm_gives_finite_keys(backend):
+    """K rows of 2000 (V rows as drawn): the projected K passes float16's range before the
+    K RMSNorm brings it back; SPEC's order keeps the projection in float32."""
+    w, states, positions = large_norm_case()
+    kv = w.kv_weight.clone().view(2, 2, -1, 64)
+    kv[:, 0] = torch.where(kv[:, 0] > 0, 2000.0, -2000.0).half()
+    served_like_the_reference(backend, replace(w, kv_weight=kv.view(-1, 64)), states, positions)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_float16_plan_after_its_hidden_norm_row_is_raised_in_place(backend):
+    """A plan of per-layer float16 norms, run again after row 1 is raised in place 3e4-fold:
+    its fold and its K projection pass 65504, SPEC's order (float32 after the states) does not
+    overflow; the run reads the new weights."""
+    g = make_generator(7, "cpu")
+    w = make_weights(g, "cpu", L=2, Hk=2, D=32, H=64, R=16, is_neox=True, bias=False, v_scale=None,
+                     dtype=torch.float16, per_layer_norm=True)
+    kv = w.kv_weight.clone().view(2, 2, -1, 64)
+    kv[:, 0] *= 8
+    kv[1, 1] *= 1e-3  # layer 1's V stays in range once its norm is raised
+    w = replace(w, kv_weight=kv.view(-1, 64))
+    states = torch.randn(9, 64, generator=g).half()
+    positions = torch.randint(0, 4096, (9,), generator=g)
+    with simulate_platform("gfx942") if backend == "rocm" else nullcontext():
+        plan = dflash_rocm.plan_context_kv(w, None, None, backend=backend)
+        plan.run(states, positions, None, return_kv=True)
+        w.hidden_norm_weight[1].mul_(3e4)
+        k, v = plan.run(states, positions, None, return_kv=True)
+    ref_k, ref_v = dflash_rocm.precompute_and_store_context_kv(states, positions, w, None, None, None,
+                                                               return_kv=True, backend="reference")
+    assert torch.isfinite(ref_k).all() and torch.isfinite(ref_v).all()
+    assert relative_error(k, ref_k) < TOLERANCES[torch.float16]
+    assert relative_error(v, ref_v) < TOLERANCES[torch.float16]
 
 
 def bf16_values(shape, g, magnitude):

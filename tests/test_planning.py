@@ -79,7 +79,7 @@ CHANGES = {
     "backend": lambda: (ATTENTION, attention(), "reference", contextlib.nullcontext()),
     "structure": lambda: (ATTENTION, attention(scale=0.5), "triton", contextlib.nullcontext()),
     "bounds": lambda: (ATTENTION, attention(max_seq_len=16, validate=False), "triton", contextlib.nullcontext()),
-    "alignment": lambda: (ATTENTION, attention(**misaligned_caches()), "triton", contextlib.nullcontext()),
+    "memory": lambda: (ATTENTION, attention(**misaligned_caches()), "triton", contextlib.nullcontext()),
     "platform": lambda: (ATTENTION, attention(), "triton", platform.simulate_platform("gfx942")),
     "switches": lambda: (ATTENTION, attention(), "triton", env(envs.TAIL_MERGE.name, "off")),
     "settings": lambda: (ATTENTION, attention(), "triton", engine(query_limit=7)),
@@ -226,6 +226,7 @@ def test_a_plan_receives_facts_not_tensors():
         assert not isinstance(value, torch.Tensor), name
     assert isinstance(facts.query, TensorFacts) and facts.query.stride() == call.query.stride()
     assert facts.num_tokens == call.num_tokens and facts.key_cache.data_ptr() == call.key_cache.data_ptr() & 15
+    assert facts.key_cache.untyped_storage().nbytes() == call.key_cache.untyped_storage().nbytes()
     with pytest.raises(TypeError, match="no address"):
         facts.query.data_ptr()
     pre = precompute_call(*precompute_args().values())

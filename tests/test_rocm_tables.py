@@ -70,7 +70,7 @@ def test_configs_are_valid_for_every_shape(arch, group, d):
                     mergers = -(-tiles_heads * cfg.block_m // rows // xcds)
                     return rows <= cfg.block_m and mergers < p.compute_units // xcds
 
-                if cfg.num_segments <= IN_KERNEL_MERGE_SEGMENTS and tables.select_rule(w).last_merges:
+                if cfg.num_segments <= IN_KERNEL_MERGE_SEGMENTS and tables.select_rule(w).merges_last(w):
                     assert (cfg.merge, cfg.merge_rows) == ("last", 0)
                 elif fits(token_rows):
                     assert (cfg.merge, cfg.merge_rows) == ("tail", 0)

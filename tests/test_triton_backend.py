@@ -326,6 +326,23 @@ def test_tail_merge_can_be_switched_off(monkeypatch):
     assert plan.main.constexprs["MERGERS"] == 0 and plan.merge is not None
 
 
+@pytest.mark.parametrize("segments", [3, 4, 8])
+def test_a_wave64_last_segment_merge_loads_two_partials_a_trip_and_masks_the_odd_one(segments):
+    """On wave64 the last segment's merge loads two segments' partials a trip: an odd count of
+    active segments leaves the second lane group of the last trip masked."""
+    from dflash_rocm.backends.triton.attention import merge_chunk, run_draft_attention
+    from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig
+    from dflash_rocm.ops.attention import attention_call
+
+    config = AttentionLaunchConfig(block_m=64, block_n=16, num_segments=segments, num_warps=1, wave_size=64)
+    assert merge_chunk(config, 32) == 2 and merge_chunk(dataclasses.replace(config, wave_size=32), 32) == 1
+    args = paged([70, 45], [16, 9], Hk=2, G=4, D=32, block_size=16)
+    ref = dflash_rocm.draft_attention(*args, backend="reference")
+    call = attention_call(*args)
+    run_draft_attention(call, config)
+    assert dflash_rocm.contract.relative_error(call.out, ref) < 2e-3
+
+
 def test_split_tile_counters_are_left_zero_for_the_next_launch():
     from dflash_rocm.backends.triton.attention import run_draft_attention
     from dflash_rocm.backends.triton.counters import _KEPT

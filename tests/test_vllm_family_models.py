@@ -14,6 +14,7 @@ dispatched to a named backend) compared with vLLM's own math for the same layers
 """
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -258,6 +259,42 @@ def test_a_laguna_reload_refills_its_fused_kv_rows_and_layer_norms_in_place():
     assert torch.equal(held.kv_weight[rows:2 * rows], qkv[HEADS * D:])
     assert torch.equal(held.hidden_norm_weight[2], norm) and held.hidden_norm_weight.abs().min() > 0
     assert (held.kv_weight.data_ptr(), held.hidden_norm_weight.data_ptr()) == addresses
+
+
+def test_a_fused_qkv_reload_with_fewer_rows_than_k_and_v_is_named_and_the_precompute_steps_aside(
+        monkeypatch, caplog):
+    """A reload's fused ``qkv_proj`` shorter than this layer's K and V rows: the tee writes
+    nothing and says which tensor and rows; the plugin hands the precompute back to vLLM's
+    path (vLLM's own loader decides the load) instead of raising."""
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.models import laguna_dflash as lg
+    from vllm.model_executor.models import qwen3_dflash as d
+
+    from dflash_rocm.vllm_plugin import draft_weights
+
+    g = torch.Generator().manual_seed(7)
+    inner = bare(lg.DFlashLagunaModel, layers=torch.nn.ModuleList(_layers(g, d.DFlashQwen3Attention,
+                                                                           input_norms=True)),
+                  hidden_norm=RMSNorm(H, eps=EPS))
+    served = bare(model.served_class(lg.DFlashLagunaForCausalLM), model=inner)
+    served._dflash_precompute_off = None  # what __init__ sets when the plugin serves the precompute
+    served._take_weights()
+    held = served._dflash_weights
+    before = held.kv_weight.clone()
+    short = torch.randn(2 * KV_HEADS * D - 3, H, generator=g)
+    stream = [("layers.1.self_attn.qkv_proj.weight", short)]
+    tee = draft_weights.ReloadTee(inner)
+    list(tee.watch(stream))
+    why = tee.refill(held)
+    assert why is not None and "layers.1.self_attn.qkv_proj.weight" in why
+    assert f"{short.shape[0]} rows" in why and f"{2 * KV_HEADS * D}" in why
+    assert torch.equal(held.kv_weight, before)
+    monkeypatch.setattr(lg.DFlashLagunaForCausalLM, "load_weights", lambda self, weights: {n for n, _ in weights},
+                        raising=False)
+    with caplog.at_level(logging.WARNING, logger="dflash_rocm"):
+        assert served.load_weights(iter(stream)) == {"layers.1.self_attn.qkv_proj.weight"}
+    assert served._dflash_weights is None
+    assert "layers.1.self_attn.qkv_proj.weight" in caplog.text and "vLLM's path" in caplog.text
 
 
 def _beams_k_v(kv, k_norm, positions, cos_sin, eps, v_scale=1.0):

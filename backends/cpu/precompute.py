@@ -12,8 +12,13 @@ statistics and every product in float32), so they track vLLM's to a unit in the 
 place. (Not bit for bit: vLLM's AVX2 CPU kernels truncate float32 to bf16 where torch
 rounds to nearest, so a random draft's near-tied proposals can still differ.) The normed
 keys are rounded before RoPE in every case, which is what ``round_k_before_rope`` asks
-for. Per-layer hidden norm weights are folded into the GEMM operand (in float32, rounded
-once to the GEMM dtype); the states are then normalised without a weight.
+for. Per-layer hidden norm weights are folded into the GEMM operand
+(:meth:`~dflash_rocm.weights.ContextKVWeights.folded_kv_weight`: rows past 65504 scaled
+by powers of two, taken back after the GEMM); the states are then normalised without a
+weight. Where the weights allow the normed states or the projected K to pass the states'
+dtype (bounds from the weights, once: ``|xn_c| <= sqrt(H) |w_c|``, ``|kv_r| <= sqrt(H)
+||w * W_r|| + |b_r|``), those stay float32 instead of being rounded there (vLLM's
+sequence would overflow; SPEC's order does not).
 
 The epilogue works on all layers at once: K-norm, RoPE written straight into the output
 dtype, then one indexed copy per layer and cache. ``torch.compile`` was measured as an
@@ -47,6 +52,9 @@ class PreparedWeights:
     weight_t: torch.Tensor  # [H, L*2*Hk*D] in gemm dtype (per-layer hidden norm weights folded in)
     bias: torch.Tensor | None  # [L*2*Hk*D] in gemm dtype
     hidden_norm: torch.Tensor | None  # [H] float32; None when folded into weight_t
+    row_scale: torch.Tensor | None  # [L*2*Hk*D] float32: the folded rows' scales; None when all 1
+    wide_states: bool  # the normed states may pass the dtype's range: kept float32, GEMM in float32
+    wide_keys: bool  # the projected K may pass the dtype's range: kept float32 until the K RMSNorm
     k_norm: torch.Tensor  # [1, L, 1, D] float32
     rope: torch.Tensor  # [max_position, 2R] float32: per position, the factor of k and of rotate(k)
     eps: torch.Tensor  # float32 scalar
@@ -76,14 +84,24 @@ _PREPARED = DerivedCache()
 def prepared_weights(w: ContextKVWeights) -> PreparedWeights:
     """The GEMM operand and float32 tables, built once per weights (and after an in-place update)."""
     def build() -> PreparedWeights:
-        L, D = w.num_layers, w.head_dim
-        dtype = gemm_dtype(w.dtype)
+        L, Hk, D, H = w.num_layers, w.num_kv_heads, w.head_dim, w.hidden_size
         folded = w.per_layer_hidden_norm
+        rows, scale = w.folded_kv_weight()
+        limit = torch.finfo(w.dtype).max
+        # |rms_norm(x, w)_c| <= sqrt(H) |w_c|, and |kv_r| <= sqrt(H) ||w * W_r|| (+ |bias_r|).
+        wide_states = not folded and H ** 0.5 * float(w.hidden_norm_weight.detach().float().abs().max()) > limit
+        key_bound = H ** 0.5 * (rows.double().norm(dim=1) * scale).view(L, 2, Hk * D)[:, 0]
+        if w.kv_bias is not None:
+            key_bound = key_bound + w.kv_bias.detach().double().abs().view(L, 2, Hk * D)[:, 0]
+        dtype = torch.float32 if wide_states else gemm_dtype(w.dtype)
+        # Detached: parameters that require grad (a live model's) are read without grad.
         return PreparedWeights(
-            weight_t=(w.folded_kv_weight() if folded else w.kv_weight).to(dtype).t().contiguous(),
-            bias=None if w.kv_bias is None else w.kv_bias.to(dtype).contiguous(),
-            hidden_norm=None if folded else w.hidden_norm_weight.float().contiguous(),
-            k_norm=w.k_norm_weight.float().view(1, L, 1, D).contiguous(),
+            weight_t=(rows if folded else w.kv_weight).detach().to(dtype).t().contiguous(),
+            bias=None if w.kv_bias is None else w.kv_bias.detach().to(dtype).contiguous(),
+            hidden_norm=None if folded else w.hidden_norm_weight.detach().float().contiguous(),
+            row_scale=scale if folded and bool((scale != 1).any()) else None,
+            wide_states=wide_states, wide_keys=float(key_bound.max()) > limit,
+            k_norm=w.k_norm_weight.detach().float().view(1, L, 1, D).contiguous(),
             # vLLM's rotary kernel reads the table in the activations' dtype.
             rope=_rope_table(w.cos_sin_cache.to(w.dtype), w.is_neox), eps=torch.tensor(float(w.eps)))
     sources = (w.kv_weight, w.hidden_norm_weight, w.kv_bias, w.k_norm_weight, w.cos_sin_cache)
@@ -97,19 +115,28 @@ def _rms_factor(x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
 
 
 def _projected(call: PrecomputeCall, prep: PreparedWeights) -> torch.Tensor:
-    """``rms_norm(x) @ kv_weight.T + kv_bias`` in the states' dtype, ``[N, L, 2, Hk, D]``."""
+    """``rms_norm(x) @ kv_weight.T + kv_bias``, ``[N, L, 2, Hk, D]``, in the states' dtype
+    (float32 where the weights' bounds say the K projection may pass the dtype's range)."""
     w, x = call.weights, call.states
+    if x.requires_grad:  # inference-only: read without grad, as the weights are
+        x = x.detach()
     # x * r (* w unless folded) in float32 (type promotion: the caller's states stay untouched), rounded once.
     normed = torch.mul(x, _rms_factor(x, prep.eps))
     if prep.hidden_norm is not None:
         normed.mul_(prep.hidden_norm)
-    normed = normed.to(call.dtype)
+    if not prep.wide_states:
+        normed = normed.to(call.dtype)
     normed = normed.to(prep.weight_t.dtype)
-    if prep.bias is None:
+    if prep.row_scale is not None:  # folded rows past the limit: their scale back, then the bias
+        kv = torch.mm(normed, prep.weight_t).mul_(prep.row_scale)
+        if prep.bias is not None:
+            kv.add_(prep.bias)
+    elif prep.bias is None:
         kv = torch.mm(normed, prep.weight_t)
     else:
         kv = torch.addmm(prep.bias, normed, prep.weight_t)
-    kv = kv.to(call.dtype).view(call.num_tokens, w.num_layers, 2, w.num_kv_heads, w.head_dim)
+    kv = kv.to(torch.float32 if prep.wide_keys else call.dtype)
+    kv = kv.view(call.num_tokens, w.num_layers, 2, w.num_kv_heads, w.head_dim)
     if w.v_scale is not None:
         kv[:, :, 1] *= w.v_scale
     return kv
@@ -168,7 +195,7 @@ class _Slots:
 def run_precompute(call: PrecomputeCall):
     prep = prepared_weights(call.weights)
     kv = _projected(call, prep)
-    k, v = _normed_rotated_keys(call, kv[:, :, 0], prep), kv[:, :, 1]
+    k, v = _normed_rotated_keys(call, kv[:, :, 0], prep), kv[:, :, 1].to(call.dtype)
     k_store, v_store = k, v
     if call.is_fp8:
         k_store = _quantized(k, call.cache_dtype, call.k_scales)

@@ -14,6 +14,7 @@ from dflash_rocm.backends.triton.attention import AttentionPlan, attention_runne
 from dflash_rocm.backends.triton.launcher import prelude_seconds
 from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig, PrecomputeLaunchConfig
 from dflash_rocm.ops.attention import AttentionCall, AttentionSpec
+from dflash_rocm.paged import memory_of
 from dflash_rocm.planning import PlanningRecord
 from dflash_rocm.platform import Platform, platform_for
 from dflash_rocm.tuning import cache_dir
@@ -21,14 +22,20 @@ from dflash_rocm.tuning import cache_dir
 from . import settings, tables, tuner
 
 logger = logging.getLogger("dflash_rocm")
+BUFFER_LOAD_BYTES = 2 ** 31 - 1  # AMD buffer (32-bit offset) loads: tensors up to this size (the launcher's test)
 
 
 def attention_workload(call: AttentionCall, platform: Platform) -> tables.AttentionWorkload:
+    """The table's view of ``call`` (or its facts: the caches' storage sizes are in the
+    planning record) on ``platform``."""
     span = call.key_span_bound
     if call.sliding_window is not None:  # keys outside the window never load
         span = min(span, call.sliding_window + call.query_len_bound - 1)
+    caches = (call.key_cache, call.value_cache)
+    small = all(memory_of(c).untyped_storage().nbytes() <= BUFFER_LOAD_BYTES for c in caches)
     return tables.AttentionWorkload(platform.arch, call.num_seqs, call.query_len_bound, span, call.num_q_heads,
-                                    call.num_kv_heads, call.head_dim, call.is_fp8, platform.compute_units)
+                                    call.num_kv_heads, call.head_dim, call.is_fp8, platform.compute_units,
+                                    buffer_loads=small)
 
 
 def table_choice(record: PlanningRecord) -> tuple[str, AttentionLaunchConfig]:

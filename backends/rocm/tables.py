@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from dflash_rocm.backends.triton.common import next_pow2
 from dflash_rocm.backends.triton.launch_config import (AttentionLaunchConfig, PrecomputeLaunchConfig,
                                                        attention_grid_tiles, choose_segments, dispatch_partitions,
-                                                       merge_for, split_k_for, tail_split)
+                                                       fill_split, merge_for, split_k_for, tail_split)
 from dflash_rocm.platform import Platform, platform_for_arch
 
 SUPPORTED_ARCHS = ("gfx942", "gfx950", "gfx1100", "gfx1101", "gfx1151", "gfx1200", "gfx1201")
@@ -37,6 +37,7 @@ class AttentionWorkload:
     head_dim: int
     fp8: bool
     compute_units: int | None = None  # the device's own count (None: the architecture's flagship)
+    buffer_loads: bool = True  # the caches are under 2 GiB: AMD buffer (32-bit offset) loads
 
     @property
     def group(self) -> int:
@@ -66,7 +67,13 @@ class TileRule:
     matrix_instr_nonkdim: int = 0  # CDNA: 16 gives 16-row MFMA tiles: 4 warps share a 64-row tile, none replicated
     min_keys_per_segment: int = 256  # below this a segment's merge costs more than it saves
     programs_per_cu: float = 1.0  # how many (tile, head, segment) programs to aim for per CU
-    last_merges: bool = True  # the last segment may merge a split tile (False: its merge code would spill)
+    # The last segment may merge a split tile: "always", "large cache" (only without buffer loads:
+    # with them its merge code spills), or "never".
+    last_merges: str = "always"
+
+    def merges_last(self, w: AttentionWorkload) -> bool:
+        """Whether the last segment may merge ``w``'s split tiles (see ``last_merges``)."""
+        return self.last_merges == "always" or self.last_merges == "large cache" and not w.buffer_loads
 
     def applies(self, w: AttentionWorkload) -> bool:
         return ((not self.archs or w.arch.startswith(self.archs)) and w.head_dim >= self.min_head_dim
@@ -80,8 +87,9 @@ class TileRule:
 # loop, whose LDS layout takes the fp8 tiles in words, not bytes (a sixth of the LDS instructions a
 # trip, compiled). RDNA3's WMMA keeps operands twice in registers: 8 warps and 16-key tiles stay
 # under 256 VGPRs. RDNA4 takes 32-key tiles, and 16-key tiles on 4 warps for fp8: every warp widens
-# the fp8 tiles it reads, so 4 warps widen half as often as 8; their split tiles are not merged by
-# their last segment (that merge code spills 20 VGPRs, compiled gfx1201).
+# the fp8 tiles it reads, so 4 warps widen half as often as 8; their split tiles are merged by
+# their last segment only in a cache over 2 GiB (252 VGPRs, 0 spills; with buffer loads that merge
+# code spills 20 VGPRs, compiled gfx1201): else by a second launch.
 CDNA_RULES = (
     TileRule(name="cdna-d256", min_head_dim=129, block_m=32, block_n=32, num_warps=2, matrix_instr_nonkdim=16),
     TileRule(name="cdna-gfx950-fp8", archs=("gfx950",), fp8=True, block_m=64, block_n=64, num_warps=4, num_stages=2,
@@ -93,7 +101,7 @@ RDNA_RULES = (
     TileRule(name="rdna-short-query", max_query_rows=16, block_m=16, block_n=32, num_warps=4,
              min_keys_per_segment=128),
     TileRule(name="rdna3-default", archs=("gfx11",), block_m=64, block_n=16, num_warps=8),
-    TileRule(name="rdna4-fp8", fp8=True, block_m=64, block_n=16, num_warps=4, last_merges=False),
+    TileRule(name="rdna4-fp8", fp8=True, block_m=64, block_n=16, num_warps=4, last_merges="large cache"),
     TileRule(name="rdna4-default", block_m=64, block_n=32, num_warps=4),
 )
 MAX_SEGMENTS = {"cdna": 64, "rdna": 32}
@@ -136,11 +144,11 @@ def segmented_config(w: AttentionWorkload) -> tuple[str, AttentionLaunchConfig]:
     block_m, warps = _tile_rows(w, rule)
     segments = segments_for(w, rule, block_m)
     tiles_heads = attention_grid_tiles(w.batch, w.query_len, block_m // w.group) * w.num_kv_heads
-    merge, merge_rows = merge_for(segments, tiles_heads, block_m, w.group, w.platform, rule.last_merges)
+    merge, merge_rows = merge_for(segments, tiles_heads, block_m, w.group, w.platform, rule.merges_last(w))
     return rule.name, AttentionLaunchConfig(
         block_m=block_m, block_n=rule.block_n, num_segments=segments, num_warps=warps, num_stages=rule.num_stages,
         min_segment_keys=rule.min_keys_per_segment, merge=merge, merge_rows=merge_rows,
-        matrix_instr_nonkdim=rule.matrix_instr_nonkdim)
+        matrix_instr_nonkdim=rule.matrix_instr_nonkdim, wave_size=w.platform.wave_size)
 
 
 def unsegmented_config(w: AttentionWorkload) -> tuple[str, AttentionLaunchConfig]:
@@ -189,6 +197,9 @@ class PrecomputeWorkload:
 
 # How a row splits the hidden size: "heads": a single token tile's, until the heads fill the CUs
 # (:func:`split_k_for`); "tail": a last partial round's tiles (:func:`tail_split`); "none": never.
+# Beyond one token tile, a grid under ``fill_under`` rounds of the CUs (a rank's heads under
+# tensor parallelism) splits every tile whatever the row's split (:func:`fill_split`, up to the
+# row's ``fill_per_cu`` parts per CU).
 SPLITS = ("heads", "tail", "none")
 
 
@@ -213,6 +224,8 @@ class PrecomputeRule:
     matrix_instr_nonkdim: int = 0
     heads: int = 1
     split: str = "tail"
+    fill_under: float = 1.0  # a grid of fewer tiles than this many rounds of the CUs splits every tile
+    fill_per_cu: int = 2  # its split parts per CU at most (:func:`fill_split`)
 
     def __post_init__(self) -> None:
         if self.split not in SPLITS:
@@ -227,8 +240,11 @@ class PrecomputeRule:
 
     def split_for(self, w: PrecomputeWorkload) -> tuple[int, int]:
         """(whole tiles, split_k) of the launch."""
+        units = w.platform.compute_units
         if self.split == "heads":
-            return 0, split_k_for(w.num_heads_total, w.hidden, w.block_k, w.platform.compute_units)
+            return 0, split_k_for(w.num_heads_total, w.hidden, w.block_k, units)
+        if w.tiles(self.block_t) < self.fill_under * units:
+            return 0, fill_split(w.tiles(self.block_t), w.hidden, w.block_k, self.fill_per_cu * units)
         return w.tail(self.block_t) if self.split == "tail" else (0, 1)
 
 
@@ -261,8 +277,9 @@ GFX942_RULES = CDNA_SINGLE_TILE + (
     PrecomputeRule(name="gfx942-64-few-tail", max_tokens=352, tail_ways=(16,), full_tiles=True,
                    block_t=64, num_warps=8, num_stages=1, matrix_instr_nonkdim=16),
     PrecomputeRule(name="gfx942-32-prefetch", max_tokens=352, max_rounds=3,
-                   block_t=32, num_warps=4, num_stages=2, matrix_instr_nonkdim=16),
-    PrecomputeRule(name="gfx942-32", max_tokens=352, block_t=32, num_warps=4, num_stages=1, matrix_instr_nonkdim=16),
+                   block_t=32, num_warps=4, num_stages=2, matrix_instr_nonkdim=16, fill_per_cu=3),
+    PrecomputeRule(name="gfx942-32", max_tokens=352, block_t=32, num_warps=4, num_stages=1, matrix_instr_nonkdim=16,
+                   fill_per_cu=3),
     # No split tile below 1024 tokens: 4 warps (the split path's registers would leave 2 waves).
     PrecomputeRule(name="gfx942-64-unsplit", max_tokens=1023, tail_ways=(1,),
                    block_t=64, num_warps=4, num_stages=1, matrix_instr_nonkdim=16),
@@ -270,7 +287,7 @@ GFX942_RULES = CDNA_SINGLE_TILE + (
                    block_t=64, num_warps=8, num_stages=2, matrix_instr_nonkdim=16),
     # 8 warps with 16x16 MFMAs: with 32x32 ones LLVM unrolls the loop and the registers allow
     # 5 waves, not 7 (compiled).
-    PrecomputeRule(name="gfx942-64", block_t=64, num_warps=8, num_stages=1, matrix_instr_nonkdim=16),
+    PrecomputeRule(name="gfx942-64", block_t=64, num_warps=8, num_stages=1, matrix_instr_nonkdim=16, fill_per_cu=4),
 )
 # gfx950: 4-warp tiles keep its matrix cores fed at 4 waves a SIMD; 16x16 MFMAs where the loop
 # prefetches; from 640 tokens 128-token tiles (its 160 KiB LDS holds them), which read the
@@ -288,22 +305,27 @@ GFX950_RULES = CDNA_SINGLE_TILE + (
                    block_t=64, num_warps=4, num_stages=2, matrix_instr_nonkdim=16),
     PrecomputeRule(name="gfx950-64", block_t=64, num_warps=4, num_stages=1),
 )
-# RDNA: 8 warps, 64-token tiles beyond one tile, no split (few CUs to fill). RDNA4 takes one
+# RDNA: 8 warps, 64-token tiles beyond one tile, no split (few CUs to fill) unless the tiles
+# fill at most half the CUs (a rank's heads under TP): then split up to one part a CU (its
+# DRAM is slow enough that the parts' float32 sums cost more than idle CUs above that; modelled
+# R9700 TP8 N = 128: 28.4 -> 24.8 us, N = 256 unsplit 26.3 against 31.2 split). RDNA4 takes one
 # stage (:func:`stage_limit`) and from 1024 tokens puts a KV head's K and V in one program,
 # reading the states half as often (RDNA3's registers would spill: 54 VGPRs, compiled gfx1100).
 RDNA3_RULES = (
     PrecomputeRule(name="rdna3-one-tile-16", max_tokens=16, block_t=16, num_warps=8, num_stages=2, split="heads"),
     PrecomputeRule(name="rdna3-one-tile-32", max_tokens=32, block_t=32, num_warps=8, num_stages=2, split="heads"),
     PrecomputeRule(name="rdna3-one-tile-64", max_tokens=64, block_t=64, num_warps=8, num_stages=2, split="heads"),
-    PrecomputeRule(name="rdna3-64", block_t=64, num_warps=8, num_stages=2, split="none"),
+    PrecomputeRule(name="rdna3-64", block_t=64, num_warps=8, num_stages=2, split="none", fill_under=0.5,
+                   fill_per_cu=1),
 )
 RDNA4_RULES = (
     PrecomputeRule(name="rdna4-one-tile-16", max_tokens=16, block_t=16, num_warps=8, num_stages=1, split="heads"),
     PrecomputeRule(name="rdna4-one-tile-32", max_tokens=32, block_t=32, num_warps=8, num_stages=1, split="heads"),
     PrecomputeRule(name="rdna4-one-tile-64", max_tokens=64, block_t=64, num_warps=8, num_stages=1, split="heads"),
     PrecomputeRule(name="rdna4-64-paired", min_tokens=1024, max_head_dim=128,
-                   block_t=64, num_warps=8, num_stages=1, heads=2, split="none"),
-    PrecomputeRule(name="rdna4-64", block_t=64, num_warps=8, num_stages=1, split="none"),
+                   block_t=64, num_warps=8, num_stages=1, heads=2, split="none", fill_under=0.5, fill_per_cu=1),
+    PrecomputeRule(name="rdna4-64", block_t=64, num_warps=8, num_stages=1, split="none", fill_under=0.5,
+                   fill_per_cu=1),
 )
 # Keyed by architecture name prefix. gfx950 sums the hidden RMSNorm's squares a value at a time
 # (its loop is bound by the vector work); the others keep 8-column groups (fewer registers).
@@ -340,7 +362,7 @@ def precompute_config(arch: str, *, num_tokens: int, hidden: int, num_heads_tota
         block_t=rule.block_t, block_k=w.block_k, split_k=split, whole_tiles=whole, num_warps=rule.num_warps,
         num_stages=rule.num_stages, num_xcds=dispatch_partitions(w.platform),
         matrix_instr_nonkdim=rule.matrix_instr_nonkdim, square_group=precompute_table(arch).square_group,
-        heads=rule.heads)
+        heads=rule.heads if split == 1 else 1)
 
 
 def stage_limit(arch: str) -> int:

@@ -19,8 +19,8 @@ from .attention_kernels import draft_attention_kernel, merge_segments_kernel
 from .common import fp32_math, next_pow2, packed_layout
 from .counters import PlanScratch
 from .launcher import LaunchPlan, compiler_options
-from .launch_config import (AttentionLaunchConfig, default_attention_config, merge_load_segments, merge_program_rows,
-                            tail_merge_fits)
+from .launch_config import (AttentionLaunchConfig, default_attention_config, last_merge_chunk, merge_load_segments,
+                            merge_program_rows, tail_merge_fits)
 
 
 def attention_config_for(call: AttentionCall, platform: Platform) -> AttentionLaunchConfig:
@@ -33,11 +33,9 @@ def attention_config_for(call: AttentionCall, platform: Platform) -> AttentionLa
 
 
 def merge_chunk(config: AttentionLaunchConfig, block_d: int) -> int:
-    """Segments per load of the last segment's merge (the whole tile): at most 64 values
-    per thread of a 32-wide warp (a wave64 has room for twice that), a power of two from 1
-    to 4. A merge program's: :func:`merge_load_segments`."""
-    chunk = 64 * config.num_warps * 32 // (config.block_m * block_d)
-    return max(1, min(4, 1 << max(0, chunk.bit_length() - 1)))
+    """Segments per load of the last segment's merge, for the config's wave size
+    (:func:`last_merge_chunk`). A merge program's: :func:`merge_load_segments`."""
+    return last_merge_chunk(config.block_m, block_d, config.num_warps, config.wave_size)
 
 
 def stride_unit(cache) -> int:

@@ -32,10 +32,12 @@ class AttentionLaunchConfig:
     long (the device decides from the real sequence length how many segments have keys);
     ``merge`` says how a split tile's partials are merged (see :data:`MERGES`); a merge
     program (merger or second launch) merges ``merge_rows`` rows of a tile (0: one query
-    token's heads). ``fp16_dots``: with an fp8 cache and 16-bit queries, both products
-    take fp16 operands (the query pre-scaled by the softmax scale, fp8 widened exactly, P
-    with 3 more bits than bf16) instead of the query's dtype: on NVIDIA an e4m3 pair
-    widens to fp16 in one instruction, to bf16 in several; on AMD the opposite holds.
+    token's heads); ``wave_size``: the lanes of a warp on the table's target, which size
+    the last segment's merge (:func:`last_merge_chunk`). ``fp16_dots``: with an fp8 cache
+    and 16-bit queries, both products take fp16 operands (the query pre-scaled by the
+    softmax scale, fp8 widened exactly, P with 3 more bits than bf16) instead of the
+    query's dtype: on NVIDIA an e4m3 pair widens to fp16 in one instruction, to bf16 in
+    several; on AMD the opposite holds.
     """
 
     block_m: int = 64
@@ -49,6 +51,7 @@ class AttentionLaunchConfig:
     merge_rows: int = 0
     matrix_instr_nonkdim: int = 0  # AMD only: 16 picks 16x16 MFMA tiles; 0 the compiler's choice
     fp16_dots: bool = False
+    wave_size: int = 32
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -61,6 +64,8 @@ class AttentionLaunchConfig:
             raise ValueError(f"merge: expected one of {MERGES}, got {self.merge!r}")
         if self.merge_rows < 0 or self.merge_rows & (self.merge_rows - 1) or self.merge_rows > self.block_m:
             raise ValueError(f"merge_rows: expected 0 or a power of two up to block_m, got {self.merge_rows}")
+        if self.wave_size not in (32, 64):
+            raise ValueError(f"wave_size: expected 32 or 64, got {self.wave_size}")
 
     def queries_per_tile(self, queries_per_kv: int) -> int:
         return self.block_m // queries_per_kv
@@ -130,6 +135,15 @@ def merge_load_segments(rows: int, num_segments: int) -> int:
     return max(1, min(64, 256 // rows, next_pow2(num_segments)))
 
 
+def last_merge_chunk(block_m: int, block_d: int, num_warps: int, wave_size: int = 32) -> int:
+    """Segments per load of the last segment's merge (the whole tile): at most 64 values a
+    lane, a power of two from 1 to 4. A wave64 lane holds a 64-row, 128-dim tile's partials of
+    two segments where a 32-lane warp's holds one: half the merge's dependent round trips
+    (CDNA; the compiled VGPRs stay those of the attention loop)."""
+    chunk = 64 * num_warps * wave_size // (block_m * block_d)
+    return max(1, min(4, 1 << max(0, chunk.bit_length() - 1)))
+
+
 def dispatch_partitions(platform: Platform) -> int:
     """Partitions the hardware deals a grid's programs to round-robin, each with its own
     share of the compute units: MI300/MI355 deal program ``i`` to XCD ``i % 8`` (at most 8
@@ -196,6 +210,18 @@ def tail_split(tiles: int, units: int) -> tuple[int, int]:
     return whole, split
 
 
+def fill_split(tiles: int, hidden: int, block_k: int, target_programs: int) -> int:
+    """A power of two for a grid of ``tiles`` too small to fill one round of the device (a
+    rank's share of the heads under tensor parallelism): the hidden size of every tile split
+    at least 2 ways, and further while the parts stay within ``target_programs`` (what the
+    units hold at once, per the table), each part keeping 4 ``block_k`` steps (1: too narrow
+    to split). The parts add into one float32 sum, as a last round's do."""
+    split = 1
+    while hidden // (split * 2) >= 4 * block_k and (split == 1 or tiles * split * 2 <= target_programs):
+        split *= 2
+    return split
+
+
 def split_k_for(num_heads_total: int, hidden: int, block_k: int, compute_units: int) -> int:
     """A power of two: split the hidden size of a single token tile until the programs
     (heads x parts) would pass two per compute unit, keeping 4 key steps per part."""
@@ -224,11 +250,17 @@ def default_attention_config(platform: Platform, *, num_seqs: int, query_len: in
     merge, merge_rows = merge_for(segments, tiles * num_kv_heads, block_m, G, platform)
     return AttentionLaunchConfig(block_m=block_m, block_n=block_n, num_segments=segments,
                                  num_warps=4 if head_dim <= 128 else 8, num_stages=2,
+                                 wave_size=64 if platform.wave_size == 64 else 32,
                                  min_segment_keys=MIN_KEYS_PER_SEGMENT, merge=merge, merge_rows=merge_rows,
                                  fp16_dots=fp8 and platform.vendor == "cuda")
 
 
 PAIRED_KV_ARCHS = ("sm_90", "sm_100")  # where the portable table puts a KV head's K and V in one program
+# A grid of 128-token tiles that fills at most half the SMs splits every tile, up to one part an SM
+# (the 8-warp tile's registers hold one); between half and one round it runs unsplit (modelled
+# H200: 80 tiles 32.5 us unsplit, 36.3 split 2 ways).
+FILL_UNDER = 0.5
+FILL_PER_SM = 1
 
 
 def default_precompute_config(platform: Platform, *, num_tokens: int, hidden: int, num_heads_total: int,
@@ -238,7 +270,11 @@ def default_precompute_config(platform: Platform, *, num_tokens: int, hidden: in
     Hopper and Blackwell with a KV head's K and V in one program once there are two token
     tiles (the states read half as often; with one token tile the halved grid would leave
     SMs idle). The two accumulators fit sm_90's and sm_100's registers (0 spills, compiled)
-    but spill on sm_80 and sm_89 (60 spill stores, bf16), which keep one head row a program."""
+    but spill on sm_80 and sm_89 (60 spill stores, bf16), which keep one head row a program.
+    Tiles too few for half a round of the SMs (a rank's heads under tensor parallelism) split
+    the hidden size instead (:func:`fill_split`; modelled H200, TP8 N = 256: 39.8 -> 10.3 us), and
+    K and V pair only where the unpaired tiles fill a round (TP8 N = 1024, 80 tiles: 39.8 us
+    paired, 32.5 not)."""
     block_k = 64 if head_dim <= 128 else 32
     if num_tokens <= 64:
         block_t = max(16, next_pow2(num_tokens))
@@ -246,5 +282,10 @@ def default_precompute_config(platform: Platform, *, num_tokens: int, hidden: in
                                       split_k=split_k_for(num_heads_total, hidden, block_k, platform.compute_units),
                                       num_warps=4, num_stages=2)
     block_t = 128 if head_dim <= 128 else 64
-    heads = 2 if platform.arch in PAIRED_KV_ARCHS and head_dim <= 128 and num_tokens > block_t else 1
+    tiles = -(-num_tokens // block_t) * num_heads_total
+    if tiles < FILL_UNDER * platform.compute_units:
+        split = fill_split(tiles, hidden, block_k, FILL_PER_SM * platform.compute_units)
+        return PrecomputeLaunchConfig(block_t=block_t, block_k=block_k, split_k=split, num_warps=8, num_stages=2)
+    heads = 2 if (platform.arch in PAIRED_KV_ARCHS and head_dim <= 128 and num_tokens > block_t
+                  and tiles >= platform.compute_units) else 1
     return PrecomputeLaunchConfig(block_t=block_t, block_k=block_k, num_warps=8, num_stages=2, heads=heads)

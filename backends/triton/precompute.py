@@ -67,29 +67,18 @@ def fused_weights(w: ContextKVWeights) -> FusedKVWeights:
 def _fuse(w: ContextKVWeights) -> FusedKVWeights:
     L, Hk, D = w.num_layers, w.num_kv_heads, w.head_dim
     order = rope_pair_order(D, w.rotary_dim, w.is_neox, w.device)
-    rows = w.folded_kv_weight().view(L, 2, Hk, D, -1)
+    rows, row_scale = w.folded_kv_weight()
+    rows, row_scale = rows.view(L, 2, Hk, D, -1), row_scale.view(L, 2, Hk, D)
     rows[:, 0] = rows[:, 0, :, order]
+    row_scale[:, 0] = row_scale[:, 0, :, order]
     bias = None
     if w.kv_bias is not None:
         bias = w.kv_bias.float().view(L, 2, Hk, D).clone()
         bias[:, 0] = bias[:, 0, :, order]
         bias = bias.reshape(-1).contiguous()
-    rows = rows.reshape(L * 2 * Hk * D, -1)
-    row_scale = fold_row_scale(rows, w.dtype)
-    return FusedKVWeights(weight=(rows / row_scale[:, None]).to(w.dtype).contiguous(), row_scale=row_scale,
-                          bias=bias, k_norm=w.k_norm_weight.float().contiguous(),
-                          cos_sin=w.cos_sin_cache.float().contiguous())
-
-
-def fold_row_scale(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Per float32 folded row, the smallest power of two (at least 1) that brings its
-    largest magnitude within ``dtype``'s range: a norm weight times a weight can pass
-    float16's 65504 where ``rms_norm(x) @ W`` does not. The kernel multiplies each output
-    column by it after the GEMM; a power of two divides and multiplies back exactly (1, and
-    the rows unchanged, whenever the fold fits)."""
-    peak = rows.abs().amax(dim=1)
-    over = torch.isfinite(peak) & (peak > torch.finfo(dtype).max)
-    return torch.where(over, torch.exp2(torch.ceil(torch.log2(peak / torch.finfo(dtype).max))), 1.0).contiguous()
+    return FusedKVWeights(weight=rows.reshape(L * 2 * Hk * D, -1).to(w.dtype).contiguous(),
+                          row_scale=row_scale.reshape(-1).contiguous(), bias=bias,
+                          k_norm=w.k_norm_weight.float().contiguous(), cos_sin=w.cos_sin_cache.float().contiguous())
 
 
 # Smallest normal exponent of each fp8 cache format (e4m3fn bias 7, e4m3fnuz bias 8).

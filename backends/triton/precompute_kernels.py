@@ -264,24 +264,26 @@ def _store_cols(value, dim, dim_ok, rows, target, cache, ALIGNED: tl.constexpr, 
 
 
 @triton.jit
-def _row_scale(row_scale_ptr, head_row, D: tl.constexpr, BLOCK_D: tl.constexpr):
-    """``[1, BLOCK_D]``: the power of two each weight row of ``head_row`` was divided by
-    when the hidden norm was folded in (``precompute.fold_row_scale``); the accumulator
-    takes it back before the epilogue."""
+def _normalised(acc, inv_rms, row_scale_ptr, head_row, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The GEMM tile of ``head_row`` (un-normalised states times folded rows) as SPEC's
+    ``rms_norm(x, w) @ W.T``: times each token's ``1 / rms(x)`` first, then each column's
+    row scale, the power of two its folded row was divided by
+    (``ContextKVWeights.folded_kv_weight``). In that order the tile overflows only where
+    SPEC's order does (the other order passes ``rms(x)`` times the result)."""
     c = tl.arange(0, BLOCK_D)
-    return tl.load(row_scale_ptr + head_row * D + c, mask=c < D, other=1.0)[None, :]
+    return acc * inv_rms[:, None] * tl.load(row_scale_ptr + head_row * D + c, mask=c < D, other=1.0)[None, :]
 
 
 @triton.jit
-def _epilogue(acc, inv_rms, pid_t, head_row, inputs, cache, EPILOGUE, STORE, KIND: tl.constexpr = -1):
+def _epilogue(acc, pid_t, head_row, inputs, cache, EPILOGUE, STORE, KIND: tl.constexpr = -1):
     """Bias, the K head's RMSNorm and RoPE, the value scale, and the stores of token tile
-    ``pid_t`` of head row ``head_row``. The kernel groups what it needs once:
-    ``inputs``, the :class:`EpilogueInputs`; ``cache``, the :class:`CacheTarget` (where
-    the tile goes); the constexprs ``EPILOGUE`` (:class:`Epilogue`) and ``STORE``
-    (:class:`Store`, how a tile is stored). ``KIND``: 0 (K) or 1 (V) when the caller knows
-    it (only that kind's code is compiled), -1: read from ``head_row``. A NoPE layer's K
-    rotates by the identity (its cos/sin loads are masked to 1 and 0, as the pass-through
-    dims' are)."""
+    ``pid_t`` of head row ``head_row`` (``acc``: its projection, :func:`_normalised`). The
+    kernel groups what it needs once: ``inputs``, the :class:`EpilogueInputs`; ``cache``,
+    the :class:`CacheTarget` (where the tile goes); the constexprs ``EPILOGUE``
+    (:class:`Epilogue`) and ``STORE`` (:class:`Store`, how a tile is stored). ``KIND``: 0
+    (K) or 1 (V) when the caller knows it (only that kind's code is compiled), -1: read from
+    ``head_row``. A NoPE layer's K rotates by the identity (its cos/sin loads are masked to
+    1 and 0, as the pass-through dims' are)."""
     N = cache.N
     HK: tl.constexpr = EPILOGUE.HK
     D: tl.constexpr = EPILOGUE.D
@@ -302,7 +304,6 @@ def _epilogue(acc, inv_rms, pid_t, head_row, inputs, cache, EPILOGUE, STORE, KIN
     c = tl.arange(0, BLOCK_D)
     c_ok = c < D
     rows = TileRows(t, t_ok, layer, kind, kv_head)
-    acc = acc * inv_rms[:, None]
     if EPILOGUE.HAS_BIAS:
         acc += tl.load(inputs.bias_ptr + head_row * D + c, mask=c_ok, other=0.0)[None, :]
     if kind == 0:
@@ -544,7 +545,7 @@ def context_kv_kernel(
         STORE: tl.constexpr = Store(HK, D, IS_FP8, FP8_MAX, FP8_MIN_EXP, RETURN_KV, EXACT_FP8_ROUND, SLOTS_I32,
                                     CACHE_BLOCK, CACHE_DTYPE)
         if HEADS == 2:  # the V head first: its light epilogue runs while the K tile waits in registers
-            acc_v = acc_v * _row_scale(row_scale_ptr, head_row + HK, D, BLOCK_D)
-            _epilogue(acc_v, inv_rms, pid_t, head_row + HK, inputs, cache, EPILOGUE, STORE, 1)
-        acc = acc * _row_scale(row_scale_ptr, head_row, D, BLOCK_D)
-        _epilogue(acc, inv_rms, pid_t, head_row, inputs, cache, EPILOGUE, STORE, 0 if HEADS == 2 else -1)
+            acc_v = _normalised(acc_v, inv_rms, row_scale_ptr, head_row + HK, D, BLOCK_D)
+            _epilogue(acc_v, pid_t, head_row + HK, inputs, cache, EPILOGUE, STORE, 1)
+        acc = _normalised(acc, inv_rms, row_scale_ptr, head_row, D, BLOCK_D)
+        _epilogue(acc, pid_t, head_row, inputs, cache, EPILOGUE, STORE, 0 if HEADS == 2 else -1)

@@ -80,11 +80,13 @@ def format_results(audit: Audit) -> str:
     results = audit.cases
     lines = [f"{audit.specialisations} compiled kernels ({audit.compiled_now} compiled now, the rest cached)"]
     lines += textwrap.wrap(LEGEND, WIDTH) + [NOTICE]
-    for (arch, op, kv), group in groupby(results, key=lambda r: (r.target.arch, r.case.op, r.case.fp8)):
+    several = len({r.case.shape.name for r in results}) > 1  # headings name the shape (e.g. per TP degree)
+    for (arch, shape, op, kv), group in groupby(results, key=lambda r: (r.target.arch, r.case.shape.name, r.case.op,
+                                                                        r.case.fp8)):
         group = list(group)
         target = TARGETS[arch]
         lines.append("")
-        lines.append(f"== {arch} {op} {'fp8' if kv else 'bf16'} KV")
+        lines.append(f"== {arch} {op} {'fp8' if kv else 'bf16'} KV" + (f", {shape}" if several else ""))
         lines += ["   " + w for w in textwrap.wrap("model: " + target.assumptions(), WIDTH - 3)]
         lines.append(_line([name for name, _ in COLUMNS]))
         for r in group:

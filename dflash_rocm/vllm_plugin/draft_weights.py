@@ -160,6 +160,9 @@ class ReloadTee:
             if getattr(qkv, "tp_size", 1) != 1:
                 return "the reload brings a fused qkv_proj under tensor parallelism"
             q_rows = tensor.shape[0] - 2 * rows
+            if q_rows < 0:
+                return (f"the reload's layers.{layer}.self_attn.qkv_proj.{kind} has {tensor.shape[0]} rows, fewer "
+                        f"than its layer's K and V rows ({2 * rows})")
             return [(target[start:start + 2 * rows], tensor.narrow(0, q_rows, 2 * rows))]
         rank = getattr(qkv, "tp_rank", 0) // getattr(qkv, "num_kv_head_replicas", 1)
         start += (shard == "v") * rows

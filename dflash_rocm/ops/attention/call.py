@@ -38,8 +38,9 @@ class AttentionSpec:
 
 @dataclass(frozen=True, eq=False)
 class AttentionCall:
-    # What a plan may know of each tensor's address (dflash_rocm.planning): the caches' alignment.
-    PLANNED_ADDRESSES = {"key_cache": "alignment", "value_cache": "alignment"}
+    # What a plan may know of each tensor's memory (dflash_rocm.planning): the caches' alignment and
+    # storage size (AMD buffer loads need storage under 2 GiB).
+    PLANNED_ADDRESSES = {"key_cache": "memory", "value_cache": "memory"}
 
     query: torch.Tensor  # [T, Hq, D]
     key_cache: torch.Tensor | PackedCache  # [num_blocks, block_size, Hk, D]: strided or packed
@@ -144,9 +145,11 @@ class AttentionCall:
         """This call's part of its planning record (:mod:`dflash_rocm.planning`): the
         structure (everything the checks and a backend's reasons read; None when the call
         was built outside validation, so nothing may be kept for it), the host bounds (they
-        size the launch) and the caches' 16-byte alignment (the kernels' stride unit)."""
-        return ((self.structure, (self.max_query_len, self.max_seq_len),
-                 (memory_of(self.key_cache).data_ptr() & 15, memory_of(self.value_cache).data_ptr() & 15)))
+        size the launch) and the caches' 16-byte alignment (the kernels' stride unit) and
+        storage sizes (AMD buffer loads: the ROCm tables' choice)."""
+        k, v = memory_of(self.key_cache), memory_of(self.value_cache)
+        return (self.structure, (self.max_query_len, self.max_seq_len),
+                (k.data_ptr() & 15, v.data_ptr() & 15, k.untyped_storage().nbytes(), v.untyped_storage().nbytes()))
 
     def describe(self) -> str:
         """Every argument's shape and dtype and the scalars, one line each (errors)."""

@@ -14,6 +14,7 @@ from ...paged import read_rows
 from .call import AttentionCall
 
 
+@torch.no_grad()  # inference-only: sinks or scales that require grad (live parameters) leave no history
 def attention(call: AttentionCall) -> None:
     """SPEC.md section 1, one request at a time, written into ``call.out``."""
     qsl = call.query_start_loc.tolist()

@@ -86,7 +86,7 @@ class PrecomputeCall:
 
     def planning_parts(self) -> tuple:
         """See :meth:`AttentionCall.planning_parts`: the structure holds the caches'
-        addresses (a plan serves one cache set); no host bounds or alignment beyond them."""
+        addresses (a plan serves one cache set); no host bounds or memory facts beyond them."""
         return self.structure, (), ()
 
     def describe(self) -> str:

@@ -93,6 +93,7 @@ def write_context_kv(call: PrecomputeCall, k: torch.Tensor, v: torch.Tensor) -> 
             write_rows(cache, slots // bs, slots % bs, quantize_for_cache(values[layer][keep], cache.dtype, scale))
 
 
+@torch.no_grad()  # inference-only: weights that require grad (live parameters) leave no history in the caches
 def precompute(call: PrecomputeCall) -> tuple[torch.Tensor, torch.Tensor] | None:
     """SPEC.md section 2: write every layer's K/V; ``(k, v)`` in the states' dtype iff ``return_kv``."""
     k, v = context_kv(call)
