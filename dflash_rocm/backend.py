@@ -5,8 +5,9 @@ An :class:`Implementation` serves one op. It declares what it supports in class
 attributes, turns them (and its own limits) into human-readable reasons in
 :meth:`~Implementation.not_supported_reasons` (an empty list: it can serve the call), and
 :meth:`~Implementation.plan` does the host work for every call of one structure once
-(launch configuration, compiled launches, scratch sizes, the split-merge decision),
-returning what runs such a call. Dispatch keeps that plan in its one plan cache.
+(launch configuration, compiled launches, scratch sizes, the split-merge decision) from
+the call's planning record (:mod:`dflash_rocm.planning`), returning the :class:`Runner`
+of such calls. Dispatch keeps that runner in its one plan cache, keyed by the record.
 
 A :class:`Backend` names its implementations (one per op it serves: a backend without
 an implementation of an op is never chosen for it), says what it needs of the device
@@ -25,12 +26,39 @@ import torch
 
 from .contract import FP8_DTYPES, QUERY_DTYPES, dtype_name
 from .ops import ATTENTION, PRECOMPUTE, Op
-from .ops.attention import AttentionCall, AttentionSpec
+from .ops.attention import AttentionCall
 from .ops.precompute import PrecomputeCall
+from .planning import SETTINGS, PlanningRecord
 from .platform import Platform, platform_for
 
-# What serving engines pass to :meth:`Backend.configure` (a backend ignores what it does not use).
-SETTINGS = ("query_limit", "batch_limit", "max_model_len", "layer_causal")
+__all__ = ["SETTINGS", "Runner", "CallRunner", "Implementation", "AttentionImplementation",
+           "PrecomputeImplementation", "Backend"]
+
+
+class Runner:
+    """What a plan is: it runs every call of the planned structure (``run(call)``: the
+    op's result). One type for every backend, so dispatch and the tools above handle any
+    plan the same way."""
+
+    __slots__ = ()
+
+    def run(self, call) -> Any:
+        raise NotImplementedError
+
+
+class CallRunner(Runner):
+    """A runner that passes each call to one function (with keywords fixed by the plan)."""
+
+    __slots__ = ("fn", "kwargs")
+
+    def __init__(self, fn: Callable[..., Any], **kwargs: Any):
+        self.fn, self.kwargs = fn, kwargs
+
+    def run(self, call) -> Any:
+        return self.fn(call, **self.kwargs)
+
+    def __repr__(self) -> str:
+        return f"CallRunner({getattr(self.fn, '__qualname__', self.fn)!r})"
 
 
 class Implementation:
@@ -51,17 +79,29 @@ class Implementation:
         raise NotImplementedError
 
     @classmethod
-    def plan(cls, call) -> Callable[[Any], Any]:
-        """The host work for every call of ``call``'s structure (its arguments' shapes,
-        strides, dtypes, devices, host bounds), done once: returns what runs one such call,
-        which dispatch then hands calls that differ from ``call`` only in tensor values and
-        addresses of the same specialisation. The default keeps nothing but :meth:`run`."""
-        return cls.run
+    def plan(cls, record: PlanningRecord) -> Runner:
+        """The host work for every call with this planning record, done once: returns the
+        :class:`Runner` dispatch then hands every call with an equal record. ``record``
+        holds everything a plan may read (:mod:`dflash_rocm.planning`; ``record.call``: the
+        call's facts, no tensors); read nothing else (no environment, settings or global
+        flags: put what a plan needs in the record). The default keeps nothing but :meth:`run`."""
+        return CallRunner(cls.run)
 
     @classmethod
     def run(cls, call) -> Any:
         """Run one call (what the default :meth:`plan` returns)."""
         raise NotImplementedError
+
+    # -- hooks per op (reached through Backend.warm_up and Backend.tune) -------------------
+    @classmethod
+    def warm_up(cls, spec: Any, device: torch.device) -> None:
+        """Startup work for a layer about to be served with ``spec``, this op's spec (default: none)."""
+
+    @classmethod
+    def tune(cls, spec: Any, device: torch.device, *, progress: Callable[[int, int, Any], None] | None = None):
+        """Run this implementation's tuner for ``spec`` now and return its table; None
+        when it has no tuner (the default)."""
+        return None
 
     @classmethod
     def fp8_cache_reasons(cls, cache_dtype: torch.dtype, platform: Platform) -> list[str]:
@@ -164,16 +204,22 @@ class Backend:
         """What a serving engine knows (names in ``SETTINGS``); ignored unless used."""
 
     @classmethod
-    def warm_up(cls, op: Op, spec: AttentionSpec, device: torch.device) -> None:
-        """Startup work for a layer about to be served with ``spec`` (default: none).
+    def warm_up(cls, op: Op, spec: Any, device: torch.device) -> None:
+        """Startup work for a layer about to be served with ``spec`` (the op's spec: an
+        :class:`~dflash_rocm.ops.attention.AttentionSpec` for attention): this backend's
+        implementation of ``op`` does it (:meth:`Implementation.warm_up`); none, nothing.
         Raises only for bugs; an optimisation that fails is logged and skipped."""
+        impl = cls.implementation(op)
+        if impl is not None:
+            impl.warm_up(spec, device)
 
     @classmethod
-    def tune(cls, op: Op, spec: AttentionSpec, device: torch.device, *,
+    def tune(cls, op: Op, spec: Any, device: torch.device, *,
              progress: Callable[[int, int, Any], None] | None = None):
-        """Run this backend's tuner for ``spec`` now and return its table; None when
-        this backend has no tuner."""
-        return None
+        """Run the tuner of this backend's implementation of ``op`` for ``spec`` now and
+        return its table (:meth:`Implementation.tune`); None when it has none."""
+        impl = cls.implementation(op)
+        return None if impl is None else impl.tune(spec, device, progress=progress)
 
     @classmethod
     def status(cls) -> dict[str, str]:

@@ -288,6 +288,7 @@ def cmd_tune(args) -> int:
     import contextlib
 
     from .dispatch import backend
+    from .planning import configure_engine
     from .ops import ATTENTION
     from .ops.attention import AttentionSpec
     from .platform import platform_for, simulate_platform
@@ -304,8 +305,8 @@ def cmd_tune(args) -> int:
             print(f"dflash-rocm tune: needs an AMD GPU (this is {platform.name}); --simulate-arch ARCH runs the "
                   "search on CPU through the Triton interpreter", file=sys.stderr)
             return 2
-        rocm.configure(batch_limit=args.batch_limit, max_model_len=args.max_model_len,
-                       query_limit=args.query_limit or shape.block_tokens)
+        configure_engine(batch_limit=args.batch_limit, max_model_len=args.max_model_len,
+                         query_limit=args.query_limit or shape.block_tokens)
         dtype = DTYPES[args.dtype]
         spec = AttentionSpec(shape.q_heads, shape.kv_heads, shape.head_dim, args.block_size, dtype,
                              CACHE_DTYPES[args.kv_cache_dtype] or dtype,

@@ -4,9 +4,11 @@ the one plan cache.
 ``auto`` takes the first backend of the platform's priority list (``registry.PRIORITIES``)
 that supports the call; a named backend that cannot serve raises
 :class:`BackendUnavailable` with its reasons. The chosen backend's implementation then
-plans the call (:meth:`dflash_rocm.backend.Implementation.plan`), and the plan is kept in
-one cache keyed by (op, requested backend name, the call's ``plan_key()``: structure,
-host bounds, alignment, platform): every call of :func:`dflash_rocm.draft_attention`,
+plans the call (:meth:`dflash_rocm.backend.Implementation.plan`) from its planning
+record (:mod:`dflash_rocm.planning`: the op, the backend asked for, the call's structure,
+host bounds and alignment, the platform, the planning switches, the engine settings, the
+tuned tables' generation, determinism), and the plan is kept in one cache keyed by that
+record: every call of :func:`dflash_rocm.draft_attention`,
 :func:`dflash_rocm.plan_draft_attention` and their precompute pair is "get or make the
 plan, run it". The cache is bounded (the precompute's keys hold cache addresses, the
 attention's its host bounds). Each new (op, backend, call summary) is logged once with the
@@ -25,36 +27,41 @@ from typing import Any, Callable, Mapping
 import torch
 
 from . import envs, launches, registry
-from .backend import SETTINGS, Backend
+from .backend import SETTINGS, Backend, Runner
 from .ops import Op
-from .ops.attention import AttentionSpec
+from .planning import configure_engine, environ_value, planning_record
 from .platform import platform_for
 
 logger = logging.getLogger("dflash_rocm")
 
 
 class BackendUnavailable(RuntimeError):
-    """The requested backend (or every backend, for ``auto``) cannot serve this call."""
+    """The requested backend (or every backend, for ``auto``) cannot serve this call: the
+    message shows the call (every argument's shape and dtype, the scalars: ``call``) beside
+    each backend's reasons, as xformers' dispatch errors do."""
 
-    def __init__(self, backend: str, op: str, reasons: Mapping[str, list[str]]):
-        self.backend, self.op, self.reasons = backend, op, dict(reasons)
+    def __init__(self, backend: str, op: str, reasons: Mapping[str, list[str]], call: str = ""):
+        self.backend, self.op, self.reasons, self.call = backend, op, dict(reasons), call
         lines = [f"{name}: {'; '.join(r)}" for name, r in self.reasons.items()]
-        super().__init__(f"backend {backend!r} cannot serve {op}:\n  " + "\n  ".join(lines))
+        shown = "".join(f"\n     {line}" for line in call.splitlines())
+        super().__init__(f"backend {backend!r} cannot serve {op}" + (f" for the call{shown}" if call else "")
+                         + "\n  reasons:\n  " + "\n  ".join(lines))
 
 
 class Planned:
     """A call structure's plan: the backend that serves it and what runs one call."""
 
-    __slots__ = ("backend", "op", "run")
+    __slots__ = ("backend", "op", "run", "_counted")
 
     def __init__(self, backend: str, op: Op, run: Callable[[Any], Any]):
         self.backend, self.op, self.run = backend, op, run
+        self._counted = (op.name, backend)
 
     def __call__(self, call):
         """Run ``call`` (of the planned structure) and count who served it."""
         result = self.run(call)
         with _lock:
-            _counts[(self.op.name, self.backend)] += 1
+            _counts[self._counted] += 1
         return result
 
 
@@ -65,8 +72,25 @@ PLANS_KEPT = 1024
 _plans: dict[tuple, Planned] = {}
 
 
+_resolved: dict = {}
+
+
 def resolve_name(backend: str | None) -> str:
-    """``backend=`` wins, else ``DFLASH_ROCM_BACKEND``, else ``auto``; unknown names are refused."""
+    """``backend=`` wins, else ``DFLASH_ROCM_BACKEND``, else ``auto``; unknown names are refused.
+    Every call asks: a name (or the variable's raw value) seen before is answered from a memo."""
+    key = (backend, environ_value(envs.BACKEND.name)) if backend is None else backend
+    try:
+        found = _resolved.get(key)
+    except TypeError:  # an unhashable backend= (refused below)
+        found = None
+    if found is None:
+        found = _resolve_name(backend)
+        if len(_resolved) < 64 and isinstance(backend, (str, type(None))):
+            _resolved[key] = found
+    return found
+
+
+def _resolve_name(backend: str | None) -> str:
     source = "backend="
     if backend is None:
         backend, source = envs.BACKEND.get(), envs.BACKEND.name
@@ -92,25 +116,31 @@ def priority(call) -> tuple[str, ...]:
 
 def planned(op: Op, call, backend: str | None) -> Planned:
     """The plan of ``call`` for the requested ``backend`` (``None``: the environment's
-    choice, else ``auto``): kept per plan key, made on first use."""
-    name = resolve_name(backend)
-    key = call.plan_key()
-    if key is not None:
-        found = _plans.get((op.name, name, key))
+    choice, else ``auto``): kept per planning record, made on first use."""
+    record = planning_record(op.name, resolve_name(backend), call)
+    keep = record.structure is not None  # (record.keepable, without a property's frame)
+    if keep:
+        found = _plans.get(record)
         if found is not None:
             return found
-    chosen = choose(op, call, name)
-    made = Planned(chosen.name, op, chosen.implementation(op).plan(call))
-    if key is not None and not launches.graph_capturing(call.device):  # a capture's plan may hold its own memory
+    chosen = choose(op, call, record.backend)
+    impl = chosen.implementation(op)
+    runner = impl.plan(record.with_facts(call))
+    if not isinstance(runner, Runner):
+        raise TypeError(f"{impl.__qualname__}.plan returned {type(runner).__name__}; a plan is a "
+                        "dflash_rocm.backend.Runner")
+    made = Planned(chosen.name, op, runner.run)
+    if keep and not launches.graph_capturing(call.device):  # a capture's plan may hold its own memory
         with _lock:
             if len(_plans) >= PLANS_KEPT:
                 _plans.clear()
-            _plans[(op.name, name, key)] = made
+            _plans[record] = made
     return made
 
 
 def forget_plans() -> None:
-    """Drop every kept plan (after changing what backends can see or how they are set up)."""
+    """Drop every kept plan (tests; what plans depend on is in their records, so nothing
+    else needs this)."""
     with _lock:
         _plans.clear()
 
@@ -121,7 +151,7 @@ def choose(op: Op, call, name: str) -> type[Backend]:
     if name != "auto":
         reasons = reasons_for(name, op, call)
         if reasons:
-            raise BackendUnavailable(name, op.name, {name: reasons})
+            raise BackendUnavailable(name, op.name, {name: reasons}, call.describe())
         _log_choice(op, name, call, {}, explicit=True)
         return registry.load(name)
     passed_over: dict[str, list[str]] = {}
@@ -131,7 +161,7 @@ def choose(op: Op, call, name: str) -> type[Backend]:
             _log_choice(op, candidate, call, passed_over, explicit=False)
             return registry.load(candidate)
         passed_over[candidate] = reasons
-    raise BackendUnavailable("auto", op.name, passed_over)
+    raise BackendUnavailable("auto", op.name, passed_over, call.describe())
 
 
 def _log_choice(op: Op, name: str, call, passed_over: dict[str, list[str]], explicit: bool) -> None:
@@ -183,24 +213,26 @@ def backend(name: str) -> type[Backend] | None:
 
 
 def configure(device: torch.device | None = None, **settings: Any) -> None:
-    """Pass what a serving engine knows to every backend ``auto`` may pick on ``device``."""
+    """Keep what a serving engine knows (:class:`~dflash_rocm.planning.EngineSettings`:
+    part of every planning record, so plans made under other settings are not handed out)
+    and pass it to every backend ``auto`` may pick on ``device``."""
     unknown = set(settings) - set(SETTINGS)
     if unknown:
         raise ValueError(f"unknown setting(s) {', '.join(sorted(unknown))}; known: {', '.join(SETTINGS)}")
+    configure_engine(**settings)
     for cls in _candidates(device):
         cls.configure(**settings)
-    forget_plans()  # plans hold launch configurations the settings may change
 
 
-def warm_up(op: Op, spec: AttentionSpec, device: torch.device) -> None:
-    """Startup work (ROCm: tuning) by every backend ``auto`` may pick on ``device``. An
+def warm_up(op: Op, spec: Any, device: torch.device) -> None:
+    """Startup work for ``op`` (ROCm attention: tuning) by every backend ``auto`` may pick
+    on ``device`` (tuned tables that change move the planning records' generation). An
     optimisation that fails costs itself, never the caller."""
     for cls in _candidates(device):
         try:
             cls.warm_up(op, spec, device)
         except Exception as exc:  # warm-up is an optimisation
             logger.warning("%s warm-up failed for %s: %s", cls.name, spec, exc)
-    forget_plans()  # tuning may have found configurations the kept plans do not use
 
 
 def _candidates(device: torch.device | None) -> list[type[Backend]]:

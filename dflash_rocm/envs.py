@@ -176,7 +176,7 @@ AITER = Switch(
 TAIL_MERGE = Switch(
     "DFLASH_ROCM_TAIL_MERGE", "1",
     "off (0/false/no) merges a split attention tile by a second launch where the tables chose merger "
-    "programs that wait on its segments in the same launch (read when a call structure is first planned)")
+    "programs that wait on its segments in the same launch (a planning switch: a change applies from the next call)")
 VLLM = Switch(
     "DFLASH_ROCM_VLLM", "1",
     "off (0/false/no) leaves vLLM untouched even when the plugin is installed")

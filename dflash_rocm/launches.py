@@ -43,6 +43,18 @@ class Launch:
     constexprs: dict
     options: dict
     per_call: int | None = None  # how many leading arguments change from call to call (None: all)
+    kept: tuple[str, ...] = ()  # the per-call parameters whose tensors the plan keeps (see LaunchPlan)
+
+    @classmethod
+    def recorded(cls, kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, options: dict,
+                 per_call: int | None, kept: tuple[str, ...] = ()) -> "Launch":
+        """A launch recorded in place of running it (:func:`capture`), built without the
+        frozen dataclass's ``__init__`` (``bench --host`` times the host path with launches
+        recorded: the record should cost it as little as the launch it stands for)."""
+        launch = object.__new__(cls)
+        launch.__dict__.update(kernel=kernel, grid=grid, args=args, constexprs=constexprs, options=options,
+                               per_call=per_call, kept=kept)
+        return launch
 
     @property
     def name(self) -> str:

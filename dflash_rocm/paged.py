@@ -108,8 +108,9 @@ def logical(cache: torch.Tensor | PackedCache) -> torch.Tensor:
 
 
 def memory_of(cache: torch.Tensor | PackedCache) -> torch.Tensor:
-    """The strided tensor whose elements are the cache's memory (for overlap checks)."""
-    return cache if isinstance(cache, torch.Tensor) else cache.view
+    """The strided tensor whose elements are the cache's memory (for overlap checks; a
+    plan's tensor facts pass as they are)."""
+    return cache.view if type(cache) is PackedCache else cache
 
 
 def cache_packing(*caches: torch.Tensor | PackedCache | None) -> tuple[tuple[int, int], ...] | None:

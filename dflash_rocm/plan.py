@@ -50,7 +50,8 @@ class _BoundToMemory:
 class DraftAttentionPlan(_BoundToMemory):
     """The host work of one batch's draft-attention calls, done once (see the module)."""
 
-    __slots__ = ("_call", "_plan", "backend", "_planned", "_validate", "_scales", "_refresh", "_batch_memory")
+    __slots__ = ("_call", "_plan", "backend", "_planned", "_validate", "_scales", "_refresh", "_batch_memory",
+                 "_fresh_out_planned")
 
     def __init__(self, call, backend: str | None, validate: bool, given: dict):
         """``given``: the tensors the caller planned with, by name (index tensors, sinks,
@@ -67,6 +68,8 @@ class DraftAttentionPlan(_BoundToMemory):
         self._batch_memory = batch_memory(call)
         self._planned = {name: signature(getattr(call, name))
                          for name in ("query", "key_cache", "value_cache", "out", "sinks", "k_scale", "v_scale")}
+        # A run's new out is laid out as empty_like(a query laid out as planned): checked once, here.
+        self._fresh_out_planned = signature(torch.empty_like(call.query)) == self._planned["out"]
 
     def _same(self, name: str, value):
         planned = self._planned[name]
@@ -90,7 +93,12 @@ class DraftAttentionPlan(_BoundToMemory):
         key_cache = self._same("key_cache", key_cache)
         value_cache = self._same("value_cache", value_cache)
         fresh_out = out is None
-        out = self._same("out", torch.empty_like(query) if fresh_out else out)
+        if fresh_out:
+            out = torch.empty_like(query)
+            if not self._fresh_out_planned:
+                self._same("out", out)
+        else:
+            out = self._same("out", out)
         tensors = dict(query=query, key_cache=key_cache, value_cache=value_cache, out=out)
         if sinks is not None:
             tensors["sinks"] = self._same("sinks", sinks if sinks.is_contiguous() else sinks.contiguous())

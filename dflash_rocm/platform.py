@@ -34,6 +34,14 @@ class Platform:
     # through the Triton interpreter and only an explicitly named backend uses it.
     simulated: bool = False
 
+    def __hash__(self) -> int:  # hashed with every planning record (dflash_rocm.planning): once
+        found = self.__dict__.get("_hash")
+        if found is None:
+            found = hash((self.vendor, self.arch, self.family, self.wave_size, self.compute_units, self.lds_bytes,
+                          self.name, self.simulated))
+            object.__setattr__(self, "_hash", found)
+        return found
+
     @property
     def arch_info(self) -> ArchInfo | None:
         """The architecture's record (None for CPUs and other non-GPU devices)."""
@@ -77,7 +85,8 @@ def platform_for(device: torch.device | str | None = None) -> Platform:
     """The platform of ``device`` (default: the current GPU if any, else CPU)."""
     if device is None:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(device)
+    elif type(device) is not torch.device:  # (every call's planning record asks with a tensor's device)
+        device = torch.device(device)
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         return _detect_gpu(index)

@@ -52,6 +52,22 @@ ROUNDS = 3
 MAX_FILE_BYTES = 16 << 20  # a table is a few KB; anything this big is not ours
 
 
+_generation = 0
+
+
+def generation() -> int:
+    """How many times a backend's tuned tables in this process changed (loaded, tuned,
+    an entry dropped, forgotten): part of every planning record, so a plan made under
+    other tables is never handed out (:mod:`dflash_rocm.planning`)."""
+    return _generation
+
+
+def tables_changed() -> None:
+    """Say that tuned tables changed (a backend's tuner calls it)."""
+    global _generation
+    _generation += 1
+
+
 def cache_dir() -> Path:
     if envs.CACHE_DIR.is_set():
         return Path(envs.CACHE_DIR.get()).expanduser()

@@ -20,7 +20,9 @@ Every message names the argument, what was expected and what was received.
 
 from __future__ import annotations
 
+import bisect
 import numbers
+import operator
 from typing import Any, Callable, Sequence
 
 import torch
@@ -208,7 +210,7 @@ def signature(x: Any) -> tuple:
 
 class Structure:
     """A call's structure (the tuple of its arguments' :func:`signature`), hashed once: it
-    keys the structural checks' memo here and, inside a call's ``plan_key()``, dispatch's
+    keys the structural checks' memo here and, inside a call's planning record, dispatch's
     plan cache."""
 
     __slots__ = ("parts", "_hash")
@@ -288,9 +290,10 @@ def merged_ranges(ranges) -> tuple[tuple[int, int], ...]:
 def storages_meet(tensors: Sequence[torch.Tensor | PackedCache | None], ranges: Sequence[tuple[int, int]]) -> bool:
     """The cheap sufficient test of the overlap checks, run on every call: whether the
     memory of the storage under any of ``tensors`` (None skipped) meets one of ``ranges``
-    (:func:`merged_ranges`; their hull is tested first). False proves the tensors apart from
-    that memory. Addresses, not storage identities: two storages may share memory (numpy
-    views, DLPack)."""
+    (:func:`merged_ranges`: sorted and disjoint, so the one range that can meet a storage
+    is the first that ends after it starts, found by bisection; their hull is tested first).
+    False proves the tensors apart from that memory. Addresses, not storage identities: two
+    storages may share memory (numpy views, DLPack)."""
     if not ranges:
         return False
     low, high = ranges[0][0], ranges[-1][1]
@@ -299,9 +302,14 @@ def storages_meet(tensors: Sequence[torch.Tensor | PackedCache | None], ranges: 
             storage = (t.view if type(t) is PackedCache else t).untyped_storage()
             start = storage.data_ptr()
             end = start + storage.nbytes()
-            if start < high and low < end and any(r_start < end and start < r_end for r_start, r_end in ranges):
-                return True
+            if start < high and low < end:
+                first = bisect.bisect_right(ranges, start, key=_range_end)
+                if first < len(ranges) and ranges[first][0] < end:
+                    return True
     return False
+
+
+_range_end = operator.itemgetter(1)
 
 
 _LAYOUTS_KEPT = 256

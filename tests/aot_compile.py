@@ -53,7 +53,8 @@ def variants():
     from dflash_rocm.backends.triton.attention import attention_config_for, run_draft_attention
     from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig, PrecomputeLaunchConfig
     from dflash_rocm.backends.triton.precompute import run_precompute
-    from dflash_rocm.platform import simulate_platform
+    from dflash_rocm.planning import record_for
+    from dflash_rocm.platform import platform_for, simulate_platform
     from dflash_rocm.ops.attention import attention_call
     from dflash_rocm.ops.precompute import precompute_call
     from strategies import make_generator, make_weights
@@ -77,9 +78,9 @@ def variants():
             if arch.startswith("gfx"):
                 with simulate_platform(arch):
                     from dflash_rocm.backends import rocm
-                    name, config = rocm.attention_choice(call)
+                    name, config = rocm.attention_choice(record_for("draft_attention", "rocm", call))
             else:
-                name, config = "portable", attention_config_for(call)
+                name, config = "portable", attention_config_for(call, platform_for(call.device))
             config = AttentionLaunchConfig(**{**config.as_dict(), "num_segments": max(2, config.num_segments),
                                               "merge": merge})
             out.append((f"attention {name} {dtype} fp8={fp8} {sorted(kwargs)} merge={merge}", arch,
@@ -130,6 +131,7 @@ def packed_variants(arch, fp8_dtype):
     from dflash_rocm.backends.triton.precompute import run_precompute
     from dflash_rocm.ops.attention import attention_call
     from dflash_rocm.ops.precompute import precompute_call
+    from dflash_rocm.planning import record_for
     from dflash_rocm.platform import simulate_platform
     from strategies import make_generator, make_weights, pack_caches
     from test_triton_backend import paged
@@ -144,7 +146,7 @@ def packed_variants(arch, fp8_dtype):
             args[1], args[2] = pack_caches(args[1].to(cache_dtype), args[2].to(cache_dtype), packing)
             call = attention_call(*args)
             with simulate_platform(arch):
-                _, config = rocm.attention_choice(call)
+                _, config = rocm.attention_choice(record_for("draft_attention", "rocm", call))
             config = AttentionLaunchConfig(**{**config.as_dict(), "num_segments": max(2, config.num_segments),
                                               "merge": "launch"})
             out.append((f"attention {packing} fp8={fp8}", arch, lambda c=call, cfg=config: run_draft_attention(c, cfg)))

@@ -1,5 +1,6 @@
 """Derived weight layouts follow their sources: in-place updates, rebinding, reused addresses."""
 
+import pytest
 import torch
 
 import dflash_rocm
@@ -91,6 +92,24 @@ def test_triton_precompute_follows_weights_updated_in_place():
         w.kv_bias.add_(1.0)
     k, v = run("triton")
     rk, rv = run("reference")
+    assert rel_err(k, rk) < 2e-3 and rel_err(v, rv) < 2e-3
+
+
+@pytest.mark.parametrize("source", ["kv_weight", "hidden_norm_weight", "kv_bias", "k_norm_weight", "cos_sin_cache"])
+def test_a_kept_precompute_plan_sees_an_in_place_update_of_each_source(source):
+    """The plan checks its derived weights by their sources' versions: an in-place write to
+    any one of them (a reload's refill) reaches the next call through the same plan."""
+    g = make_generator(5, "cpu")
+    w = make_weights(g, "cpu", L=2, Hk=1, D=16, H=24, R=16, is_neox=True, bias=True, v_scale=None,
+                     dtype=torch.float32, max_position=64)
+    states, positions = torch.randn(5, 24, generator=g), torch.arange(5)
+    plan = dflash_rocm.plan_context_kv(w, None, None, backend="triton")
+    plan.run(states, positions, None, return_kv=True)
+    with torch.no_grad():
+        getattr(w, source).mul_(-0.75)
+    k, v = plan.run(states, positions, None, return_kv=True)
+    rk, rv = dflash_rocm.precompute_and_store_context_kv(states, positions, w, None, None, None, return_kv=True,
+                                                         backend="reference")
     assert rel_err(k, rk) < 2e-3 and rel_err(v, rv) < 2e-3
 
 

@@ -70,6 +70,50 @@ def test_named_backend_that_cannot_serve_raises_with_reason(fresh_registry):
     assert "no NVIDIA GPU here" in str(info.value)
 
 
+def test_unavailable_shows_the_call_beside_the_reasons(fresh_registry):
+    """As xformers' dispatch errors do: every argument's shape and dtype, the scalars."""
+    fresh_registry.setitem(registry._classes, "cuda", Refuses)
+    with pytest.raises(dflash_rocm.BackendUnavailable) as info:
+        dflash_rocm.draft_attention(**attention_args(), backend="cuda")
+    message = str(info.value)
+    assert "query: shape=(6, 4, 16) (fp32, cpu)" in message and "key_cache: shape=(8, 4, 2, 16)" in message
+    assert "block_table: shape=(2, 3) (int32, cpu)" in message and "causal: False" in message
+    assert message.index("query:") < message.index("no NVIDIA GPU here")
+    with pytest.raises(dflash_rocm.BackendUnavailable) as info:
+        dflash_rocm.precompute_and_store_context_kv(**precompute_args(), backend="cuda")
+    assert "states: shape=(5, 24)" in str(info.value) and "key_caches: 2 x shape=(3, 4, 2, 16)" in str(info.value)
+    assert "ContextKVWeights(L=2, Hk=2, D=16, H=24" in info.value.call
+
+
+def test_hooks_are_per_op(monkeypatch):
+    """``warm_up``/``tune`` reach the backend's implementation of the op asked for, with
+    that op's spec; a backend without one does nothing."""
+    seen = []
+
+    class TunedPrecompute(ReferenceBackend.implementation(PRECOMPUTE)):
+        @classmethod
+        def warm_up(cls, spec, device):
+            seen.append(("warm_up", spec, device))
+
+        @classmethod
+        def tune(cls, spec, device, *, progress=None):
+            return ("table", spec)
+
+    class PrecomputeTuner(Backend):
+        name = "fake"
+        implementations = (TunedPrecompute,)
+
+    device = torch.device("cpu")
+    PrecomputeTuner.warm_up(PRECOMPUTE, "a precompute spec", device)
+    PrecomputeTuner.warm_up(ATTENTION, "an attention spec", device)  # no attention implementation: nothing
+    assert seen == [("warm_up", "a precompute spec", device)]
+    assert PrecomputeTuner.tune(PRECOMPUTE, "spec", device) == ("table", "spec")
+    assert PrecomputeTuner.tune(ATTENTION, "spec", device) is None
+    from dflash_rocm.backends.rocm import RocmBackend, RocmPrecompute
+    assert RocmBackend.tune(PRECOMPUTE, "any spec", device) is None  # no precompute tuner: the default
+    assert "warm_up" not in vars(RocmBackend) and "tune" not in vars(RocmBackend) and "tune" not in vars(RocmPrecompute)
+
+
 def test_auto_walks_the_priority_order(fresh_registry):
     fresh_registry.setitem(registry.PRIORITIES, "cpu", ("cuda", "triton", "reference"))
     fresh_registry.setitem(registry._classes, "triton", ServesEverything)

@@ -326,3 +326,30 @@ def test_parameter_names_are_read_as_the_jit_declares_them(kernel):
     runtime, constexprs = launching.kernel_parameters(kernel)
     assert runtime + constexprs == tuple(p.name for p in params)
     assert all(not p.is_constexpr for p in params[:len(runtime)])
+
+
+def test_kept_tensors_are_specialised_again_only_when_another_object_comes(on_a_gpu, monkeypatch):
+    """A plan's kept tensors (its own weights, tables, scratch) are specialised once per
+    object; a different object (here misaligned) is specialised again."""
+    kernel = FakeKernel(False, False, True)
+    plan = launching.LaunchPlan(kernel, (1,), {}, ("p0", "p1"), {}, {"p2": 0}, kept=("p1",))
+    w = torch.zeros(64)
+    calls = []
+    real = launching.tensor_specialization
+    monkeypatch.setattr(launching, "tensor_specialization", lambda t, amd: calls.append(len(t)) or real(t, amd))
+    plan.launch(p0=torch.zeros(64), p1=w)
+    plan.launch(p0=torch.zeros(64), p1=w)
+    plan.launch(p0=torch.zeros(64), p1=w[1:])  # another object, 4 bytes off 16: another kernel
+    plan.launch(p0=torch.zeros(64), p1=w[1:])  # another object again, specialised as the last
+    assert [entry[0] for entry in kernel.log] == ["jit", "compiled", "jit", "compiled"]
+    assert calls == [1, 1, 1, 1, 1, 1, 1]  # kept: on calls 1, 3 and 4; the dynamic tensor on every call
+
+
+def test_plans_keeping_different_parameters_never_share_a_specialisation(on_a_gpu):
+    kernel = FakeKernel(False, False, True)
+    a, b = torch.zeros(64), torch.zeros(64).half()
+    first = launching.LaunchPlan(kernel, (1,), {}, ("p0", "p1"), {}, {"p2": 0}, kept=("p1",))
+    second = launching.LaunchPlan(kernel, (1,), {}, ("p0", "p1"), {}, {"p2": 0}, kept=("p0",))
+    assert first.specialization((a, b)) != second.specialization((b, a))
+    with pytest.raises(TypeError, match="'p2'"):
+        launching.LaunchPlan(kernel, (1,), {}, ("p0", "p1"), {}, {"p2": 0}, kept=("p2",))

@@ -18,7 +18,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("dflash_rocm.contract", "dflash_rocm.version", "dflash_rocm.envs", "dflash_rocm.launches",
      "dflash_rocm.timing", "dflash_rocm.report", "dflash_rocm.rope", "dflash_rocm.derived", "dflash_rocm.paged"),
     ("dflash_rocm.arch", "dflash_rocm.weights", "dflash_rocm.tuning"),
-    ("dflash_rocm.platform", "dflash_rocm.validation", "dflash_rocm.checkpoint"),
+    ("dflash_rocm.platform", "dflash_rocm.planning", "dflash_rocm.validation", "dflash_rocm.checkpoint"),
     ("dflash_rocm.ops",),
     ("dflash_rocm.backend", "dflash_rocm.registry", "dflash_rocm.dispatch", "dflash_rocm.floors",
      "dflash_rocm.unfused"),

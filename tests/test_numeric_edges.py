@@ -62,6 +62,7 @@ def test_the_folded_rows_scale_returns_in_every_epilogue(split_k, heads, determi
     scale back."""
     from dflash_rocm.backends.triton.launch_config import PrecomputeLaunchConfig
     from dflash_rocm.backends.triton.precompute import fused_weights, plan_precompute
+    from dflash_rocm.planning import record_for
 
     w, states, positions = large_norm_case()
     assert fused_weights(w).row_scale.max() > 1, "the case folds past float16's range"
@@ -71,11 +72,11 @@ def test_the_folded_rows_scale_returns_in_every_epilogue(split_k, heads, determi
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(deterministic)
     try:
-        plan = plan_precompute(call, config)
+        plan = plan_precompute(record_for("precompute_and_store_context_kv", "triton", call), config)
     finally:
         torch.use_deterministic_algorithms(before)
     assert plan.atomic_sum == (split_k > 1 and not deterministic)
-    plan.run(call, k, v)
+    plan.launch(call, k, v)
     ref_k, ref_v = dflash_rocm.precompute_and_store_context_kv(states, positions, w, None, None, None,
                                                                return_kv=True, backend="reference")
     assert relative_error(k, ref_k) < TOLERANCES[torch.float16]

@@ -10,6 +10,7 @@ import pytest
 from dflash_rocm.backends.rocm import settings, tables
 from dflash_rocm.backends.triton.common import next_pow2
 from dflash_rocm.backends.triton.launch_config import IN_KERNEL_MERGE_SEGMENTS
+from dflash_rocm.planning import record_for
 from dflash_rocm.platform import platform_for_arch
 
 ARCHS = tables.SUPPORTED_ARCHS
@@ -228,7 +229,7 @@ def test_query_limit_env_wins_over_configured(monkeypatch):
         assert settings.query_limit() == 8
         monkeypatch.setenv("DFLASH_ROCM_QUERY_LIMIT", "many")  # refused with a warning: the configured one applies
         assert settings.query_limit() == 16
-        with pytest.raises(ValueError, match="unknown ROCm setting"):
+        with pytest.raises(ValueError, match="unknown setting"):
             settings.configure(qlimit=3)
     finally:
         settings.configure(**previous.__dict__)
@@ -262,10 +263,10 @@ def test_grids_use_the_detected_compute_unit_count():
 
     with simulate_platform("gfx942") as flagship:
         assert rocm.attention_workload(call(), flagship).compute_units == 304
-        full = rocm.attention_choice(call())[1].num_segments
+        full = rocm.attention_choice(record_for("draft_attention", "rocm", call()))[1].num_segments
     with simulate_platform("gfx942", compute_units=228) as mi300a:
         assert rocm.attention_workload(call(), mi300a).compute_units == 228
-        fewer = rocm.attention_choice(call())[1].num_segments
+        fewer = rocm.attention_choice(record_for("draft_attention", "rocm", call()))[1].num_segments
     assert fewer < full
     small = tables.precompute_config("gfx942", num_tokens=16, hidden=4096, num_heads_total=80, head_dim=128,
                                      compute_units=8)

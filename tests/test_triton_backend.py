@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dflash_rocm
+from dflash_rocm.planning import record_for
 from checks import check_attention, check_precompute
 from dflash_rocm.paged import PackedCache, read_rows
 from strategies import (CPU_SIZES, PACKINGS, attention_cases, attention_launch_configs, make_generator, make_weights,
@@ -271,7 +272,8 @@ def test_precompute_is_one_launch_for_all_layers(monkeypatch, block_t, split_k, 
     assert counter.count == 1
     if heads == 2:  # two token tiles x (5 layers x 2 KV heads): a program per KV head, not per K or V head
         from dflash_rocm.backends.triton.precompute import plan_precompute
-        assert plan_precompute(call, PrecomputeLaunchConfig(block_t=16, block_k=16, heads=2)).main.grid == (2 * L * 2,)
+        assert plan_precompute(record_for("precompute_and_store_context_kv", "triton", call),
+                               PrecomputeLaunchConfig(block_t=16, block_k=16, heads=2)).main.grid == (2 * L * 2,)
     assert not (aten.ops & _COMPUTE_OPS), f"unfused torch work in the fused path: {aten.ops & _COMPUTE_OPS}"
 
 
@@ -301,13 +303,13 @@ def test_a_gpu_plan_merges_by_a_second_launch_where_mergers_could_fill_an_xcd(mo
 
     call = attention_call(*paged([600], [16], Hk=2, G=4, D=32, block_size=16))
     config = AttentionLaunchConfig(block_m=64, block_n=16, num_segments=16, merge="tail")
+    record = record_for("draft_attention", "triton", call)
     monkeypatch.setattr(AttentionCall, "device", property(lambda self: torch.device("cuda")))
     for units, mergers, second in ((304, 16, False), (16, 0, True)):  # 2 x 16 mergers: 4 per XCD vs 2 CUs per XCD
-        monkeypatch.setattr(attention, "platform_for", lambda device, u=units: platform_for_arch("gfx942",
-                                                                                               compute_units=u))
-        plan = attention.plan_attention(call, config)
+        plan = attention.plan_attention(record.replace(platform=platform_for_arch("gfx942", compute_units=units)),
+                                        config)
         assert plan.main.constexprs["MERGERS"] == mergers and (plan.merge is not None) == second
-        assert plan.main.grid[2] == 16 + mergers and plan.counters == (0 if second else 2)
+        assert plan.main.grid[2] == 16 + mergers and plan.scratch.counters == (0 if second else 2)
 
 
 def test_tail_merge_can_be_switched_off(monkeypatch):
@@ -317,9 +319,10 @@ def test_tail_merge_can_be_switched_off(monkeypatch):
 
     call = attention_call(*paged([600], [16], Hk=2, G=4, D=32, block_size=16))
     config = AttentionLaunchConfig(block_m=64, block_n=16, num_segments=16, merge="tail")
-    assert attention.plan_attention(call, config).main.constexprs["MERGERS"] == 16
+    assert attention.plan_attention(record_for("draft_attention", "triton", call), config).main.constexprs[
+        "MERGERS"] == 16
     monkeypatch.setenv("DFLASH_ROCM_TAIL_MERGE", "off")
-    plan = attention.plan_attention(call, config)
+    plan = attention.plan_attention(record_for("draft_attention", "triton", call), config)
     assert plan.main.constexprs["MERGERS"] == 0 and plan.merge is not None
 
 
@@ -350,7 +353,7 @@ def test_split_tile_counters_are_left_zero_for_the_next_launch():
     for merge in ("last", "tail"):  # the last merger to finish resets its tile's counter
         run_draft_attention(attention_call(*args), AttentionLaunchConfig(block_m=32, block_n=16, num_segments=4,
                                                                          merge=merge))
-        counters = _KEPT[(torch.device("cpu"), None, torch.int32)]
+        counters = _KEPT[(torch.device("cpu"), None, torch.int32, True)]
         assert counters.numel() >= 4 and not counters.any()
 
 
@@ -376,14 +379,15 @@ def test_split_parts_add_into_one_sum_unless_torch_asks_for_determinism(determin
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(deterministic)
     try:
-        assert plan_precompute(call, config).atomic_sum is not deterministic
+        assert plan_precompute(record_for("precompute_and_store_context_kv", "triton", call),
+                               config).atomic_sum is not deterministic
         for _ in range(2):
             k, v = run_precompute(call, config)
             assert max(dflash_rocm.contract.relative_error(k, rk), dflash_rocm.contract.relative_error(v, rv)) < 1e-5
     finally:
         torch.use_deterministic_algorithms(before)
     if not deterministic:
-        sums = _KEPT[(torch.device("cpu"), None, torch.float32)]
+        sums = _KEPT[(torch.device("cpu"), None, torch.float32, True)]
         assert sums.numel() >= 6 * 16 * 17 and not sums.any()
 
 
@@ -612,7 +616,7 @@ def test_fp16_dots_only_for_fp8_caches_and_16_bit_queries():
         q, kc, vc, *rest = paged([20], [4], Hk=1, G=4, D=32, block_size=16, dtype=dtype)
         if fp8:
             kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
-        plan = plan_attention(attention_call(q, kc, vc, *rest), config)
+        plan = plan_attention(record_for("draft_attention", "triton", attention_call(q, kc, vc, *rest)), config)
         assert plan.main.constexprs["FP16_DOTS"] == expected, (dtype, fp8)
 
 

@@ -11,6 +11,8 @@ import time
 import pytest
 import torch
 
+from dflash_rocm.planning import record_for
+
 import dflash_rocm
 from dflash_rocm import cli, tuning
 from dflash_rocm.backends.rocm import settings, tables, tuner
@@ -210,7 +212,7 @@ def test_rocm_backend_uses_the_tuned_config(monkeypatch):
 
             monkeypatch.setattr(tuner, "candidates", lambda d, g: [faster])
             tuner.tune_attention(platform, spec, torch.device("cpu"), runner_for=runner_for)
-            source, config = rocm.attention_choice(call)
+            source, config = rocm.attention_choice(record_for("draft_attention", "rocm", call))
             out = dflash_rocm.draft_attention(*args, backend="rocm")
         assert source == "tuned" and config == faster
         ref = dflash_rocm.draft_attention(*args, backend="reference")
@@ -287,7 +289,7 @@ def serve(times=3):
     for _ in range(times):
         out = dflash_rocm.draft_attention(*attn_args(), backend="rocm")
         assert dflash_rocm.contract.relative_error(out, ref) < 2e-3
-    return rocm.attention_choice(attention_call(*attn_args()))
+    return rocm.attention_choice(record_for("draft_attention", "rocm", attention_call(*attn_args())))
 
 
 def warnings_about(caplog, text):
@@ -508,8 +510,8 @@ def test_a_tuned_config_that_fails_to_launch_is_dropped_and_the_call_served(rdna
             failed.append(self.config)
             raise RuntimeError("out of resources: shared memory")
 
-    def plan(call, config):
-        return FailsToLaunch(config) if config.num_warps == 8 else real(call, config)
+    def plan(record, config):
+        return FailsToLaunch(config) if config.num_warps == 8 else real(record, config)
 
     monkeypatch.setattr(rocm, "plan_attention", plan)
     with caplog.at_level(logging.WARNING, logger="dflash_rocm"):

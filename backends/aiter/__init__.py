@@ -7,13 +7,12 @@ rocm backend's Triton kernel and a disagreement hands that signature to it for g
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from dflash_rocm.backend import AttentionImplementation, Backend
+from dflash_rocm.backend import AttentionImplementation, Backend, CallRunner, Runner
 from dflash_rocm.backends.rocm import RocmAttention
 from dflash_rocm.ops.attention import AttentionCall
+from dflash_rocm.planning import PlanningRecord
 from dflash_rocm.platform import Platform
 
 from . import attention
@@ -30,8 +29,8 @@ class AiterAttention(AttentionImplementation):
         return attention.call_reasons(call)
 
     @classmethod
-    def plan(cls, call: AttentionCall):
-        return functools.partial(attention.run, fallback=RocmAttention.plan(call))
+    def plan(cls, record: PlanningRecord) -> Runner:
+        return CallRunner(attention.run, fallback=RocmAttention.plan(record).run)
 
 
 class AiterBackend(Backend):

@@ -14,9 +14,9 @@ import functools
 
 import torch
 
-from dflash_rocm.backend import AttentionImplementation, Backend, PrecomputeImplementation
+from dflash_rocm.backend import AttentionImplementation, Backend, CallRunner, PrecomputeImplementation, Runner
 from dflash_rocm.ops.attention import AttentionCall
-from dflash_rocm.ops.precompute import PrecomputeCall
+from dflash_rocm.planning import PlanningRecord
 from dflash_rocm.platform import Platform
 from dflash_rocm.unfused import VllmOps, unfused_precompute
 
@@ -69,17 +69,17 @@ class CudaAttention(CudaLimits, AttentionImplementation):
         return reasons
 
     @classmethod
-    def plan(cls, call: AttentionCall):
+    def plan(cls, record: PlanningRecord) -> Runner:
         fa, version, _ = load_flash_attention()
-        return functools.partial(run_flash_attention, flash_attn_varlen_func=fa, fa_version=version)
+        return CallRunner(run_flash_attention, flash_attn_varlen_func=fa, fa_version=version)
 
 
 class CudaPrecompute(CudaLimits, PrecomputeImplementation):
     """vLLM's own sequence of ops around one GEMM (``dflash_rocm.unfused``)."""
 
     @classmethod
-    def plan(cls, call: PrecomputeCall):
-        return functools.partial(unfused_precompute, ops=vllm_ops()[0])
+    def plan(cls, record: PlanningRecord) -> Runner:
+        return CallRunner(unfused_precompute, ops=vllm_ops()[0])
 
 
 class CudaBackend(Backend):

@@ -8,15 +8,14 @@ import logging
 
 import torch
 
-from dflash_rocm.backend import Backend
+from dflash_rocm.backend import Backend, Runner
 from dflash_rocm.backends.triton import INTERPRETING, TritonAttention, TritonPrecompute
 from dflash_rocm.backends.triton.attention import AttentionPlan, attention_runner, plan_attention
 from dflash_rocm.backends.triton.launcher import prelude_seconds
 from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig, PrecomputeLaunchConfig
-from dflash_rocm.ops import ATTENTION, Op
 from dflash_rocm.ops.attention import AttentionCall, AttentionSpec
-from dflash_rocm.ops.precompute import PrecomputeCall
 from dflash_rocm.paged import memory_of
+from dflash_rocm.planning import PlanningRecord
 from dflash_rocm.platform import Platform, platform_for
 from dflash_rocm.tuning import cache_dir
 
@@ -27,6 +26,8 @@ BUFFER_LOAD_BYTES = 2 ** 31 - 1  # AMD buffer (32-bit offset) loads: tensors up 
 
 
 def attention_workload(call: AttentionCall, platform: Platform) -> tables.AttentionWorkload:
+    """The table's view of ``call`` (or its facts: the caches' storage sizes are in the
+    planning record) on ``platform``."""
     span = call.key_span_bound
     if call.sliding_window is not None:  # keys outside the window never load
         span = min(span, call.sliding_window + call.query_len_bound - 1)
@@ -37,73 +38,93 @@ def attention_workload(call: AttentionCall, platform: Platform) -> tables.Attent
                                     buffer_loads=small)
 
 
-def attention_choice(call: AttentionCall) -> tuple[str, AttentionLaunchConfig]:
+def table_choice(record: PlanningRecord) -> tuple[str, AttentionLaunchConfig]:
+    """(the table's rule, or ``unsegmented`` past the query limit; config) of the
+    attention call ``record`` plans."""
+    return tables.attention_config(attention_workload(record.call, record.platform),
+                                   settings.planned_query_limit(record))
+
+
+def attention_choice(record: PlanningRecord) -> tuple[str, AttentionLaunchConfig]:
     """(where it came from, config): the table's rule, ``unsegmented`` past the query
-    limit, or ``tuned`` when startup tuning found a clear winner for this workload."""
-    platform = platform_for(call.device)
-    w = attention_workload(call, platform)
-    name, config = tables.attention_config(w, settings.query_limit())
-    if name != "unsegmented" and settings.tuning_enabled(platform):
-        tuned = tuner.tuned_config(platform, call.spec, call.device, w.batch, w.query_len, w.key_span)
+    limit, or ``tuned`` when startup tuning found a clear winner for this workload (the
+    tuned tables' generation is part of the record)."""
+    call, platform = record.call, record.platform
+    name, config = table_choice(record)
+    if name != "unsegmented" and settings.tuning_on(record.switches.tune, platform):
+        w = attention_workload(call, platform)
+        tuned = tuner.tuned_config(platform, call.spec, call.device, w.batch, w.query_len, w.key_span,
+                                   settings.planned_effective_query_limit(record), record.settings)
         if tuned is not None:
             return "tuned", tuned
     return name, config
 
 
-def precompute_choice(call: PrecomputeCall, platform: Platform) -> PrecomputeLaunchConfig:
-    """The ROCm table's precompute configuration for ``call`` on ``platform``."""
+def precompute_choice(record: PlanningRecord) -> PrecomputeLaunchConfig:
+    """The ROCm table's precompute configuration for the call ``record`` plans."""
+    call, platform = record.call, record.platform
     w = call.weights
     return tables.precompute_config(platform.arch, num_tokens=call.num_tokens, hidden=w.hidden_size,
                                     num_heads_total=2 * w.num_layers * w.num_kv_heads, head_dim=w.head_dim,
                                     compute_units=platform.compute_units)
 
 
-class TunedAttention:
+class TunedAttention(Runner):
     """A plan under a tuned configuration, with the table's behind it: a tuned config that
     fails to launch (a stale or crafted entry that passed the checks but does not compile
     here) is dropped for this process with a warning, and the call and every later one run
     under the table's configuration: the tuner must never fail a call. Rerunning is safe,
     the kernels write only ``out``."""
 
-    __slots__ = ("plan", "tuned")
+    __slots__ = ("plan", "tuned", "record")
 
-    def __init__(self, plan: AttentionPlan):
-        self.plan, self.tuned = plan, True
+    def __init__(self, plan: AttentionPlan, record: PlanningRecord):
+        self.plan, self.tuned, self.record = plan, True, record
 
-    def __call__(self, call: AttentionCall) -> None:
+    def run(self, call: AttentionCall) -> None:
         if not self.tuned:
             self.plan.run(call)
             return
         try:
             self.plan.run(call)
         except Exception as exc:  # any launch failure of a tuned config
-            platform = platform_for(call.device)
             logger.warning("tuned launch config %s failed (%s: %s); dropped, using the table's config",
                            self.plan.config, type(exc).__name__, exc)
-            tuner.forget_config(platform, call.spec, self.plan.config)
+            tuner.forget_config(self.record.platform, call.spec, self.plan.config,
+                                settings.planned_effective_query_limit(self.record))
             self.tuned = False
-            self.plan = plan_attention(call, tables.attention_config(attention_workload(call, platform),
-                                                                     settings.query_limit())[1])
+            self.plan = plan_attention(self.record, table_choice(self.record)[1])
             self.plan.run(call)
 
 
 class RocmAttention(TritonAttention):
-    """The Triton attention kernel under the architecture's table (or a tuned config)."""
+    """The Triton attention kernel under the architecture's table (or a tuned config);
+    startup tuning (``DFLASH_ROCM_TUNE``; on by default for RDNA) as its warm-up."""
 
     @classmethod
-    def plan(cls, call: AttentionCall):
-        source, config = attention_choice(call)
-        if source == "tuned" and call.num_tokens:
-            return TunedAttention(plan_attention(call, config))
-        return attention_runner(call, config)
+    def plan(cls, record: PlanningRecord) -> Runner:
+        source, config = attention_choice(record)
+        if source == "tuned" and record.call.num_tokens:
+            return TunedAttention(plan_attention(record, config), record)
+        return attention_runner(record, config)
+
+    @classmethod
+    def warm_up(cls, spec: AttentionSpec, device: torch.device) -> None:
+        platform = platform_for(device)
+        if platform.vendor == "rocm" and settings.tuning_enabled(platform):
+            tuner.tune_attention(platform, spec, device)
+
+    @classmethod
+    def tune(cls, spec: AttentionSpec, device: torch.device, *, progress=None):
+        return tuner.tune_attention(platform_for(device), spec, device, progress=progress)
 
 
 class RocmPrecompute(TritonPrecompute):
     """The fused context-KV kernel under the architecture's table."""
 
     @classmethod
-    def launch_config(cls, call: PrecomputeCall) -> PrecomputeLaunchConfig:
-        return precompute_choice(call, platform_for(call.device))
+    def launch_config(cls, record: PlanningRecord) -> PrecomputeLaunchConfig:
+        return precompute_choice(record)
 
 
 class RocmBackend(Backend):
@@ -127,23 +148,6 @@ class RocmBackend(Backend):
         return []
 
     # -- hooks -----------------------------------------------------------------------------
-    @classmethod
-    def configure(cls, **known) -> None:
-        settings.configure(**{k: v for k, v in known.items() if k in settings.RocmSettings.__dataclass_fields__})
-
-    @classmethod
-    def warm_up(cls, op: Op, spec: AttentionSpec, device: torch.device) -> None:
-        """Startup tuning (``DFLASH_ROCM_TUNE``; on by default for RDNA) before serving starts."""
-        platform = platform_for(device)
-        if op is ATTENTION and platform.vendor == "rocm" and settings.tuning_enabled(platform):
-            tuner.tune_attention(platform, spec, device)
-
-    @classmethod
-    def tune(cls, op: Op, spec: AttentionSpec, device: torch.device, *, progress=None):
-        if op is not ATTENTION:
-            return None
-        return tuner.tune_attention(platform_for(device), spec, device, progress=progress)
-
     @classmethod
     def status(cls) -> dict[str, str]:
         limit = settings.query_limit()

@@ -19,7 +19,9 @@ from dflash_rocm.backends.triton import attention_kernels
 from dflash_rocm.backends.triton.attention import plan_attention, run_draft_attention
 from dflash_rocm.backends.triton.launch_config import MERGES, AttentionLaunchConfig
 from dflash_rocm.contract import dtype_name
+from dflash_rocm.ops import ATTENTION
 from dflash_rocm.ops.attention import AttentionCall, AttentionSpec, attention_call
+from dflash_rocm.planning import EngineSettings, record_for
 from dflash_rocm.platform import Platform
 from dflash_rocm.timing import median_seconds
 
@@ -187,7 +189,7 @@ def gpu_runner(spec: AttentionSpec, w: tuning.Workload, device: torch.device) ->
         return call.out
 
     def time(config):
-        planned = plan_attention(call, config)  # the host work once, as a served call's plan does
+        planned = plan_attention(record_for(ATTENTION.name, "rocm", call), config)  # once, as a served call's plan
         return median_seconds(lambda _: planned.run(call), device, warmup=2, repeats=10,
                               setup=flush.zero_ if flush is not None else None)
 
@@ -212,27 +214,26 @@ _tables: dict[tuple, TunedConfigs] = {}
 _tables_lock = threading.Lock()
 
 
-def _key(platform: Platform, spec: AttentionSpec) -> tuple:
-    return platform, spec, settings.effective_query_limit()
+def _key(platform: Platform, spec: AttentionSpec, limit: int | None = None) -> tuple:
+    return platform, spec, settings.effective_query_limit() if limit is None else limit
 
 
 def tune_attention(platform: Platform, spec: AttentionSpec, device: torch.device, *, runner_for=None,
                    progress=None, path: Path | None = None) -> tuning.TunedTable:
-    """The tuned table for ``spec`` on this GPU: from memory, from disk, or tuned now.
-    A cache fault never raises here (see :mod:`dflash_rocm.tuning`)."""
-    return _tuned_configs(platform, spec, device, runner_for=runner_for, progress=progress, path=path).table
+    """The tuned table for ``spec`` on this GPU under the settings now: from memory, from
+    disk, or tuned now. A cache fault never raises here (see :mod:`dflash_rocm.tuning`)."""
+    return _tuned_configs(platform, spec, device, settings.effective_query_limit(), settings.current(),
+                          runner_for=runner_for, progress=progress, path=path).table
 
 
-def _tuned_configs(platform: Platform, spec: AttentionSpec, device: torch.device, *, runner_for=None,
-                   progress=None, path: Path | None = None) -> TunedConfigs:
-    key = _key(platform, spec)
+def _tuned_configs(platform: Platform, spec: AttentionSpec, device: torch.device, limit: int,
+                   engine: EngineSettings, *, runner_for=None, progress=None, path: Path | None = None) -> TunedConfigs:
+    key = _key(platform, spec, limit)
     with _tables_lock:
         if key in _tables:
             return _tables[key]
-    limit = key[2]
     ident = cached_identity(platform, spec, limit)
-    s = settings.current()
-    todo = workloads(limit, s.batch_limit, s.max_model_len, spec.sliding_window)
+    todo = workloads(limit, engine.batch_limit, engine.max_model_len, spec.sliding_window)
 
     def default_for(w):
         return tables.segmented_config(table_workload(platform, spec, w))[1]
@@ -247,42 +248,47 @@ def _tuned_configs(platform: Platform, spec: AttentionSpec, device: torch.device
                         check=entry_check(spec, platform))
     configs = TunedConfigs.of(table, spec, platform)
     with _tables_lock:
+        tuning.tables_changed()
         return _tables.setdefault(key, configs)
 
 
 def tuned_config(platform: Platform, spec: AttentionSpec, device: torch.device, batch: int, query_len: int,
-                 key_span: int) -> AttentionLaunchConfig | None:
+                 key_span: int, limit: int, engine: EngineSettings) -> AttentionLaunchConfig | None:
     """The tuned config for one call, or None (the table's config applies). Per call this
     is a dict lookup and a few bisections. Tuning is an optimisation: if it fails for any
     reason the spec is remembered as untuned with one warning, and calls go on. A spec
     whose table is not loaded yet while a CUDA graph is captured gets the table's config
     in that graph (tuning times kernels on the GPU; the next eager call loads or tunes)."""
-    key = _key(platform, spec)
+    key = _key(platform, spec, limit)
     configs = _tables.get(key)
     if configs is None and launches.graph_capturing(device):
         return None
     if configs is None:
         try:
-            configs = _tuned_configs(platform, spec, device)
+            configs = _tuned_configs(platform, spec, device, limit, engine)
         except Exception as exc:  # a tuner fault must not fail the call
             logger.warning("ROCm tuning failed for %s (%s: %s); using the table's configs",
                            spec, type(exc).__name__, exc)
             configs = TunedConfigs(tuning.TunedTable(cached_identity(platform, spec, key[2]), []),
                                    tuning.WorkloadIndex(()))
             with _tables_lock:
+                tuning.tables_changed()
                 configs = _tables.setdefault(key, configs)
     return configs.index.find(batch, query_len, key_span)
 
 
-def forget_config(platform: Platform, spec: AttentionSpec, config: AttentionLaunchConfig) -> None:
-    """Stop using ``config`` for ``spec`` in this process (it failed at launch)."""
-    key = _key(platform, spec)
+def forget_config(platform: Platform, spec: AttentionSpec, config: AttentionLaunchConfig,
+                  limit: int | None = None) -> None:
+    """Stop using ``config`` for ``spec`` (under query ``limit``; default: the one now) in
+    this process (it failed at launch)."""
+    key = _key(platform, spec, limit)
     with _tables_lock:
         configs = _tables.get(key)
         if configs is None:
             return
         entries = [e for e in configs.table.entries if e.best != config.as_dict()]
         _tables[key] = TunedConfigs.of(tuning.TunedTable(configs.table.identity, entries), spec, platform)
+        tuning.tables_changed()
 
 
 def last_path(spec: AttentionSpec, platform: Platform) -> Path:
@@ -294,3 +300,4 @@ def forget_tables() -> None:
     """Drop the in-process tables (tests; a changed cache directory)."""
     with _tables_lock:
         _tables.clear()
+        tuning.tables_changed()

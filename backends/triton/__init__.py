@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from dflash_rocm.backend import AttentionImplementation, Backend, PrecomputeImplementation
-from dflash_rocm.ops.attention import AttentionCall
+from dflash_rocm.backend import AttentionImplementation, Backend, PrecomputeImplementation, Runner
 from dflash_rocm.ops.precompute import PrecomputeCall
+from dflash_rocm.planning import PlanningRecord
 from dflash_rocm.platform import Platform
 
 from .attention import attention_config_for, attention_runner
@@ -43,12 +43,12 @@ class TritonAttention(TritonLimits, AttentionImplementation):
     MAX_QUERIES_PER_KV = 16
 
     @classmethod
-    def launch_config(cls, call: AttentionCall) -> AttentionLaunchConfig:
-        return attention_config_for(call)
+    def launch_config(cls, record: PlanningRecord) -> AttentionLaunchConfig:
+        return attention_config_for(record.call, record.platform)
 
     @classmethod
-    def plan(cls, call: AttentionCall):
-        return attention_runner(call, cls.launch_config(call))
+    def plan(cls, record: PlanningRecord) -> Runner:
+        return attention_runner(record, cls.launch_config(record))
 
 
 class TritonPrecompute(TritonLimits, PrecomputeImplementation):
@@ -64,12 +64,12 @@ class TritonPrecompute(TritonLimits, PrecomputeImplementation):
         return reasons
 
     @classmethod
-    def launch_config(cls, call: PrecomputeCall) -> PrecomputeLaunchConfig:
-        return precompute_config_for(call)
+    def launch_config(cls, record: PlanningRecord) -> PrecomputeLaunchConfig:
+        return precompute_config_for(record.call, record.platform)
 
     @classmethod
-    def plan(cls, call: PrecomputeCall):
-        return precompute_runner(call, cls.launch_config(call))
+    def plan(cls, record: PlanningRecord) -> Runner:
+        return precompute_runner(record, cls.launch_config(record))
 
 
 def triton_device_reasons(device: torch.device) -> list[str]:

@@ -1,32 +1,33 @@
 """Host side of the Triton draft attention: a call structure's plan (grids, constexprs,
-scalar arguments, partial-buffer sizes, the merge decision) and the launches of each call."""
+scalar arguments, partial-buffer sizes, the merge decision), made from its planning
+record (:mod:`dflash_rocm.planning`), and the launches of each call."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
-
 import torch
 
-from dflash_rocm import envs
+from dflash_rocm.backend import Runner
+from dflash_rocm.ops import ATTENTION
 from dflash_rocm.ops.attention import AttentionCall
 from dflash_rocm.paged import memory_of
-from dflash_rocm.platform import Platform, platform_for
+from dflash_rocm.planning import PlanningRecord, record_for
+from dflash_rocm.platform import Platform
 
 from .attention_kernels import draft_attention_kernel, merge_segments_kernel
 from .common import fp32_math, next_pow2, packed_layout
-from .counters import split_scratch
+from .counters import PlanScratch
 from .launcher import LaunchPlan, compiler_options
 from .launch_config import (AttentionLaunchConfig, default_attention_config, last_merge_chunk, merge_load_segments,
                             merge_program_rows, tail_merge_fits)
 
 
-def attention_config_for(call: AttentionCall, platform: Platform | None = None) -> AttentionLaunchConfig:
-    """The portable table's choice for ``call`` on ``platform`` (default: the call's
-    device's; the ROCm backend brings its own table)."""
+def attention_config_for(call: AttentionCall, platform: Platform) -> AttentionLaunchConfig:
+    """The portable table's choice for ``call`` (or its facts) on ``platform`` (the ROCm
+    backend brings its own table)."""
     return default_attention_config(
-        platform or platform_for(call.device), num_seqs=call.num_seqs, query_len=call.query_len_bound,
+        platform, num_seqs=call.num_seqs, query_len=call.query_len_bound,
         key_span=call.key_span_bound, num_q_heads=call.num_q_heads, num_kv_heads=call.num_kv_heads,
         head_dim=call.head_dim, fp8=call.is_fp8)
 
@@ -62,22 +63,23 @@ def cache_addressing(cache) -> tuple[torch.Tensor, tuple, dict]:
 
 
 @dataclass(frozen=True)
-class AttentionPlan:
+class AttentionPlan(Runner):
     """Everything about launching one call structure with one configuration that does not
     change from call to call: grids, constexprs, strides and the other scalar arguments,
-    the partial buffers' sizes. Calls then pass only their tensors."""
+    the partials (kept: :class:`~.counters.PlanScratch`). Calls then pass only their tensors."""
 
     config: AttentionLaunchConfig
     main: LaunchPlan
     merge: LaunchPlan | None  # a split tile's merge, when the plan gives it a second launch
-    counters: int  # arrival counters a merge in the same launch needs (0: none)
-    part_out: int  # elements of the 16-bit partials (0: not split)
-    part_lse: int
+    scratch: PlanScratch  # the partials (the output's dtype, and float32 log-sum-exps) and arrival counters
 
     def run(self, call: AttentionCall) -> None:
         out = call.out  # stands in for the scratch a call that is not split leaves unread
-        part_out, part_lse, counters = split_scratch(out, ((self.part_out, out.dtype), (self.part_lse, torch.float32)),
-                                                     self.counters)
+        part_out, part_lse, counters = self.scratch.get(out.device)
+        if part_out is None:
+            part_out = part_lse = out
+        if counters is None:
+            counters = out
         sinks = call.sinks if call.sinks is not None else out
         k_scale = call.k_scale if call.k_scale is not None else out
         v_scale = call.v_scale if call.v_scale is not None else out
@@ -91,10 +93,12 @@ class AttentionPlan:
                               seq_lens_ptr=call.seq_lens, sinks_ptr=sinks, out_ptr=out)
 
 
-def plan_attention(call: AttentionCall, config: AttentionLaunchConfig) -> AttentionPlan:
-    """The plan of ``call``'s structure under ``config``, its merge decided here once: the
-    configuration's, unless merger programs are switched off or could wait on segments
-    that find no room (then a second launch)."""
+def plan_attention(record: PlanningRecord, config: AttentionLaunchConfig) -> AttentionPlan:
+    """The plan of the call structure ``record`` holds under ``config``, its merge decided
+    here once: the configuration's, unless merger programs are switched off
+    (``DFLASH_ROCM_TAIL_MERGE``) or could wait on segments that find no room (then a
+    second launch)."""
+    call = record.call
     G = call.num_queries_per_kv
     if config.block_m < G:
         raise ValueError(f"block_m={config.block_m} cannot hold the {G} query heads of one KV head")
@@ -105,8 +109,8 @@ def plan_attention(call: AttentionCall, config: AttentionLaunchConfig) -> Attent
     split = segments > 1
     rows = merge_program_rows(config, G)
     merge = config.merge
-    if merge == "tail" and (not envs.TAIL_MERGE.setting() or call.device.type == "cuda" and not tail_merge_fits(
-            num_tiles * call.num_kv_heads * (config.block_m // rows), platform_for(call.device))):
+    if merge == "tail" and (not record.switches.tail_merge or call.device.type == "cuda" and not tail_merge_fits(
+            num_tiles * call.num_kv_heads * (config.block_m // rows), record.platform)):
         merge = "launch"  # switched off, or too many mergers to be sure the segments they wait on progress
     # (The interpreter runs programs one at a time in grid order, a tile's segments before
     # its mergers; a captured launch does not run.)
@@ -122,6 +126,9 @@ def plan_attention(call: AttentionCall, config: AttentionLaunchConfig) -> Attent
     segment_args = dict(num_seqs=call.num_seqs, num_tokens=call.num_tokens, window=call.sliding_window or 0,
                         num_segments=segments, min_segment_keys=config.min_segment_keys)
     out_strides = dict(stride_ot=out.stride(0), stride_oh=out.stride(1), stride_od=out.stride(2))
+    counters = 0 if not split or merge == "launch" else num_tiles * call.num_kv_heads
+    # the plan's own scratch (PlanScratch): specialised once
+    kept_scratch = (("part_out_ptr", "part_lse_ptr") if split else ()) + (("counters_ptr",) if counters else ())
     cache_strides = {f"stride_{kind}{axis}": stride for kind, strides in (("k", k_strides), ("v", v_strides))
                      for axis, stride in zip(("b", "s", "s_in", "h", "d", "d_in"), strides)}
     main = LaunchPlan(
@@ -136,7 +143,8 @@ def plan_attention(call: AttentionCall, config: AttentionLaunchConfig) -> Attent
              IS_FP8=call.is_fp8, FP32_MATH=fp32_math(q.dtype),
              FP16_DOTS=config.fp16_dots and call.is_fp8 and q.dtype in (torch.float16, torch.bfloat16)
              and not fp32_math(q.dtype), **tiles,
-             **{f"K_{k}": v for k, v in k_pack.items()}, **{f"V_{k}": v for k, v in v_pack.items()}))
+             **{f"K_{k}": v for k, v in k_pack.items()}, **{f"V_{k}": v for k, v in v_pack.items()}),
+        kept=kept_scratch)
     second = None
     if split and merge == "launch":
         second = LaunchPlan(
@@ -144,27 +152,36 @@ def plan_attention(call: AttentionCall, config: AttentionLaunchConfig) -> Attent
             compiler_options(config),
             ("part_out_ptr", "part_lse_ptr", "qsl_ptr", "seq_lens_ptr", "sinks_ptr", "out_ptr"),
             dict(segment_args, **out_strides),
-            dict(HQ=call.num_q_heads, ROWS=rows, MERGE_CHUNK=merge_load_segments(rows, segments), **tiles))
-    counters = 0 if not split or merge == "launch" else num_tiles * call.num_kv_heads
-    return AttentionPlan(config, main, second, counters,
-                         segments * call.num_tokens * call.num_q_heads * call.head_dim if split else 0,
-                         segments * call.num_tokens * call.num_q_heads if split else 0)
+            dict(HQ=call.num_q_heads, ROWS=rows, MERGE_CHUNK=merge_load_segments(rows, segments), **tiles),
+            kept=("part_out_ptr", "part_lse_ptr"))
+    partials = ((segments * call.num_tokens * call.num_q_heads * call.head_dim if split else 0, out.dtype),
+                (segments * call.num_tokens * call.num_q_heads if split else 0, torch.float32))
+    return AttentionPlan(config, main, second, PlanScratch(partials, counters))
 
 
-def attention_runner(call: AttentionCall, config: AttentionLaunchConfig) -> Callable[[AttentionCall], None]:
-    """What runs every call of ``call``'s structure under ``config``: its plan's ``run``
+def attention_runner(record: PlanningRecord, config: AttentionLaunchConfig) -> Runner:
+    """What runs every call of the structure ``record`` holds under ``config``: its plan
     (nothing, for a batch without queries)."""
-    if call.num_tokens == 0:
-        return _no_queries
-    return plan_attention(call, config).run
+    if record.call.num_tokens == 0:
+        return NO_QUERIES
+    return plan_attention(record, config)
 
 
-def _no_queries(call: AttentionCall) -> None:
-    return None
+class _NoQueries(Runner):
+    """A batch without queries: nothing to write."""
+
+    __slots__ = ()
+
+    def run(self, call: AttentionCall) -> None:
+        return None
+
+
+NO_QUERIES = _NoQueries()
 
 
 def run_draft_attention(call: AttentionCall, config: AttentionLaunchConfig | None = None) -> None:
     """Write ``call.out`` under ``config`` (default: the portable table's), planned for
     this call alone: for tools and tests that pick a configuration. Served calls go
     through dispatch's plan cache."""
-    attention_runner(call, config or attention_config_for(call))(call)
+    record = record_for(ATTENTION.name, "triton", call)
+    attention_runner(record, config or attention_config_for(record.call, record.platform)).run(call)

@@ -21,6 +21,7 @@ the arguments the kernel was compiled to take (:func:`launch_tail`).
 
 from __future__ import annotations
 
+import operator
 import threading
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -258,13 +259,28 @@ class LaunchPlan:
     parameter name (checked and put in the kernel's order then, once); each call passes
     only the tensors named ``per_call``, by name, to :attr:`launch` (a function whose
     keyword-only parameters are those names: see :func:`tensor_binder`), and only their
-    specialisation is checked."""
+    specialisation is checked.
+
+    ``kept``: the per-call parameters that always get tensors the caller keeps and never
+    re-points (its own derived weights, tables, scratch): their specialisation is worked
+    out again only when one of them is another tensor object than the last call's."""
 
     def __init__(self, kernel, grid: tuple[int, ...], options: dict, per_call: tuple[str, ...], static_args: dict,
-                 constexprs: dict, *, amd: bool | None = None, direct: Launcher | None = None):
+                 constexprs: dict, *, amd: bool | None = None, direct: Launcher | None = None,
+                 kept: tuple[str, ...] = ()):
         self.kernel, self.grid, self.name = kernel, tuple(grid), kernel.__name__
         self.launch_grid = launch_grid(self.grid)
         self.per_call, self.static_args = bound_names(kernel, tuple(per_call), static_args, constexprs)
+        unknown = [n for n in kept if n not in self.per_call]
+        if unknown:
+            raise TypeError(f"{self.name}: kept {_names(unknown)} are not per-call parameters")
+        self.kept = tuple(n for n in self.per_call if n in kept)
+        kept_at = tuple(i for i, n in enumerate(self.per_call) if n in kept)
+        dynamic_at = tuple(i for i, n in enumerate(self.per_call) if n not in kept)
+        self._kept_at = kept_at
+        self._pick_kept = _picker(kept_at)
+        self._pick_dynamic = _picker(dynamic_at)
+        self._kept_spec: tuple = ((), ())  # (the kept tensors last seen, their specialisation)
         self.requested = dict(options)
         self.amd = bool(getattr(torch.version, "hip", None)) if amd is None else amd
         self.options = options_for(self.requested, amd=self.amd)
@@ -282,8 +298,8 @@ class LaunchPlan:
         args = tensors + self.static_args
         captured = launches.capturing()
         if captured is not None:
-            captured.append(launches.Launch(self.kernel, self.grid, args, self.constexprs, self.requested,
-                                            per_call=len(tensors)))
+            captured.append(launches.Launch.recorded(self.kernel, self.grid, args, self.constexprs, self.requested,
+                                                     len(tensors), self.kept))
             return
         with self.launching:
             if self.direct is None:  # every launch runs the Python
@@ -292,9 +308,34 @@ class LaunchPlan:
                 self.launch_direct(tensors, args)
 
     def launch_direct(self, tensors: tuple, args: tuple) -> None:
-        dynamic = tensor_specialization(tensors, self.amd)
-        spec = None if dynamic is None or self.static_spec is None else (dynamic, self.static_spec)
-        self.direct.run(self.launch_grid, args, spec)
+        self.direct.run(self.launch_grid, args, self.specialization(tensors))
+
+    def specialization(self, tensors: tuple):
+        """The key of the per-call tensors' specialisation with the fixed arguments' (None:
+        only the JIT may launch): the kept tensors' is reused while they are the same
+        objects (the partition is part of the key, so plans that keep different
+        parameters never share an entry)."""
+        if self.static_spec is None:
+            return None
+        if not self._kept_at:
+            dynamic = tensor_specialization(tensors, self.amd)
+            return None if dynamic is None else (dynamic, self.static_spec)
+        kept = self._pick_kept(tensors)
+        seen, kept_spec = self._kept_spec
+        if len(seen) != len(kept) or any(map(operator.is_not, kept, seen)):
+            kept_spec = tensor_specialization(kept, self.amd)
+            self._kept_spec = (kept, kept_spec)
+        dynamic = tensor_specialization(self._pick_dynamic(tensors), self.amd)
+        return None if dynamic is None or kept_spec is None else (self._kept_at, dynamic, kept_spec,
+                                                                  self.static_spec)
+
+
+def _picker(indices: tuple[int, ...]) -> Callable[[tuple], tuple]:
+    """A function giving the items of a tuple at ``indices``, as a tuple (C speed)."""
+    if not indices:
+        return lambda t: ()
+    get = operator.itemgetter(*indices)
+    return get if len(indices) > 1 else (lambda t: (get(t),))
 
 
 def prelude_seconds(launch, arch: str, repeats: int = 2000) -> tuple[float, float]:
@@ -331,8 +372,9 @@ def prelude_seconds(launch, arch: str, repeats: int = 2000) -> tuple[float, floa
     tensors = launch.args[:per_call]
     names = kernel_parameters(jit)[0]
     plan = LaunchPlan(jit, launch.grid, launch.options, names[:per_call],
-                      dict(zip(names[per_call:], launch.args[per_call:])), launch.constexprs, amd=amd, direct=direct)
-    direct.keep((0, (tensor_specialization(tensors, amd), plan.static_spec)), _NoopCompiled(jit.params))
+                      dict(zip(names[per_call:], launch.args[per_call:])), launch.constexprs, amd=amd, direct=direct,
+                      kept=launch.kept)
+    direct.keep((0, plan.specialization(tensors)), _NoopCompiled(jit.params))
     named = dict(zip(names, tensors))
 
     def through_launcher():

@@ -4,24 +4,25 @@ CUDA graph is captured with too few arrival counters)."""
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable
 
 import torch
 
 from dflash_rocm import launches
+from dflash_rocm.backend import Runner
 from dflash_rocm.derived import DerivedCache
+from dflash_rocm.ops import PRECOMPUTE
 from dflash_rocm.ops.precompute import PrecomputeCall
 from dflash_rocm.paged import PackedCache
-from dflash_rocm.platform import Platform, platform_for
+from dflash_rocm.planning import PlanningRecord, record_for
+from dflash_rocm.platform import Platform
 from dflash_rocm.weights import ContextKVWeights
 
 from .common import INTERPRETING, TL_DTYPES, fp32_math, next_pow2, packed_layout
-from .counters import split_scratch
+from .counters import PlanScratch
 from .launcher import LaunchPlan, compiler_options
 from .launch_config import PrecomputeLaunchConfig, default_precompute_config
 from .precompute_kernels import META_COLS, context_kv_kernel
@@ -139,6 +140,15 @@ def _table_in_graph(rows: list[tuple], device: torch.device) -> torch.Tensor:
     return table
 
 
+def shared_slot_layer(call: PrecomputeCall) -> int | None:
+    """The first written layer when every written layer shares its slot mapping (one
+    tensor, passed as is), else None (the mappings are stacked per call)."""
+    written = call.written_layers
+    if written and all(call.slot_mappings[i] is call.slot_mappings[written[0]] for i in written):
+        return written[0]
+    return None
+
+
 def slot_rows(call: PrecomputeCall) -> tuple[torch.Tensor | None, int]:
     """(slot mapping, layer stride): the written layers' mappings as the kernel reads them,
     row ``r`` of the table's written layer ``r`` at ``r * stride``. One mapping shared by
@@ -172,10 +182,10 @@ def variant_constexprs(call: PrecomputeCall) -> dict:
                 K_ROUND_DTYPE=TL_DTYPES[call.dtype] if rounds else None)
 
 
-def precompute_config_for(call: PrecomputeCall, platform: Platform | None = None) -> PrecomputeLaunchConfig:
-    """The portable table's choice for ``call`` on ``platform`` (default: the call's device's)."""
+def precompute_config_for(call: PrecomputeCall, platform: Platform) -> PrecomputeLaunchConfig:
+    """The portable table's choice for ``call`` (or its facts) on ``platform``."""
     w = call.weights
-    return default_precompute_config(platform or platform_for(call.device), num_tokens=call.num_tokens,
+    return default_precompute_config(platform, num_tokens=call.num_tokens,
                                      hidden=w.hidden_size, num_heads_total=2 * w.num_layers * w.num_kv_heads,
                                      head_dim=w.head_dim)
 
@@ -206,30 +216,54 @@ def slots_fit_int32(call: PrecomputeCall) -> bool:
                for c in (call.key_caches[layer], call.value_caches[layer]))
 
 
-@dataclass(frozen=True)
-class PrecomputePlan:
+class PrecomputePlan(Runner):
     """Everything about launching one call structure (caches included: their addresses are
     part of it) with one configuration that does not change from call to call: the cache
-    table, grids, constexprs and scalar arguments. Calls then pass only their tensors."""
+    table, grids, constexprs and scalar arguments, the scratch. Calls then pass only their
+    tensors; the derived weights are checked by their sources' versions (see :meth:`fused`)."""
 
-    config: PrecomputeLaunchConfig
-    main: LaunchPlan
-    atomic_sum: bool  # the parts add into one float32 sum per tile (kept zero between launches)
-    table: torch.Tensor  # the caches' addresses: a plan serves one cache set
-    counters: int  # arrival counters, one per split tile (0: not split)
-    part_acc: int  # elements of the split parts (0: not split)
-    part_ss: int
+    __slots__ = ("config", "main", "atomic_sum", "table", "scratch", "slot_layer", "_fused")
 
-    def run(self, call: PrecomputeCall, out_k, out_v) -> None:
-        fused = fused_weights(call.weights)
+    def __init__(self, config: PrecomputeLaunchConfig, main: LaunchPlan, atomic_sum: bool, table: torch.Tensor,
+                 scratch: PlanScratch, slot_layer: int | None):
+        self.config, self.main, self.atomic_sum, self.table = config, main, atomic_sum, table
+        self.scratch = scratch  # the split parts' sums and arrival counters
+        self.slot_layer = slot_layer  # the one written layer whose mapping every layer shares (None: stacked)
+        self._fused: tuple = (None, None, None)  # (weights, their sources' versions, fused_weights(weights))
+
+    def fused(self, w: ContextKVWeights) -> FusedKVWeights:
+        """:func:`fused_weights` of ``w``, checked by one test: ``w`` is the weights last
+        seen and no source tensor's version moved since (an in-place update, a reload's
+        refill, bumps it; then :func:`fused_weights` refills or rebuilds them)."""
+        seen, versions, fused = self._fused
+        now = source_versions(w)
+        if seen is w and versions == now:
+            return fused
+        fused = fused_weights(w)
+        if not launches.graph_capturing(w.device):  # what a capture builds is the graph's
+            self._fused = (w, now, fused)
+        return fused
+
+    def run(self, call: PrecomputeCall):
+        """Write the caches (and return ``(k, v)`` iff the call asks)."""
+        out = _outputs(call) if call.return_kv else None
+        self.launch(call, *(out or (None, None)))
+        return out
+
+    def launch(self, call: PrecomputeCall, out_k, out_v) -> None:
+        """The launch for ``call``, returning K/V into ``out_k``/``out_v`` when given."""
+        fused = self.fused(call.weights)
         dummy = call.states  # stands in for every optional tensor the kernel leaves unread
-        slots, _ = slot_rows(call)
-        part_acc, part_ss, counters = split_scratch(
-            dummy, ((self.part_acc, torch.float32), (self.part_ss, torch.float32)), self.counters,
-            kept_sums=self.atomic_sum)
+        if self.slot_layer is not None:
+            slots = call.slot_mappings[self.slot_layer]
+        else:
+            slots = slot_rows(call)[0]
+        part_acc, part_ss, counters = self.scratch.get(call.states.device)
         self.main.launch(
-            x_ptr=call.states, w_ptr=fused.weight, row_scale_ptr=fused.row_scale, part_acc_ptr=part_acc,
-            part_ss_ptr=part_ss, counters_ptr=counters, positions_ptr=call.positions,
+            x_ptr=call.states, w_ptr=fused.weight, row_scale_ptr=fused.row_scale,
+            part_acc_ptr=part_acc if part_acc is not None else dummy,
+            part_ss_ptr=part_ss if part_ss is not None else dummy,
+            counters_ptr=counters if counters is not None else dummy, positions_ptr=call.positions,
             bias_ptr=fused.bias if fused.bias is not None else dummy, k_norm_ptr=fused.k_norm,
             cos_sin_ptr=fused.cos_sin, meta_ptr=self.table,
             slots_ptr=slots if slots is not None else call.positions,  # positions: never read
@@ -238,17 +272,25 @@ class PrecomputePlan:
             out_k_ptr=out_k if out_k is not None else dummy, out_v_ptr=out_v if out_v is not None else dummy)
 
 
-def plan_precompute(call: PrecomputeCall, config: PrecomputeLaunchConfig) -> PrecomputePlan:
-    """The plan of ``call``'s structure under ``config``: the grid split (the last part of a
-    split tile to arrive sums the parts) and whether the parts add into one atomic sum,
-    decided here once."""
+def source_versions(w: ContextKVWeights) -> tuple:
+    """The version counters of the tensors :func:`fused_weights` derives from."""
+    bias = w.kv_bias
+    return (w.kv_weight._version, w.hidden_norm_weight._version, None if bias is None else bias._version,
+            w.k_norm_weight._version, w.cos_sin_cache._version)
+
+
+def plan_precompute(record: PlanningRecord, config: PrecomputeLaunchConfig) -> PrecomputePlan:
+    """The plan of the call structure ``record`` holds under ``config``: the grid split (the
+    last part of a split tile to arrive sums the parts) and whether the parts add into one
+    atomic sum, decided here once."""
+    call = record.call
     grid_t = -(-call.num_tokens // config.block_t)
     tiles = grid_t * 2 * call.weights.num_layers * call.weights.num_kv_heads // config.heads
     whole = min(config.whole_tiles, tiles) if config.split_k > 1 else tiles
     split_k = config.split_k if whole < tiles else 1
     # Parts add into one sum unless torch was asked for bitwise-reproducible results (fp32
     # atomics add in arrival order); the merge then reads one tile instead of split_k.
-    atomic_sum = split_k > 1 and not torch.are_deterministic_algorithms_enabled()
+    atomic_sum = split_k > 1 and not record.deterministic
     w = call.weights
     N, L, Hk, D = call.num_tokens, w.num_layers, w.num_kv_heads, w.head_dim
     dtype = call.dtype
@@ -256,17 +298,22 @@ def plan_precompute(call: PrecomputeCall, config: PrecomputeLaunchConfig) -> Pre
     cache_dtype = call.cache_dtype or dtype
     rows = 2 * L * Hk // config.heads  # head rows, or pairs of them
     block_d = max(16, next_pow2(D))
-    _, slot_layer_stride = slot_rows(call)
+    slot_layer = shared_slot_layer(call)
     x = call.states
     split_tiles = grid_t * rows - whole if split_k > 1 else 0
+    parts = split_tiles * (1 if atomic_sum else split_k) * config.block_t  # rows of the partials
+    # the tensors the plan (and the fused weights it checks) keeps: specialised once
+    kept = ("w_ptr", "row_scale_ptr", "k_norm_ptr", "cos_sin_ptr", "meta_ptr") + (
+        ("bias_ptr",) if w.kv_bias is not None else ()) + (
+        ("part_acc_ptr", "part_ss_ptr", "counters_ptr") if split_tiles else ())
     main = LaunchPlan(
         context_kv_kernel, (whole + split_tiles * split_k,), compiler_options(config),
-        # the kernel's tensor parameters, which PrecomputePlan.run passes by name
+        # the kernel's tensor parameters, which PrecomputePlan.launch passes by name
         ("x_ptr", "w_ptr", "row_scale_ptr", "part_acc_ptr", "part_ss_ptr", "counters_ptr", "positions_ptr",
          "bias_ptr", "k_norm_ptr", "cos_sin_ptr", "meta_ptr", "slots_ptr", "k_scales_ptr", "v_scales_ptr",
          "out_k_ptr", "out_v_ptr"),
-        dict(stride_slot_layer=slot_layer_stride, N=N, H=w.hidden_size, stride_xt=x.stride(0),
-             stride_xh=x.stride(1),
+        dict(stride_slot_layer=0 if slot_layer is not None or not call.writes else N, N=N, H=w.hidden_size,
+             stride_xt=x.stride(0), stride_xh=x.stride(1),
              stride_cs=w.rotary_dim,  # the fused float32 table is contiguous
              v_scale=float(w.v_scale) if w.v_scale is not None else 1.0, eps=w.eps, grid_t=grid_t,
              whole_tiles=whole),
@@ -281,17 +328,19 @@ def plan_precompute(call: PrecomputeCall, config: PrecomputeLaunchConfig) -> Pre
              V_ALIGNED=all(aligned_runs(call.value_caches[i]) for i in call.written_layers),
              K_ROW_PACK=k_rows, K_DIM_PACK=k_dims, V_ROW_PACK=v_rows, V_DIM_PACK=v_dims,
              SLOTS_I32=slots_fit_int32(call), CACHE_BLOCK=shared_block_size(call), EXACT_FP8_ROUND=INTERPRETING,
-             FP32_MATH=fp32_math(dtype), **variant_constexprs(call)))
-    parts = split_tiles * (1 if atomic_sum else split_k) * config.block_t  # rows of the partials
-    return PrecomputePlan(config, main, atomic_sum, cache_table(call), split_tiles, parts * block_d, parts)
+             FP32_MATH=fp32_math(dtype), **variant_constexprs(call)), kept=kept)
+    scratch = PlanScratch(((parts * block_d, torch.float32), (parts, torch.float32)), split_tiles,
+                          kept_sums=atomic_sum)
+    return PrecomputePlan(config, main, atomic_sum, cache_table(call), scratch, slot_layer)
 
 
-def precompute_runner(call: PrecomputeCall, config: PrecomputeLaunchConfig) -> Callable[[PrecomputeCall], Any]:
-    """What runs every call of ``call``'s structure under ``config`` (nothing to launch
-    when it has no tokens or neither writes nor returns)."""
+def precompute_runner(record: PlanningRecord, config: PrecomputeLaunchConfig) -> Runner:
+    """What runs every call of the structure ``record`` holds under ``config`` (nothing to
+    launch when it has no tokens or neither writes nor returns)."""
+    call = record.call
     if call.num_tokens == 0 or not (call.writes or call.return_kv):
-        return _outputs
-    return functools.partial(_run_planned, plan_precompute(call, config))
+        return NOTHING_TO_LAUNCH
+    return plan_precompute(record, config)
 
 
 def _outputs(call: PrecomputeCall):
@@ -304,14 +353,21 @@ def _outputs(call: PrecomputeCall):
             torch.empty(shape, dtype=call.dtype, device=call.device))
 
 
-def _run_planned(plan: PrecomputePlan, call: PrecomputeCall):
-    out = _outputs(call)
-    plan.run(call, *(out or (None, None)))
-    return out
+class _NothingToLaunch(Runner):
+    """No tokens, or nothing to write or return: only the outputs a call asks for."""
+
+    __slots__ = ()
+
+    def run(self, call: PrecomputeCall):
+        return _outputs(call)
+
+
+NOTHING_TO_LAUNCH = _NothingToLaunch()
 
 
 def run_precompute(call: PrecomputeCall, config: PrecomputeLaunchConfig | None = None):
     """The precompute of ``call`` under ``config`` (default: the portable table's), planned
     for this call alone: for tools and tests that pick a configuration. Served calls go
     through dispatch's plan cache."""
-    return precompute_runner(call, config or precompute_config_for(call))(call)
+    record = record_for(PRECOMPUTE.name, "triton", call)
+    return precompute_runner(record, config or precompute_config_for(record.call, record.platform)).run(call)

@@ -32,6 +32,7 @@ import torch
 from dflash_rocm.bench import l2_flush
 from dflash_rocm.floors import peak_for
 from dflash_rocm.ops import PRECOMPUTE
+from dflash_rocm.planning import record_for
 from dflash_rocm.platform import Platform, platform_for
 from dflash_rocm.report import format_table, wrap
 from dflash_rocm.timing import interleaved_median_seconds, synchronize
@@ -86,7 +87,7 @@ def table_precompute_config(call, platform: Platform):
     if platform.vendor == "rocm":
         from dflash_rocm.backends import rocm
 
-        return rocm.precompute_choice(call, platform)
+        return rocm.precompute_choice(record_for(PRECOMPUTE.name, "rocm", call).replace(platform=platform))
     from dflash_rocm.backends.triton.precompute import precompute_config_for
 
     return precompute_config_for(call, platform)
@@ -120,12 +121,13 @@ def _precompute_runs(call, configs: dict) -> dict:
     and warm), or the error that stopped it."""
     from dflash_rocm.backends.triton.precompute import precompute_runner
 
+    record = record_for(PRECOMPUTE.name, "triton", call)
     runs = {}
     for name, config in configs.items():
         try:
-            runner = precompute_runner(call, config)
-            runner(call)
-            runs[name] = lambda runner=runner: runner(call)
+            runner = precompute_runner(record, config)
+            runner.run(call)
+            runs[name] = lambda runner=runner: runner.run(call)
         except Exception as exc:  # this launch's row says why; the others run
             runs[name] = f"ERROR {type(exc).__name__}: {exc}"[:160]
     return runs

@@ -13,9 +13,11 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from dflash_rocm.launches import Launch, capture
+from dflash_rocm.ops import PRECOMPUTE
 from dflash_rocm.ops.attention import AttentionCall
 from dflash_rocm.ops.precompute import PrecomputeCall
 from dflash_rocm.floors import Cost, attention_cost, precompute_cost
+from dflash_rocm.planning import record_for
 from dflash_rocm.platform import platform_for_arch
 from dflash_rocm.weights import ContextKVWeights
 from dflash_rocm.workloads import DraftShape
@@ -197,7 +199,8 @@ def table_config(case: Case, target: Target, call):
 
         if case.op == "attention":
             return tables.attention_config(rocm.attention_workload(call, platform), case.query_len)
-        return "rocm-table", rocm.precompute_choice(call, platform)
+        record = record_for(PRECOMPUTE.name, "rocm", call).replace(platform=platform)
+        return "rocm-table", rocm.precompute_choice(record)
     from dflash_rocm.backends.triton.attention import attention_config_for
     from dflash_rocm.backends.triton.precompute import precompute_config_for
 

@@ -24,3 +24,28 @@ class Op:
 
     def __str__(self) -> str:
         return self.name
+
+
+def describe_argument(value: Any) -> str:
+    """One argument as an error shows it: a tensor's (or packed cache's) shape and dtype, a
+    sequence's entries, any other value as it is."""
+    import torch
+
+    from ..contract import dtype_name
+
+    shape = getattr(value, "shape", None)
+    if isinstance(value, torch.Tensor) or (shape is not None and hasattr(value, "view")):
+        kind = "" if isinstance(value, torch.Tensor) else f"{type(value).__name__} "
+        return f"{kind}shape={tuple(shape)} ({dtype_name(value.dtype)}, {value.device.type})"
+    if isinstance(value, tuple):
+        distinct = {describe_argument(v) for v in value}
+        if len(value) > 1 and len(distinct) == 1:
+            return f"{len(value)} x {distinct.pop()}"
+        return "[" + ", ".join(describe_argument(v) for v in value) + "]"
+    return repr(value)
+
+
+def describe_call(call, names: tuple[str, ...]) -> str:
+    """``call``'s arguments ``names``, one line each (what :class:`BackendUnavailable`
+    shows beside the reasons)."""
+    return "\n".join(f"{name}: {describe_argument(getattr(call, name))}" for name in names)

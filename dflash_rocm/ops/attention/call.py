@@ -13,7 +13,7 @@ import torch
 
 from ...contract import FP8_DTYPES, dtype_name
 from ...paged import PackedCache, cache_packing, memory_of
-from ...platform import simulated_platform
+from ..base import describe_call
 
 
 def seq_len_bucket(max_seq_len: int, capacity: int) -> int:
@@ -48,6 +48,10 @@ class AttentionSpec:
 
 @dataclass(frozen=True, eq=False)
 class AttentionCall:
+    # What a plan may know of each tensor's memory (dflash_rocm.planning): the caches' alignment and
+    # storage size (AMD buffer loads need storage under 2 GiB).
+    PLANNED_ADDRESSES = {"key_cache": "memory", "value_cache": "memory"}
+
     query: torch.Tensor  # [T, Hq, D]
     key_cache: torch.Tensor | PackedCache  # [num_blocks, block_size, Hk, D]: strided or packed
     value_cache: torch.Tensor | PackedCache
@@ -148,16 +152,21 @@ class AttentionCall:
         return AttentionSpec(self.num_q_heads, self.num_kv_heads, self.head_dim, self.block_size, self.dtype,
                              self.cache_dtype, self.causal, self.sliding_window, self.sinks is not None)
 
-    def plan_key(self) -> tuple | None:
-        """What a plan of this call depends on, and so what dispatch keys its plan cache
-        by: the structure (everything the checks and a backend's reasons read), the host
-        bounds (they size the launch), the caches' 16-byte alignment (the kernels' stride
-        unit) and a simulated platform. None: the call carries no structure (built outside
-        validation), so nothing may be kept for it."""
-        if self.structure is None:
-            return None
-        return (self.structure, self.max_query_len, self.max_seq_len, memory_of(self.key_cache).data_ptr() & 15,
-                memory_of(self.value_cache).data_ptr() & 15, simulated_platform())
+    def planning_parts(self) -> tuple:
+        """This call's part of its planning record (:mod:`dflash_rocm.planning`): the
+        structure (everything the checks and a backend's reasons read; None when the call
+        was built outside validation, so nothing may be kept for it), the host bounds (they
+        size the launch) and the caches' 16-byte alignment (the kernels' stride unit) and
+        storage sizes (AMD buffer loads: the ROCm tables' choice)."""
+        k, v = memory_of(self.key_cache), memory_of(self.value_cache)
+        return (self.structure, (self.max_query_len, self.max_seq_len),
+                (k.data_ptr() & 15, v.data_ptr() & 15, k.untyped_storage().nbytes(), v.untyped_storage().nbytes()))
+
+    def describe(self) -> str:
+        """Every argument's shape and dtype and the scalars, one line each (errors)."""
+        return describe_call(self, ("query", "key_cache", "value_cache", "block_table", "query_start_loc", "seq_lens",
+                                    "out", "sinks", "k_scale", "v_scale", "scale", "causal", "sliding_window",
+                                    "max_query_len", "max_seq_len"))
 
     def summary(self) -> str:
         """A readable summary of the call's shape: logged once per distinct value."""

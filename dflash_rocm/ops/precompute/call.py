@@ -12,12 +12,16 @@ import torch
 
 from ...contract import FP8_DTYPES, dtype_name
 from ...paged import PackedCache, cache_packing
-from ...platform import simulated_platform
+from ..base import describe_call
 from ...weights import ContextKVWeights
 
 
 @dataclass(frozen=True, eq=False)
 class PrecomputeCall:
+    # What a plan may know of each tensor's address (dflash_rocm.planning): the caches' (the
+    # structure holds them).
+    PLANNED_ADDRESSES = {"key_caches": "address", "value_caches": "address"}
+
     states: torch.Tensor  # [N, H]
     positions: torch.Tensor  # int [N]
     weights: ContextKVWeights
@@ -28,6 +32,15 @@ class PrecomputeCall:
     v_scales: torch.Tensor | None
     return_kv: bool
     structure: object = None  # the call's structure, as the structural checks read it (see AttentionCall)
+
+    @classmethod
+    def of(cls, **fields) -> "PrecomputeCall":
+        """A call from every field by name, built as :meth:`AttentionCall.with_tensors`
+        builds one (a frozen dataclass's ``__init__`` sets each field through
+        ``object.__setattr__``: a few microseconds on every call of a plan)."""
+        call = object.__new__(cls)
+        call.__dict__.update(fields)
+        return call
 
     @property
     def num_tokens(self) -> int:
@@ -71,13 +84,18 @@ class PrecomputeCall:
             return cache_packing(self.key_caches[i], self.value_caches[i])
         return None
 
-    def plan_key(self) -> tuple | None:
-        """See :meth:`AttentionCall.plan_key`: the structure (the caches' addresses
-        included), a simulated platform, and whether torch asks for bitwise-reproducible
-        results (a split sum then keeps its parts apart instead of adding them atomically)."""
-        if self.structure is None:
-            return None
-        return self.structure, simulated_platform(), torch.are_deterministic_algorithms_enabled()
+    def planning_parts(self) -> tuple:
+        """See :meth:`AttentionCall.planning_parts`: the structure holds the caches'
+        addresses (a plan serves one cache set); no host bounds or memory facts beyond them."""
+        return self.structure, (), ()
+
+    def describe(self) -> str:
+        """Every argument's shape and dtype and the scalars, one line each (errors)."""
+        w = self.weights
+        weights = (f"ContextKVWeights(L={w.num_layers}, Hk={w.num_kv_heads}, D={w.head_dim}, H={w.hidden_size}, "
+                   f"R={w.rotary_dim}, {'neox' if w.is_neox else 'gptj'}, {dtype_name(w.dtype)})")
+        return f"weights: {weights}\n" + describe_call(self, ("states", "positions", "key_caches", "value_caches",
+                                                              "slot_mappings", "k_scales", "v_scales", "return_kv"))
 
     def summary(self) -> str:
         w = self.weights

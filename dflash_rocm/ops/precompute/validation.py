@@ -100,11 +100,11 @@ def bound_precompute_call(model: ModelArguments, context_states, positions, slot
     if derived.fp8 and vs is None:
         vs = scale_tensor("v_scales", v_scales, L, device)
     positions = _contiguous(positions)
-    written = [kcs[i] for i, s in enumerate(slots) if s is not None] + [
-        vcs[i] for i, s in enumerate(slots) if s is not None]
     shared = isinstance(slot_mapping, torch.Tensor)
     reads = (context_states, positions, ks, vs, *(slots[:1] if shared else slots))
-    if written and storages_meet(reads, derived.written_memory):
+    if storages_meet(reads, derived.written_memory):  # (no memory when no layer is written)
+        written = [kcs[i] for i, s in enumerate(slots) if s is not None] + [
+            vcs[i] for i, s in enumerate(slots) if s is not None]
         names = ("context_states", "positions", "k_scales", "v_scales",
                  *(["slot_mapping"] if shared else [f"slot_mapping[{i}]" for i in range(L)]))
         named = [(name, t) for name, t in zip(names, reads) if t is not None]
@@ -116,9 +116,9 @@ def bound_precompute_call(model: ModelArguments, context_states, positions, slot
         if ks is not None:
             check_scale_values("k_scales", ks, checks)
             check_scale_values("v_scales", vs, checks)
-    return PrecomputeCall(states=context_states, positions=positions, weights=weights, key_caches=kcs,
-                          value_caches=vcs, slot_mappings=slots, k_scales=ks, v_scales=vs,
-                          return_kv=return_kv, structure=key)
+    return PrecomputeCall.of(states=context_states, positions=positions, weights=weights, key_caches=kcs,
+                             value_caches=vcs, slot_mappings=slots, k_scales=ks, v_scales=vs,
+                             return_kv=return_kv, structure=key)
 
 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,243 @@
+"""One planning record: everything a plan may read, built before planning, and the key
+of dispatch's plan cache.
+
+A backend's :meth:`~dflash_rocm.backend.Implementation.plan` does the host work for
+every call of one structure once and returns a :class:`~dflash_rocm.backend.Runner`;
+dispatch hands later calls with an equal record to that runner. So the record must hold
+everything a plan may read, and a plan must read nothing else: the call's structure
+(every argument's shape, strides, dtype and device, and the scalars), its host bounds,
+the alignment and storage sizes (or addresses) of the tensors plans specialise on, the platform, the
+environment switches planning reads (:data:`PLANNING_SWITCHES`), what the serving engine
+configured (:class:`EngineSettings`), the generation of the tuned tables
+(:mod:`dflash_rocm.tuning`) and whether torch asks for deterministic algorithms.
+
+:func:`planning_record` builds the record on every call (a tuple of values already at
+hand: the structure is hashed once per call structure, the switches are parsed once per
+raw value). When dispatch has no plan for it, :meth:`PlanningRecord.with_facts` adds the
+call's facts, :attr:`PlanningRecord.call`: the call with every tensor replaced by its
+:class:`TensorFacts` (shape, strides, dtype, device, and the address, alignment or storage size only
+where the record holds them), derived from the fields and so not part of equality. A plan
+receives that record, never the tensors; ``tests/test_planning.py`` walks every
+implementation's ``plan()`` (and what it calls) and refuses a direct read of the
+environment, the settings or torch's global flags.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, fields, replace
+from typing import Any, NamedTuple
+
+import torch
+
+from . import envs, tuning
+from .paged import PackedCache
+from .platform import Platform, platform_for
+
+# Every environment switch a plan may depend on, read into the record (in this order).
+PLANNING_SWITCHES = (envs.TAIL_MERGE, envs.QUERY_LIMIT, envs.TUNE, envs.AITER)
+
+
+class Switches(NamedTuple):
+    """The parsed values of :data:`PLANNING_SWITCHES` (see :mod:`dflash_rocm.envs`)."""
+
+    tail_merge: bool  # DFLASH_ROCM_TAIL_MERGE
+    query_limit: int | None  # DFLASH_ROCM_QUERY_LIMIT (None: unset)
+    tune: bool | str  # DFLASH_ROCM_TUNE: True, False or "auto"
+    aiter: bool | str  # DFLASH_ROCM_AITER: True, False or "auto"
+
+
+_switches: dict[tuple, Switches] = {}
+# os.environ's own mapping and its keys as it stores them: a read of the raw values costs a
+# dictionary lookup each (os.environ.get encodes the key and decodes the value every time).
+_ENVIRON = os.environ._data
+_KEYS = tuple(os.environ.encodekey(var.name) for var in PLANNING_SWITCHES)
+
+
+def environ_value(name: str) -> str | None:
+    """``os.environ.get(name)`` as os.environ stores it (bytes on POSIX): a lookup, for
+    memo keys read on every call."""
+    return _ENVIRON.get(os.environ.encodekey(name))
+
+
+def switches() -> Switches:
+    """The planning switches now: the raw values read on every call, parsed once each."""
+    raw = tuple(map(_ENVIRON.get, _KEYS))
+    found = _switches.get(raw)
+    if found is None:
+        found = Switches(*(var.setting() for var in PLANNING_SWITCHES))
+        if len(_switches) < 64:  # environments do not churn; bound it anyway
+            _switches[raw] = found
+    return found
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What a serving engine told the package (:func:`dflash_rocm.dispatch.configure`):
+    DFlash's query limit (``num_speculative_tokens + 1``), the batch limit, the model
+    length, the draft layers' causal flags."""
+
+    query_limit: int | None = None
+    batch_limit: int = 64
+    max_model_len: int = 32768
+    layer_causal: tuple[bool, ...] | None = None  # scopes tuning to what the draft runs
+
+
+SETTINGS = tuple(f.name for f in fields(EngineSettings))
+_settings_lock = threading.Lock()
+_settings = EngineSettings()
+
+
+def configure_engine(**changes) -> EngineSettings:
+    """Update the engine settings (unknown names and bad values are refused, nothing changed)."""
+    global _settings
+    for key, value in changes.items():
+        if key not in SETTINGS:
+            raise ValueError(f"unknown setting {key!r}; known: {', '.join(SETTINGS)}")
+        if key in ("query_limit", "batch_limit", "max_model_len") and value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{key}: expected a positive int, got {value!r}")
+    if "layer_causal" in changes and changes["layer_causal"] is not None:
+        changes["layer_causal"] = tuple(changes["layer_causal"])
+    with _settings_lock:
+        _settings = replace(_settings, **changes)
+    return _settings
+
+
+def engine_settings() -> EngineSettings:
+    return _settings
+
+
+class TensorFacts:
+    """What a plan may know of a tensor: shape, strides, dtype, device, and of its memory as
+    much as the record holds: its address (``"address"``: the precompute's caches, whose
+    addresses are part of its structure), or its residue modulo 16 and its storage's size
+    (``"memory"``: the attention's caches), or nothing (``data_ptr()`` and
+    ``untyped_storage()`` then raise: a plan that needs them must put them in the record)."""
+
+    __slots__ = ("shape", "_strides", "dtype", "device", "_address", "_storage")
+
+    def __init__(self, t: torch.Tensor, address: str | None):
+        self.shape, self._strides, self.dtype, self.device = t.shape, t.stride(), t.dtype, t.device
+        self._address = t.data_ptr() if address == "address" else t.data_ptr() & 15 if address else None
+        self._storage = StorageFacts(t.untyped_storage().nbytes()) if address == "memory" else None
+
+    def stride(self, dim: int | None = None):
+        return self._strides if dim is None else self._strides[dim]
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    def data_ptr(self) -> int:
+        if self._address is None:
+            raise TypeError("the planning record holds no address for this tensor (only its shape, strides, dtype "
+                            "and device): a plan that depends on it must add it to the record")
+        return self._address
+
+    def untyped_storage(self) -> "StorageFacts":
+        if self._storage is None:
+            raise TypeError("the planning record holds no storage size for this tensor: a plan that depends on it "
+                            "must add it to the record")
+        return self._storage
+
+
+class StorageFacts(NamedTuple):
+    """A storage as a plan may know it: its size."""
+
+    size: int
+
+    def nbytes(self) -> int:
+        return self.size
+
+
+def _facts(value: Any, address: str | None, seen: dict[int, Any]) -> Any:
+    """``value`` with every tensor replaced by its :class:`TensorFacts` (one per tensor
+    object: which arguments are the same tensor is part of a structure)."""
+    if isinstance(value, torch.Tensor):
+        found = seen.get(id(value))
+        if found is None:
+            found = seen[id(value)] = TensorFacts(value, address)
+        return found
+    if type(value) is PackedCache:
+        packed = object.__new__(PackedCache)
+        packed.view = _facts(value.view, address, seen)
+        return packed
+    if type(value) is tuple:
+        return tuple(_facts(v, address, seen) for v in value)
+    if hasattr(value, "__dataclass_fields__") and any(isinstance(v, torch.Tensor) for v in vars(value).values()):
+        copy = object.__new__(type(value))  # a frozen dataclass of tensors (the weights): the same fields, as facts
+        copy.__dict__.update({k: _facts(v, None, seen) for k, v in vars(value).items()})
+        return copy
+    return value
+
+
+def call_facts(call) -> Any:
+    """``call`` (an op's call type) with every tensor replaced by its :class:`TensorFacts`;
+    its fields named in ``PLANNED_ADDRESSES`` keep the memory facts named there."""
+    addresses = getattr(type(call), "PLANNED_ADDRESSES", {})
+    seen: dict[int, Any] = {}
+    facts = object.__new__(type(call))
+    facts.__dict__.update({k: _facts(v, addresses.get(k), seen) for k, v in vars(call).items()})
+    return facts
+
+
+class RecordFields(NamedTuple):
+    """The fields of a :class:`PlanningRecord`: every one is part of the cache key."""
+
+    op: str  # the op's name
+    backend: str  # the backend asked for: "auto" or a name
+    structure: Any  # the call's structure (validation's Structure; None: built outside validation)
+    bounds: tuple  # host bounds that size launches
+    memory: tuple  # of the tensors plans specialise on: 16-byte alignment residues, storage sizes
+    platform: Platform
+    switches: Switches
+    settings: EngineSettings
+    tuning: int  # generation of the tuned tables (dflash_rocm.tuning)
+    deterministic: bool  # torch.are_deterministic_algorithms_enabled()
+
+
+class PlanningRecord(RecordFields):
+    """Everything planning may read (see the module). Equal records get the same plan;
+    :attr:`call` (set by :meth:`with_facts`) is derived from the fields."""
+
+    call: Any
+
+    @property
+    def keepable(self) -> bool:
+        """Whether a plan of this record may be kept (a call built outside validation
+        carries no structure)."""
+        return self.structure is not None
+
+    def replace(self, **fields: Any) -> "PlanningRecord":
+        """This record with ``fields`` changed (its facts kept: tests and tools that ask
+        what a plan would be under another platform or switch)."""
+        record = self._replace(**fields)
+        if "call" in vars(self):
+            record.call = self.call
+        return record
+
+    def with_facts(self, call) -> "PlanningRecord":
+        """This record with :attr:`call`: ``call``'s facts (what a plan reads)."""
+        record = PlanningRecord(*self)
+        record.call = call_facts(call)
+        return record
+
+
+def planning_record(op: str, backend: str, call) -> PlanningRecord:
+    """The record of ``call`` (of ``op``, for the backend asked for): see the module."""
+    structure, bounds, memory = call.planning_parts()
+    return _new(PlanningRecord, (op, backend, structure, bounds, memory, platform_for(call.device), switches(),
+                                 _settings, tuning.generation(), torch.are_deterministic_algorithms_enabled()))
+
+
+_new = tuple.__new__  # a NamedTuple's own __new__ is a Python function in front of this
+
+
+def record_for(op: str, backend: str, call) -> PlanningRecord:
+    """The record of ``call`` with its facts: what a plan made outside dispatch (a tool, a
+    tuner, a test that picks a configuration) receives."""
+    return planning_record(op, backend, call).with_facts(call)
