@@ -577,6 +577,40 @@ def test_index_tensors_of_either_int_width():
             assert torch.allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["views of one row", "one tensor", "views and another", "apart"])
+def test_per_layer_slot_mappings_that_are_views_of_one_row_are_one_mapping(layout):
+    """vLLM 0.34 passes each draft layer its own slice of its KV-cache group's slot row:
+    different tensor objects over the same memory. Validation makes them one mapping (one
+    object, as the structure counts them), so the plan passes it as is and every layer
+    reads its own slots; mappings that differ are stacked. Each layout twice, through
+    dispatch's kept plan, against the reference."""
+    g = make_generator(9, "cpu")
+    L = 3
+    w = make_weights(g, "cpu", L=L, Hk=1, D=16, H=24, R=16, is_neox=True, bias=False, v_scale=None,
+                     dtype=torch.float32)
+    states, positions = torch.randn(4, 24, generator=g), torch.arange(4)
+    group = torch.tensor([[5, 0, 9, 2], [1, 7, 3, 10]])  # two groups' slot rows
+    mappings = {"views of one row": [group[0][:] for _ in range(L)],
+                "one tensor": [group[0]] * L,
+                "views and another": [group[0][:], group[0][:], group[1]],
+                "apart": [group[0].clone(), group[1], group[0].flip(0)]}[layout]
+    call = dflash_rocm.ops.precompute.validation.precompute_call(
+        states, positions, w, [torch.zeros(3, 4, 1, 16) for _ in range(L)],
+        [torch.zeros(3, 4, 1, 16) for _ in range(L)], mappings)
+    shared = layout in ("views of one row", "one tensor")
+    assert (call.slot_mappings[0] is call.slot_mappings[2]) == shared
+    assert (call.slot_mappings[0] is call.slot_mappings[1]) == (layout != "apart")
+    for _ in range(2):
+        got = [torch.zeros(3, 4, 1, 16) for _ in range(2 * L)]
+        want = [torch.zeros(3, 4, 1, 16) for _ in range(2 * L)]
+        dflash_rocm.precompute_and_store_context_kv(states, positions, w, got[:L], got[L:], mappings,
+                                                    backend="triton")
+        dflash_rocm.precompute_and_store_context_kv(states, positions, w, want[:L], want[L:], mappings,
+                                                    backend="reference")
+        for a, b in zip(got, want):
+            assert torch.allclose(a, b, atol=1e-5)
+
+
 @pytest.mark.parametrize("block_n,window,fp16_dots", [(16, None, False), (32, 21, False), (16, None, True),
                                                       (32, 21, True)])
 def test_fp8_keys_widened_in_the_operand_layout_match_the_reference(block_n, window, fp16_dots):

@@ -142,30 +142,26 @@ def _table_in_graph(rows: list[tuple], device: torch.device) -> torch.Tensor:
 
 def shared_slot_layer(call: PrecomputeCall) -> int | None:
     """The first written layer when every written layer shares its slot mapping (one
-    tensor, passed as is), else None (the mappings are stacked per call)."""
+    object: validation makes equal views of one mapping one tensor, as vLLM 0.34's
+    per-layer slices of a group's row are), passed as is, so a call inside a CUDA graph
+    adds no copy; else None (:func:`stacked_slots`)."""
     written = call.written_layers
     if written and all(call.slot_mappings[i] is call.slot_mappings[written[0]] for i in written):
         return written[0]
     return None
 
 
-def slot_rows(call: PrecomputeCall) -> tuple[torch.Tensor | None, int]:
-    """(slot mapping, layer stride): the written layers' mappings as the kernel reads them,
-    row ``r`` of the table's written layer ``r`` at ``r * stride``. One mapping shared by
-    every written layer (one tensor, or equal views of one: vLLM 0.34 passes each layer
-    a slice of its group's row) is passed as is (stride 0), so a call inside a CUDA graph
-    adds no copy; different ones are stacked on the device (no host data), widened to
-    int64 when their dtypes differ. None: no layer is written."""
+def stacked_slots(call: PrecomputeCall) -> torch.Tensor | None:
+    """The written layers' different mappings as the kernel reads them when they are not
+    shared: row ``r`` of the table's written layer ``r`` at ``r * num_tokens``, stacked on
+    the device (no host data), widened to int64 when their dtypes differ. None: no layer
+    is written."""
     slots = [call.slot_mappings[i] for i in call.written_layers]
     if not slots:
-        return None, 0
-    first = slots[0]
-    if all(s is first or (s.data_ptr() == first.data_ptr() and s.shape == first.shape
-                          and s.stride() == first.stride() and s.dtype == first.dtype) for s in slots):
-        return first, 0
+        return None
     if len({s.dtype for s in slots}) > 1:
         slots = [s.to(torch.int64) for s in slots]
-    return torch.stack(slots), call.num_tokens
+    return torch.stack(slots)
 
 
 # The kernel's NoPE layers are the bits of one int64 constant.
@@ -257,7 +253,7 @@ class PrecomputePlan(Runner):
         if self.slot_layer is not None:
             slots = call.slot_mappings[self.slot_layer]
         else:
-            slots = slot_rows(call)[0]
+            slots = stacked_slots(call)
         part_acc, part_ss, counters = self.scratch.get(call.states.device)
         self.main.launch(
             x_ptr=call.states, w_ptr=fused.weight, row_scale_ptr=fused.row_scale,

@@ -8,6 +8,7 @@ for CPU tensors, as device-side asserts for GPU tensors, skipped by ``validate=F
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Hashable
 
 import torch
 
@@ -90,7 +91,7 @@ def bound_precompute_call(model: ModelArguments, context_states, positions, slot
     elif isinstance(slot_mapping, torch.Tensor):
         slots = (_contiguous(slot_mapping),) * L
     else:
-        slots = tuple(None if s is None else _contiguous(s) for s in slot_mapping)
+        slots = _one_object_per_mapping(tuple(None if s is None else _contiguous(s) for s in slot_mapping))
     kcs = tuple(key_caches) if key_caches is not None else (None,) * L
     vcs = tuple(value_caches) if value_caches is not None else (None,) * L
     device = context_states.device
@@ -138,11 +139,31 @@ def _weights_signature(weights) -> tuple:
 
 def _sequence(value) -> tuple:
     """The signature of an argument that may be a sequence (per-layer slots), with which
-    entries are the same object (layers sharing a mapping may not share a cache)."""
+    entries are the same mapping (:func:`_mapping_identity`; layers sharing a mapping may
+    not share a cache, and a plan passes a shared mapping as is)."""
     if isinstance(value, (list, tuple)):
-        firsts: dict[int, int] = {}
-        return signature(value), tuple(firsts.setdefault(id(v), i) for i, v in enumerate(value))
+        firsts: dict = {}
+        return signature(value), tuple(firsts.setdefault(_mapping_identity(v), i) for i, v in enumerate(value))
     return signature(value)
+
+
+def _mapping_identity(t) -> Hashable:
+    """What makes two per-layer slot mappings one: the same tensor, or views of the same
+    memory with the same shape, strides and dtype (vLLM 0.34 passes each layer its own
+    slice of its KV-cache group's row)."""
+    if isinstance(t, torch.Tensor):
+        return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device
+    return id(t)
+
+
+def _one_object_per_mapping(slots: tuple) -> tuple:
+    """``slots`` with every mapping that is one with an earlier layer's
+    (:func:`_mapping_identity`) replaced by that layer's tensor, so that backends (and the
+    planning record's facts) see shared mappings as one object, as the structure counts them."""
+    if len(slots) < 2:
+        return slots
+    firsts: dict = {}
+    return tuple(None if s is None else firsts.setdefault(_mapping_identity(s), s) for s in slots)
 
 
 def _caches(value) -> tuple:
