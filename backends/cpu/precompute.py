@@ -97,14 +97,17 @@ def _prepare(w: ContextKVWeights) -> PreparedWeights:
     key_bound = H ** 0.5 * (rows.double().norm(dim=1) * scale).view(L, 2, Hk * D)[:, 0]
     if w.kv_bias is not None:
         key_bound = key_bound + w.kv_bias.detach().double().abs().view(L, 2, Hk * D)[:, 0]
-    dtype = torch.float32 if wide_states else gemm_dtype(w.dtype)
+    wide_keys = float(key_bound.max()) > limit
+    # A GEMM in the states' dtype (oneDNN's, on AVX512-FP16/AMX CPUs) rounds its output to
+    # that dtype: K that may pass its range is projected in float32.
+    dtype = torch.float32 if wide_states or wide_keys else gemm_dtype(w.dtype)
     # Detached: parameters that require grad (a live model's) are read without grad.
     return PreparedWeights(
         weight_t=(rows if folded else w.kv_weight).detach().to(dtype).t().contiguous(),
         bias=None if w.kv_bias is None else w.kv_bias.detach().to(dtype).contiguous(),
         hidden_norm=None if folded else w.hidden_norm_weight.detach().float().contiguous(),
         row_scale=scale if folded and bool((scale != 1).any()) else None,
-        wide_states=wide_states, wide_keys=float(key_bound.max()) > limit,
+        wide_states=wide_states, wide_keys=wide_keys,
         k_norm=w.k_norm_weight.detach().float().view(1, L, 1, D).contiguous(),
         # vLLM's rotary kernel reads the table in the activations' dtype.
         rope=_rope_table(w.cos_sin_cache.to(w.dtype), w.is_neox), eps=torch.tensor(float(w.eps)))

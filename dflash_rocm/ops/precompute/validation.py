@@ -251,10 +251,11 @@ def _check_structure(context_states, positions, weights, key_caches, value_cache
 
 
 def _check_indices(checks: IndexChecks, positions, max_position, slots, caches) -> None:
-    checks.require((positions >= 0) & (positions < max_position),
-                   f"positions: expected values in [0, max_position={max_position}) (rows of weights.cos_sin_cache)",
-                   lambda i: f"positions: expected values in [0, max_position={max_position}) (rows of "
-                             f"weights.cos_sin_cache); got {int(positions[i])} at [{i[0]}]")
+    checks.require_range(positions, 0, max_position,
+                         f"positions: expected values in [0, max_position={max_position}) "
+                         "(rows of weights.cos_sin_cache)",
+                         lambda i: f"positions: expected values in [0, max_position={max_position}) (rows of "
+                                   f"weights.cos_sin_cache); got {int(positions[i])} at [{i[0]}]")
     seen: set[tuple[int, int]] = set()
     for layer, s in enumerate(slots):
         if s is None:
@@ -263,11 +264,12 @@ def _check_indices(checks: IndexChecks, positions, max_position, slots, caches) 
         if (id(s), capacity) in seen:
             continue
         seen.add((id(s), capacity))
-        checks.require((s >= -1) & (s < capacity),
-                       f"slot_mapping for layer {layer}: expected slots in [-1, num_blocks*block_size={capacity})",
-                       lambda i, s=s, layer=layer, capacity=capacity: (
-                           f"slot_mapping for layer {layer}: expected slots in [-1, num_blocks*block_size={capacity}) "
-                           f"(-1 skips a token); got {int(s[i])} at [{i[0]}]"))
+        checks.require_range(s, -1, capacity,
+                             f"slot_mapping for layer {layer}: expected slots in "
+                             f"[-1, num_blocks*block_size={capacity})",
+                             lambda i, s=s, layer=layer, capacity=capacity: (
+                                 f"slot_mapping for layer {layer}: expected slots in [-1, "
+                                 f"num_blocks*block_size={capacity}) (-1 skips a token); got {int(s[i])} at [{i[0]}]"))
 
 
 def _check_caches_apart(key_caches: list, value_caches: list, layers: list[int], slots) -> None:
