@@ -33,13 +33,18 @@ logger = logging.getLogger("dflash_rocm")
 @dataclass(frozen=True)
 class FusedKVWeights:
     """The K/V rows with their layer's hidden norm weight folded in and each K head's rows
-    permuted so RoPE pairs are adjacent; bias permuted alike; float32 norm weight and cos/sin."""
+    permuted so RoPE pairs are adjacent; bias permuted alike; float32 norm weight and cos/sin.
 
-    weight: torch.Tensor  # [L*2*Hk*D, H], states dtype, contiguous
-    row_scale: torch.Tensor  # [L*2*Hk*D] float32: the power of two each folded row was divided by
+    fp8 rows cannot take the norm weight without being quantized again: they are kept as
+    they are (permuted alike, still fp8, half the bytes of bf16 rows), ``row_scale`` holds
+    their weight scales, and the kernel applies ``hidden_norm`` to the states it loads."""
+
+    weight: torch.Tensor  # [L*2*Hk*D, H], states dtype (fp8 rows: their fp8 dtype), contiguous
+    row_scale: torch.Tensor  # [L*2*Hk*D] float32: the power of two each folded row was divided by (fp8: its scale)
     bias: torch.Tensor | None  # [L*2*Hk*D] float32
     k_norm: torch.Tensor  # [L, D] float32, original dim order
     cos_sin: torch.Tensor  # [max_position, R] float32, contiguous
+    hidden_norm: torch.Tensor | None = None  # fp8 rows: [1 or L, H] float32, the hidden norm weight (else folded)
 
 
 def rope_pair_order(head_dim: int, rotary_dim: int, is_neox: bool, device: torch.device) -> torch.Tensor:
@@ -60,15 +65,25 @@ _FUSED = DerivedCache()
 
 def fused_weights(w: ContextKVWeights) -> FusedKVWeights:
     """This backend's layout of ``w``, rebuilt whenever a source tensor changes."""
-    sources = (w.kv_weight, w.hidden_norm_weight, w.kv_bias, w.k_norm_weight, w.cos_sin_cache)
-    return _FUSED.get(sources, (w.num_layers, w.num_kv_heads, w.head_dim, w.is_neox), _fuse, w)
+    return _FUSED.get(derived_sources(w), (w.num_layers, w.num_kv_heads, w.head_dim, w.is_neox), _fuse, w)
+
+
+def derived_sources(w: ContextKVWeights) -> tuple:
+    """The tensors :func:`fused_weights` derives from."""
+    return (w.kv_weight, w.hidden_norm_weight, w.kv_bias, w.k_norm_weight, w.cos_sin_cache, w.kv_weight_scale)
 
 
 def _fuse(w: ContextKVWeights) -> FusedKVWeights:
     L, Hk, D = w.num_layers, w.num_kv_heads, w.head_dim
     order = rope_pair_order(D, w.rotary_dim, w.is_neox, w.device)
-    rows, row_scale = w.folded_kv_weight()
-    rows, row_scale = rows.view(L, 2, Hk, D, -1), row_scale.view(L, 2, Hk, D)
+    hidden_norm = None
+    if w.quantized:  # fp8 rows stay fp8 (permuted as bytes: torch indexes no fp8); the norm applies to the states
+        rows = w.kv_weight.detach().view(torch.uint8).clone().view(L, 2, Hk, D, -1)
+        row_scale = w.row_scales().clone().view(L, 2, Hk, D)
+        hidden_norm = w.hidden_norm_weight.detach().float().reshape(-1, w.hidden_size).contiguous()
+    else:
+        rows, row_scale = w.folded_kv_weight()
+        rows, row_scale = rows.view(L, 2, Hk, D, -1), row_scale.view(L, 2, Hk, D)
     rows[:, 0] = rows[:, 0, :, order]
     row_scale[:, 0] = row_scale[:, 0, :, order]
     bias = None
@@ -76,9 +91,11 @@ def _fuse(w: ContextKVWeights) -> FusedKVWeights:
         bias = w.kv_bias.float().view(L, 2, Hk, D).clone()
         bias[:, 0] = bias[:, 0, :, order]
         bias = bias.reshape(-1).contiguous()
-    return FusedKVWeights(weight=rows.reshape(L * 2 * Hk * D, -1).to(w.dtype).contiguous(),
+    rows = rows.reshape(L * 2 * Hk * D, -1)
+    return FusedKVWeights(weight=(rows.view(w.dtype) if w.quantized else rows.to(w.dtype)).contiguous(),
                           row_scale=row_scale.reshape(-1).contiguous(), bias=bias,
-                          k_norm=w.k_norm_weight.float().contiguous(), cos_sin=w.cos_sin_cache.float().contiguous())
+                          k_norm=w.k_norm_weight.float().contiguous(), cos_sin=w.cos_sin_cache.float().contiguous(),
+                          hidden_norm=hidden_norm)
 
 
 # Smallest normal exponent of each fp8 cache format (e4m3fn bias 7, e4m3fnuz bias 8).
@@ -178,6 +195,12 @@ def variant_constexprs(call: PrecomputeCall) -> dict:
                 K_ROUND_DTYPE=TL_DTYPES[call.dtype] if rounds else None)
 
 
+def weight_constexprs(w: ContextKVWeights) -> dict:
+    """The fp8-row switches: off (the kernel's defaults, which compile to the kernel
+    without them) for float rows. Passed always: the compiled launcher takes every constexpr."""
+    return dict(FP8_WEIGHTS=w.quantized, PER_LAYER_NORM=w.quantized and w.per_layer_hidden_norm)
+
+
 def precompute_config_for(call: PrecomputeCall, platform: Platform) -> PrecomputeLaunchConfig:
     """The portable table's choice for ``call`` (or its facts) on ``platform``."""
     w = call.weights
@@ -257,6 +280,7 @@ class PrecomputePlan(Runner):
         part_acc, part_ss, counters = self.scratch.get(call.states.device)
         self.main.launch(
             x_ptr=call.states, w_ptr=fused.weight, row_scale_ptr=fused.row_scale,
+            hidden_norm_ptr=fused.hidden_norm if fused.hidden_norm is not None else dummy,
             part_acc_ptr=part_acc if part_acc is not None else dummy,
             part_ss_ptr=part_ss if part_ss is not None else dummy,
             counters_ptr=counters if counters is not None else dummy, positions_ptr=call.positions,
@@ -270,9 +294,7 @@ class PrecomputePlan(Runner):
 
 def source_versions(w: ContextKVWeights) -> tuple:
     """The version counters of the tensors :func:`fused_weights` derives from."""
-    bias = w.kv_bias
-    return (w.kv_weight._version, w.hidden_norm_weight._version, None if bias is None else bias._version,
-            w.k_norm_weight._version, w.cos_sin_cache._version)
+    return tuple(None if t is None else t._version for t in derived_sources(w))
 
 
 def plan_precompute(record: PlanningRecord, config: PrecomputeLaunchConfig) -> PrecomputePlan:
@@ -300,14 +322,14 @@ def plan_precompute(record: PlanningRecord, config: PrecomputeLaunchConfig) -> P
     parts = split_tiles * (1 if atomic_sum else split_k) * config.block_t  # rows of the partials
     # the tensors the plan (and the fused weights it checks) keeps: specialised once
     kept = ("w_ptr", "row_scale_ptr", "k_norm_ptr", "cos_sin_ptr", "meta_ptr") + (
-        ("bias_ptr",) if w.kv_bias is not None else ()) + (
+        ("bias_ptr",) if w.kv_bias is not None else ()) + (("hidden_norm_ptr",) if w.quantized else ()) + (
         ("part_acc_ptr", "part_ss_ptr", "counters_ptr") if split_tiles else ())
     main = LaunchPlan(
         context_kv_kernel, (whole + split_tiles * split_k,), compiler_options(config),
         # the kernel's tensor parameters, which PrecomputePlan.launch passes by name
-        ("x_ptr", "w_ptr", "row_scale_ptr", "part_acc_ptr", "part_ss_ptr", "counters_ptr", "positions_ptr",
-         "bias_ptr", "k_norm_ptr", "cos_sin_ptr", "meta_ptr", "slots_ptr", "k_scales_ptr", "v_scales_ptr",
-         "out_k_ptr", "out_v_ptr"),
+        ("x_ptr", "w_ptr", "row_scale_ptr", "hidden_norm_ptr", "part_acc_ptr", "part_ss_ptr", "counters_ptr",
+         "positions_ptr", "bias_ptr", "k_norm_ptr", "cos_sin_ptr", "meta_ptr", "slots_ptr", "k_scales_ptr",
+         "v_scales_ptr", "out_k_ptr", "out_v_ptr"),
         dict(stride_slot_layer=0 if slot_layer is not None or not call.writes else N, N=N, H=w.hidden_size,
              stride_xt=x.stride(0), stride_xh=x.stride(1),
              stride_cs=w.rotary_dim,  # the fused float32 table is contiguous
@@ -324,7 +346,7 @@ def plan_precompute(record: PlanningRecord, config: PrecomputeLaunchConfig) -> P
              V_ALIGNED=all(aligned_runs(call.value_caches[i]) for i in call.written_layers),
              K_ROW_PACK=k_rows, K_DIM_PACK=k_dims, V_ROW_PACK=v_rows, V_DIM_PACK=v_dims,
              SLOTS_I32=slots_fit_int32(call), CACHE_BLOCK=shared_block_size(call), EXACT_FP8_ROUND=INTERPRETING,
-             FP32_MATH=fp32_math(dtype), **variant_constexprs(call)), kept=kept)
+             FP32_MATH=fp32_math(dtype), **variant_constexprs(call), **weight_constexprs(w)), kept=kept)
     scratch = PlanScratch(((parts * block_d, torch.float32), (parts, torch.float32)), split_tiles,
                           kept_sums=atomic_sum)
     return PrecomputePlan(config, main, atomic_sum, cache_table(call), scratch, slot_layer)
