@@ -75,7 +75,9 @@ def test_fp8_rows_stay_fp8_in_the_fused_layout():
     assert torch.equal(got.weight.float(), float_rows.weight)  # the same permutation
     permuted_scales = fused_weights(dataclasses.replace(ones, kv_weight=fp8.kv_weight_scale[:, None].expand(-1, 32)))
     assert torch.equal(got.row_scale, permuted_scales.weight[:, 0])
-    assert torch.equal(got.hidden_norm, dense.hidden_norm_weight)
+    norm = got.scale_table[:-got.row_scale.numel()].view(2, 32)  # the norm weight, right before the row scales
+    assert got.row_scale.data_ptr() == got.scale_table.data_ptr() + norm.numel() * 4
+    assert torch.equal(norm, dense.hidden_norm_weight)
 
 
 @given(precompute_cases(CPU_SIZES, packings=PACKINGS))

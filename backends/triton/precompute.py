@@ -37,14 +37,18 @@ class FusedKVWeights:
 
     fp8 rows cannot take the norm weight without being quantized again: they are kept as
     they are (permuted alike, still fp8, half the bytes of bf16 rows), ``row_scale`` holds
-    their weight scales, and the kernel applies ``hidden_norm`` to the states it loads."""
+    their weight scales, and the kernel applies the hidden norm weight to the states it
+    loads. That weight sits in ``scale_table`` right before the row scales (``row_scale``
+    is a view of its tail), so the kernel finds it at ``row_scale_ptr - NORM_ROWS * H``: the
+    float rows' kernel keeps its parameters, and its compiled code, unchanged."""
 
     weight: torch.Tensor  # [L*2*Hk*D, H], states dtype (fp8 rows: their fp8 dtype), contiguous
     row_scale: torch.Tensor  # [L*2*Hk*D] float32: the power of two each folded row was divided by (fp8: its scale)
     bias: torch.Tensor | None  # [L*2*Hk*D] float32
     k_norm: torch.Tensor  # [L, D] float32, original dim order
     cos_sin: torch.Tensor  # [max_position, R] float32, contiguous
-    hidden_norm: torch.Tensor | None = None  # fp8 rows: [1 or L, H] float32, the hidden norm weight (else folded)
+    # fp8 rows: float32 [(1 or L) * H + L*2*Hk*D], the hidden norm weight's rows then the row scales
+    scale_table: torch.Tensor | None = None
 
 
 def rope_pair_order(head_dim: int, rotary_dim: int, is_neox: bool, device: torch.device) -> torch.Tensor:
@@ -76,11 +80,12 @@ def derived_sources(w: ContextKVWeights) -> tuple:
 def _fuse(w: ContextKVWeights) -> FusedKVWeights:
     L, Hk, D = w.num_layers, w.num_kv_heads, w.head_dim
     order = rope_pair_order(D, w.rotary_dim, w.is_neox, w.device)
-    hidden_norm = None
+    table = None
     if w.quantized:  # fp8 rows stay fp8 (permuted as bytes: torch indexes no fp8); the norm applies to the states
         rows = w.kv_weight.detach().view(torch.uint8).clone().view(L, 2, Hk, D, -1)
-        row_scale = w.row_scales().clone().view(L, 2, Hk, D)
-        hidden_norm = w.hidden_norm_weight.detach().float().reshape(-1, w.hidden_size).contiguous()
+        norm = w.hidden_norm_weight.detach().float().reshape(-1)
+        table = torch.cat((norm, w.row_scales().float()))
+        row_scale = table[norm.numel():].view(L, 2, Hk, D)
     else:
         rows, row_scale = w.folded_kv_weight()
         rows, row_scale = rows.view(L, 2, Hk, D, -1), row_scale.view(L, 2, Hk, D)
@@ -93,9 +98,9 @@ def _fuse(w: ContextKVWeights) -> FusedKVWeights:
         bias = bias.reshape(-1).contiguous()
     rows = rows.reshape(L * 2 * Hk * D, -1)
     return FusedKVWeights(weight=(rows.view(w.dtype) if w.quantized else rows.to(w.dtype)).contiguous(),
-                          row_scale=row_scale.reshape(-1).contiguous(), bias=bias,
-                          k_norm=w.k_norm_weight.float().contiguous(), cos_sin=w.cos_sin_cache.float().contiguous(),
-                          hidden_norm=hidden_norm)
+                          row_scale=row_scale.reshape(-1) if w.quantized else row_scale.reshape(-1).contiguous(),
+                          bias=bias, k_norm=w.k_norm_weight.float().contiguous(),
+                          cos_sin=w.cos_sin_cache.float().contiguous(), scale_table=table)
 
 
 # Smallest normal exponent of each fp8 cache format (e4m3fn bias 7, e4m3fnuz bias 8).
@@ -198,7 +203,8 @@ def variant_constexprs(call: PrecomputeCall) -> dict:
 def weight_constexprs(w: ContextKVWeights) -> dict:
     """The fp8-row switches: off (the kernel's defaults, which compile to the kernel
     without them) for float rows. Passed always: the compiled launcher takes every constexpr."""
-    return dict(FP8_WEIGHTS=w.quantized, PER_LAYER_NORM=w.quantized and w.per_layer_hidden_norm)
+    return dict(FP8_WEIGHTS=w.quantized,
+                NORM_ROWS=(w.num_layers if w.per_layer_hidden_norm else 1) if w.quantized else 0)
 
 
 def precompute_config_for(call: PrecomputeCall, platform: Platform) -> PrecomputeLaunchConfig:
@@ -280,7 +286,6 @@ class PrecomputePlan(Runner):
         part_acc, part_ss, counters = self.scratch.get(call.states.device)
         self.main.launch(
             x_ptr=call.states, w_ptr=fused.weight, row_scale_ptr=fused.row_scale,
-            hidden_norm_ptr=fused.hidden_norm if fused.hidden_norm is not None else dummy,
             part_acc_ptr=part_acc if part_acc is not None else dummy,
             part_ss_ptr=part_ss if part_ss is not None else dummy,
             counters_ptr=counters if counters is not None else dummy, positions_ptr=call.positions,
@@ -322,14 +327,14 @@ def plan_precompute(record: PlanningRecord, config: PrecomputeLaunchConfig) -> P
     parts = split_tiles * (1 if atomic_sum else split_k) * config.block_t  # rows of the partials
     # the tensors the plan (and the fused weights it checks) keeps: specialised once
     kept = ("w_ptr", "row_scale_ptr", "k_norm_ptr", "cos_sin_ptr", "meta_ptr") + (
-        ("bias_ptr",) if w.kv_bias is not None else ()) + (("hidden_norm_ptr",) if w.quantized else ()) + (
+        ("bias_ptr",) if w.kv_bias is not None else ()) + (
         ("part_acc_ptr", "part_ss_ptr", "counters_ptr") if split_tiles else ())
     main = LaunchPlan(
         context_kv_kernel, (whole + split_tiles * split_k,), compiler_options(config),
         # the kernel's tensor parameters, which PrecomputePlan.launch passes by name
-        ("x_ptr", "w_ptr", "row_scale_ptr", "hidden_norm_ptr", "part_acc_ptr", "part_ss_ptr", "counters_ptr",
-         "positions_ptr", "bias_ptr", "k_norm_ptr", "cos_sin_ptr", "meta_ptr", "slots_ptr", "k_scales_ptr",
-         "v_scales_ptr", "out_k_ptr", "out_v_ptr"),
+        ("x_ptr", "w_ptr", "row_scale_ptr", "part_acc_ptr", "part_ss_ptr", "counters_ptr", "positions_ptr",
+         "bias_ptr", "k_norm_ptr", "cos_sin_ptr", "meta_ptr", "slots_ptr", "k_scales_ptr", "v_scales_ptr",
+         "out_k_ptr", "out_v_ptr"),
         dict(stride_slot_layer=0 if slot_layer is not None or not call.writes else N, N=N, H=w.hidden_size,
              stride_xt=x.stride(0), stride_xh=x.stride(1),
              stride_cs=w.rotary_dim,  # the fused float32 table is contiguous

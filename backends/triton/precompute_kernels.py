@@ -12,9 +12,11 @@ With ``HEADS = 2`` it computes the K and the V tile of one (layer, KV head) from
 loads of ``x`` (the reads of ``x`` through L2 halve; no split then).
 ``FP8_WEIGHTS``: the rows are fp8 (half the bytes of bf16 rows), which cannot take the norm
 weight without being quantized again: each trip multiplies the loaded states by the norm
-weight's columns (of the program's layer with ``PER_LAYER_NORM``) in float32, rounds them
-to the dot's dtype, widens the fp8 tile to it, and the row scale the epilogue applies is
-the rows' weight scale (:func:`_normalised`). Off, the kernel is the one without it.
+weight's columns (of the program's layer when ``NORM_ROWS`` is the layer count) in
+float32, rounds them to the dot's dtype, widens the fp8 tile to it, and the row scale the
+epilogue applies is the rows' weight scale (:func:`_normalised`). The norm weight's
+``NORM_ROWS`` rows of ``H`` sit right before the row scales in one table (so the kernel
+keeps its parameters). Off, the kernel is the one without it.
 Tiles (a token tile of one head row, or pair) are numbered token tile fastest, then head rows.
 The first ``whole_tiles`` run whole, one program each; the hidden size of every later
 tile is split ``SPLIT_K`` ways, one program per part. Splitting all tiles serves a
@@ -428,8 +430,8 @@ def context_kv_kernel(
     x_ptr,  # [N, H] context states: float16, bfloat16 or float32
     w_ptr,  # [L * 2 * HK * D, H] the states' dtype: K/V weight rows, hidden norm folded in, K rows permuted
     #   (FP8_WEIGHTS: fp8 rows, K rows permuted, no norm folded in)
-    row_scale_ptr,  # [L * 2 * HK * D] float32: the power of two each folded row was divided by (fp8: its scale)
-    hidden_norm_ptr,  # [1 or L, H] float32: the hidden norm weight (FP8_WEIGHTS; else folded into the rows)
+    row_scale_ptr,  # [L * 2 * HK * D] float32: the power of two each folded row was divided by (fp8: its scale;
+    #   FP8_WEIGHTS: preceded in memory by the [NORM_ROWS, H] float32 hidden norm weight)
     part_acc_ptr,  # [split tiles * (1 or SPLIT_K) * BLOCK_T, BLOCK_D] float32: split tiles' partial sums
     part_ss_ptr,  # [split tiles * (1 or SPLIT_K) * BLOCK_T] float32: their partial sums of squares
     counters_ptr,  # [split tiles] int32: arrivals per split tile, left zero (MERGE_IN_KERNEL)
@@ -490,7 +492,7 @@ def context_kv_kernel(
     NOPE_LAYERS: tl.constexpr = 0,  # bit l set: layer l's K is not rotated (0: every layer's is)
     K_ROUND_DTYPE: tl.constexpr = None,  # dtype the normed K is rounded to before RoPE (None: kept float32)
     FP8_WEIGHTS: tl.constexpr = False,  # w_ptr holds fp8 rows: the norm weight multiplies the states per trip
-    PER_LAYER_NORM: tl.constexpr = False,  # FP8_WEIGHTS with an [L, H] norm weight: the program's layer's row
+    NORM_ROWS: tl.constexpr = 0,  # FP8_WEIGHTS: rows of the norm weight, 1 ([H]) or L ([L, H]: each layer its own)
 ):
     tile, pid_k, parts = _program_tile(tl.program_id(0), tl.num_programs(0), whole_tiles, NUM_XCDS, SPLIT_K,
                                        HAS_WHOLE)
@@ -504,11 +506,11 @@ def context_kv_kernel(
     c_ok = c < D
     x_rows = x_ptr + t.to(tl.int64) * stride_xt
     w_rows = w_ptr + (head_row * D + c).to(tl.int64) * H
-    if FP8_WEIGHTS:
-        if PER_LAYER_NORM:  # every head row of the program is of one layer
-            norm_row = hidden_norm_ptr + (head_row // (2 * HK)) * H
-        else:
-            norm_row = hidden_norm_ptr
+    if FP8_WEIGHTS:  # the norm weight's rows end where the row scales begin
+        if NORM_ROWS == 1:
+            norm_row = row_scale_ptr - H
+        else:  # every head row of the program is of one layer
+            norm_row = row_scale_ptr - (NORM_ROWS - head_row // (2 * HK)).to(tl.int64) * H
     k_per = tl.cdiv(tl.cdiv(H, parts), BLOCK_K) * BLOCK_K
     k_lo = pid_k * k_per
     k_hi = tl.minimum(H, k_lo + k_per)
