@@ -328,6 +328,35 @@ def test_which_backend_reads_fp8_rows_follows_the_plugins_choice(monkeypatch):
     assert draft_weights._fp8_rows_read(torch.float8_e4m3fn, cpu)  # auto: the cpu backend dequantizes once
     monkeypatch.setenv(envs.BACKEND.name, "cuda")  # unavailable here: nothing reads them
     assert not draft_weights._fp8_rows_read(torch.float8_e4m3fn, cpu)
+    monkeypatch.setenv(envs.BACKEND.name, "reference")  # named: it reads them
+    assert draft_weights._fp8_rows_read(torch.float8_e4m3fn, cpu)
+
+
+def test_auto_passes_over_backends_that_do_not_read_fp8_rows_but_never_to_the_reference(monkeypatch):
+    """A GPU whose first backend (cuda) does not read fp8 rows: auto's next (triton) does,
+    so they are kept; with no backend but the reference left, they are dequantized."""
+    from dflash_rocm import dispatch, platform, registry
+    from dflash_rocm.backend import Backend
+    from dflash_rocm.vllm_plugin import draft_weights
+
+    monkeypatch.setattr(platform, "platform_for", lambda device: platform.platform_for_arch("sm_90"))
+
+    gpu = torch.device("cuda")
+    available = {"cuda", "triton"}
+    real = dispatch.backend
+
+    def backend(name):
+        found = real(name)
+        if found is None:
+            return None
+        return type(name, (found,), {"device_not_supported_reasons": classmethod(
+            lambda cls, device, platform: [] if name in available else ["not here"])})
+    monkeypatch.setattr(dispatch, "backend", backend)
+    monkeypatch.setattr(registry, "priority_for", lambda platform, device_type: ("cuda", "triton", "reference"))
+    assert issubclass(backend("cuda"), Backend)
+    assert draft_weights._fp8_rows_read(torch.float8_e4m3fn, gpu)
+    available.discard("triton")
+    assert not draft_weights._fp8_rows_read(torch.float8_e4m3fn, gpu)
 
 
 def test_a_reload_of_fp8_rows_held_as_they_are_writes_the_new_codes_and_scales_in_place():

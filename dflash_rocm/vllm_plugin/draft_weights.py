@@ -96,20 +96,25 @@ class QuantizedKV:
 
 
 def _fp8_rows_read(fmt: torch.dtype, device: torch.device) -> bool:
-    """Whether the backend the plugin's precompute gets on ``device`` (the environment's
-    choice, else ``auto``'s first available) reads fp8 rows of ``fmt`` as they are."""
+    """Whether a backend the plugin's precompute gets on ``device`` reads fp8 rows of
+    ``fmt`` as they are: the environment's named backend, else any of ``auto``'s that is
+    available here and implements the precompute (auto passes over one that does not read
+    them), the reference excepted (a last resort, not a reason to keep fp8 rows)."""
     from .. import dispatch, registry
     from ..ops import PRECOMPUTE
     from ..platform import platform_for
 
     platform = platform_for(device)
     name = dispatch.resolve_name(None)
-    for candidate in registry.priority_for(platform, device.type) if name == "auto" else (name,):
+    candidates = [n for n in registry.priority_for(platform, device.type) if n != "reference"] if (
+        name == "auto") else [name]
+    for candidate in candidates:
         backend = dispatch.backend(candidate)
-        if backend is None or backend.device_not_supported_reasons(device, platform):
+        impl = None if backend is None else backend.implementation(PRECOMPUTE)
+        if impl is None or backend.device_not_supported_reasons(device, platform):
             continue
-        impl = backend.implementation(PRECOMPUTE)
-        return impl is not None and not impl.weight_reasons(fmt, platform)
+        if not impl.weight_reasons(fmt, platform):
+            return True
     return False
 
 
