@@ -153,11 +153,25 @@ class PrecomputeImplementation(Implementation):
     returns ``(k, v)`` iff ``call.return_kv``."""
 
     op = PRECOMPUTE
+    # The fp8 formats of quantized K/V rows (ContextKVWeights.kv_weight_scale) the
+    # implementation reads; none: it serves float rows only.
+    WEIGHT_FP8_DTYPES: ClassVar[tuple[torch.dtype, ...]] = ()
 
     @classmethod
     def not_supported_reasons(cls, call: PrecomputeCall, platform: Platform) -> list[str]:
-        return cls.common_reasons(platform, call.dtype, call.cache_dtype, call.weights.head_dim, call.packing,
-                                  "context_states")
+        reasons = cls.common_reasons(platform, call.dtype, call.cache_dtype, call.weights.head_dim, call.packing,
+                                     "context_states")
+        if call.weights.quantized:
+            reasons += cls.weight_reasons(call.weights.dtype, platform)
+        return reasons
+
+    @classmethod
+    def weight_reasons(cls, weight_dtype: torch.dtype, platform: Platform) -> list[str]:
+        """Why fp8 K/V rows of ``weight_dtype`` are not read here (empty: they are)."""
+        if weight_dtype in cls.WEIGHT_FP8_DTYPES:
+            return []
+        return [f"{dtype_name(weight_dtype)} K/V weights (kv_weight_scale) not supported: dequantize them to "
+                "float rows for this backend"]
 
 
 class Backend:

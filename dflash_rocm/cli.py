@@ -366,7 +366,8 @@ def cmd_inspect(args) -> int:
                          contexts=tuple(args.context or run.sweep.ATTENTION_CONTEXTS),
                          tokens=tuple(args.tokens or run.sweep.PRECOMPUTE_TOKENS),
                          extras=not (args.batch or args.context),
-                         packed=not (args.batch or args.context or args.tokens), planned=tuple(args.planned or ()))
+                         packed=not (args.batch or args.context or args.tokens), planned=tuple(args.planned or ()),
+                         weights=tuple(args.weight_dtype or ("bf16",)))
     cache = FactsCache(None if args.no_cache else (args.cache_dir or default_cache_dir()))
     audit = run.run_audit(plan, cache, jobs=args.jobs, progress=None if args.quiet else _progress_bar)
     text = report.format_results(audit) if not args.tp else join_blocks(
@@ -507,6 +508,9 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--target", action="append", choices=list(TARGETS), help="GPU target (repeatable)")
     inspect.add_argument("--op", action="append", choices=["attention", "precompute"], help="only this operation")
     inspect.add_argument("--kv", action="append", choices=["bf16", "fp8"], help="KV cache dtype (repeatable)")
+    inspect.add_argument("--weight-dtype", action="append", choices=["bf16", "fp8"],
+                         help="the precompute's K/V weight rows (repeatable; default bf16): fp8 = the target's fp8 "
+                              "format with per-channel scales, read as they are")
     inspect.add_argument("--batch", type=positive_int_list, help="attention batches, e.g. 1,8,64")
     inspect.add_argument("--context", type=positive_int_list, help="attention context lengths, e.g. 1024,8192")
     inspect.add_argument("--tokens", type=positive_int_list, help="precompute context tokens, e.g. 16,256")

@@ -41,11 +41,12 @@ class Cost:
 
 
 def precompute_cost(*, hidden: int, layers: int, kv_heads: int, head_dim: int, num_tokens: int,
-                    elem_bytes: int, cache_bytes: int) -> Cost:
-    """Weights once, states once, every layer's K and V written once (plus positions, slots)."""
+                    elem_bytes: int, cache_bytes: int, weight_bytes: int | None = None) -> Cost:
+    """Weights once (``weight_bytes`` each: 1 for fp8 rows; default ``elem_bytes``), states
+    once, every layer's K and V written once (plus positions, slots)."""
     rows = layers * 2 * kv_heads * head_dim
-    moved = (rows * hidden * elem_bytes + num_tokens * hidden * elem_bytes + 16 * num_tokens
-             + rows * num_tokens * cache_bytes)
+    moved = (rows * hidden * (elem_bytes if weight_bytes is None else weight_bytes)
+             + num_tokens * hidden * elem_bytes + 16 * num_tokens + rows * num_tokens * cache_bytes)
     return Cost(moved, 2.0 * num_tokens * hidden * rows)
 
 

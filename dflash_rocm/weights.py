@@ -9,7 +9,7 @@ from typing import Sequence
 
 import torch
 
-from .contract import QUERY_DTYPES
+from .contract import FP8_DTYPES, QUERY_DTYPES, dtype_name
 
 # Folded K/V rows are kept within float16's largest value (ContextKVWeights.folded_kv_weight).
 FOLD_ROW_LIMIT = 65504.0
@@ -36,6 +36,15 @@ class ContextKVWeights:
       listed in a Ricursive draft's ``no_rope_layers`` are False: their K stays un-rotated.
     - ``round_k_before_rope``: the normed K is rounded to the states' dtype before RoPE
       (DFlash2 Beam's precompute rounds there).
+
+    Quantized K/V rows: ``kv_weight`` may be fp8 (``float8_e4m3fn``, or
+    ``float8_e4m3fnuz`` as MI300 stores it) with a float32 ``kv_weight_scale``, one scale
+    for every row (shape ``[]`` or ``[1]``, per-tensor) or one per row
+    (``[L*2*Hk*D]``, per-channel); the effective weight is ``kv_weight.float() * scale``
+    per row (SPEC.md section 2). The scale is given iff the rows are fp8. The states'
+    dtype is then free (float16/bfloat16/float32) instead of ``kv_weight``'s
+    (:meth:`accepts_states`), and a backend that reads the fp8 rows applies the scale to
+    its float32 accumulator; the other tensors stay float.
     """
 
     hidden_norm_weight: torch.Tensor
@@ -51,6 +60,7 @@ class ContextKVWeights:
     v_scale: float | None = None
     rope_layers: tuple[bool, ...] | None = None
     round_k_before_rope: bool = False
+    kv_weight_scale: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         """Checks every field, and keeps its scalars as Python numbers (numpy scalars are
@@ -68,6 +78,8 @@ class ContextKVWeights:
         for name, t in tensors.items():
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"ContextKVWeights.{name}: expected a torch.Tensor, got {type(t).__name__}")
+            if name == "kv_weight" and t.dtype in FP8_DTYPES:
+                continue  # quantized rows: their scale is checked below
             if t.dtype not in QUERY_DTYPES:
                 raise TypeError(f"ContextKVWeights.{name}: expected float16/bfloat16/float32, got {t.dtype}")
             if t.device != self.kv_weight.device:
@@ -76,6 +88,7 @@ class ContextKVWeights:
             raise ValueError(
                 f"ContextKVWeights.kv_weight: expected [num_layers*2*num_kv_heads*head_dim, hidden] = "
                 f"[{L * 2 * Hk * D}, H], got {tuple(self.kv_weight.shape)}")
+        self._check_weight_scale()
         H = self.kv_weight.shape[1]
         if self.hidden_norm_weight.dim() == 2:
             _expect_shape("hidden_norm_weight", self.hidden_norm_weight, (L, H), "[num_layers, hidden]")
@@ -113,6 +126,60 @@ class ContextKVWeights:
             raise TypeError(f"ContextKVWeights.round_k_before_rope: expected bool, got "
                             f"{type(self.round_k_before_rope).__name__}")
 
+    def _check_weight_scale(self) -> None:
+        """``kv_weight_scale``: given iff ``kv_weight`` is fp8; float32, per-tensor (``[]``
+        or ``[1]``) or per-channel (``[L*2*Hk*D]``), on ``kv_weight``'s device, every value
+        finite and positive (read once here: a zero, negative or NaN scale would write
+        wrong K/V silently)."""
+        s, fp8 = self.kv_weight_scale, self.kv_weight.dtype in FP8_DTYPES
+        if s is None:
+            if fp8:
+                raise ValueError(f"ContextKVWeights.kv_weight_scale: kv_weight is {dtype_name(self.kv_weight.dtype)}: "
+                                 "expected a float32 scale, per-tensor [1] or per-channel [num_layers*2*num_kv_heads"
+                                 "*head_dim]")
+            return
+        if not isinstance(s, torch.Tensor):
+            raise TypeError(f"ContextKVWeights.kv_weight_scale: expected a torch.Tensor or None, got "
+                            f"{type(s).__name__}")
+        if not fp8:
+            raise TypeError(f"ContextKVWeights.kv_weight_scale: given for a {dtype_name(self.kv_weight.dtype)} "
+                            f"kv_weight; scales go with fp8 rows ({', '.join(map(dtype_name, FP8_DTYPES))})")
+        if s.dtype != torch.float32:
+            raise TypeError(f"ContextKVWeights.kv_weight_scale: expected float32, got {dtype_name(s.dtype)}")
+        rows = self.kv_weight.shape[0]
+        if s.dim() > 1 or s.numel() not in (1, rows):
+            raise ValueError(f"ContextKVWeights.kv_weight_scale: expected [] or [1] (per-tensor) or "
+                             f"[num_layers*2*num_kv_heads*head_dim] = [{rows}] (per-channel), got {tuple(s.shape)}")
+        if s.device != self.kv_weight.device:
+            raise ValueError(f"ContextKVWeights.kv_weight_scale: on {s.device}, kv_weight on {self.kv_weight.device}")
+        if s.device.type != "meta" and not bool((torch.isfinite(s) & (s > 0)).all()):  # meta: shapes only
+            raise ValueError(f"ContextKVWeights.kv_weight_scale: expected finite positive scales, got "
+                             f"{s.detach().flatten()[:8].tolist()}")
+
+    @property
+    def quantized(self) -> bool:
+        """Whether ``kv_weight`` holds fp8 rows with ``kv_weight_scale``."""
+        return self.kv_weight_scale is not None
+
+    def row_scales(self) -> torch.Tensor:
+        """float32 ``[L*2*Hk*D]``: each K/V row's weight scale (ones for float rows)."""
+        rows = self.kv_weight.shape[0]
+        if self.kv_weight_scale is None:
+            return torch.ones(rows, dtype=torch.float32, device=self.device)
+        return self.kv_weight_scale.detach().reshape(-1).expand(rows)
+
+    def dense_kv_weight(self) -> torch.Tensor:
+        """The effective K/V rows: ``kv_weight`` itself, or the fp8 rows dequantized in
+        float32 (``kv_weight.float() * scale`` per row: exact, fp8 times a float32 scale)."""
+        if self.kv_weight_scale is None:
+            return self.kv_weight
+        return self.kv_weight.float() * self.row_scales()[:, None]
+
+    def accepts_states(self, dtype: torch.dtype) -> bool:
+        """Whether context states of ``dtype`` go with these weights: ``kv_weight``'s dtype
+        for float rows; any of float16/bfloat16/float32 for fp8 rows."""
+        return dtype in QUERY_DTYPES if self.quantized else dtype == self.kv_weight.dtype
+
     # Shapes the kernels and validation read.
     @property
     def hidden_size(self) -> int:
@@ -138,8 +205,9 @@ class ContextKVWeights:
 
     def folded_kv_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rows, row_scale)``: every K/V row times its layer's hidden norm weight, as float32
-        rows ``[L*2*Hk*D, H]`` each divided by its ``row_scale`` (float32 ``[L*2*Hk*D]``): the
-        smallest power of two, at least 1, that brings the row within :data:`FOLD_ROW_LIMIT`.
+        rows ``[L*2*Hk*D, H]`` (fp8 rows dequantized: their weight scale folds in too) each
+        divided by its ``row_scale`` (float32 ``[L*2*Hk*D]``): the smallest power of two,
+        at least 1, that brings the row within :data:`FOLD_ROW_LIMIT`.
 
         ``rms_norm(x, w_l) @ W_l.T == ((x / rms(x)) @ (W_l * w_l / s).T) * s``: the statistic
         does not depend on the weight, so a backend runs one GEMM for every layer with these
@@ -158,10 +226,13 @@ class ContextKVWeights:
         L, H = self.num_layers, self.hidden_size
         kv = self.kv_weight.view(L, -1, H)
         norm = self.hidden_norm_weight.view(-1, 1, H)  # [1 or L, 1, H]
+        weight_scale = self.row_scales().view(L, -1, 1)
         rows = torch.empty(kv.shape, dtype=torch.float32, device=self.device)
         scale = torch.empty(kv.shape[:2], dtype=torch.float32, device=self.device)
         for layer in range(L):
             fold = kv[layer].double() * norm[layer % norm.shape[0]].double()
+            if self.quantized:  # fp8 rows: their scale folds in too (exact in float64)
+                fold = fold * weight_scale[layer].double()
             exponent = torch.ceil(torch.log2(fold.abs().amax(dim=1) / FOLD_ROW_LIMIT)).clamp_(0, 127)
             scale[layer] = torch.exp2(exponent)
             rows[layer] = fold / scale[layer, :, None].double()
@@ -173,19 +244,23 @@ class ContextKVWeights:
 
     @property
     def dtype(self) -> torch.dtype:
+        """``kv_weight``'s dtype: for float rows also the states' (validation holds them
+        equal); for fp8 rows the storage format only (:meth:`accepts_states`)."""
         return self.kv_weight.dtype
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
            ) -> "ContextKVWeights":
-        """A copy on ``device`` with float tensors in ``dtype`` (cos/sin stays float32)."""
+        """A copy on ``device`` with float tensors in ``dtype`` (cos/sin stays float32; fp8
+        rows and their scale keep their dtypes)."""
         def move(t: torch.Tensor | None, keep_dtype: bool = False) -> torch.Tensor | None:
             if t is None:
                 return None
             return t.to(device=device, dtype=None if keep_dtype else dtype)
         kwargs = {f.name: getattr(self, f.name) for f in fields(self)}
         for name in ("hidden_norm_weight", "kv_weight", "k_norm_weight", "kv_bias"):
-            kwargs[name] = move(kwargs[name])
+            kwargs[name] = move(kwargs[name], keep_dtype=name == "kv_weight" and self.quantized)
         kwargs["cos_sin_cache"] = move(self.cos_sin_cache, keep_dtype=True)
+        kwargs["kv_weight_scale"] = move(self.kv_weight_scale, keep_dtype=True)
         return ContextKVWeights(**kwargs)
 
     @classmethod

@@ -262,11 +262,17 @@ class PrecomputeCase:
 def make_weights(g: torch.Generator, device: str, *, L: int, Hk: int, D: int, H: int, R: int,
                  is_neox: bool, bias: bool, v_scale: float | None, dtype: torch.dtype,
                  max_position: int = 4096, per_layer_norm: bool = False, rope_layers: tuple[bool, ...] | None = None,
-                 round_k_before_rope: bool = False) -> ContextKVWeights:
-    """Random weights; ``per_layer_norm``: a hidden norm weight per layer (``[L, H]``)."""
+                 round_k_before_rope: bool = False, weight_format: tuple | None = None) -> ContextKVWeights:
+    """Random weights; ``per_layer_norm``: a hidden norm weight per layer (``[L, H]``);
+    ``weight_format``: None (rows in ``dtype``) or ``(fp8 dtype, "tensor" or "channel")``:
+    the rows quantized with a per-tensor or per-row float32 scale (:func:`quantize_rows`)."""
+    kv_weight = randn((L * 2 * Hk * D, H), g, device, dtype, std=H ** -0.5)
+    kv_weight_scale = None
+    if weight_format is not None:
+        kv_weight, kv_weight_scale = quantize_rows(kv_weight.float(), *weight_format)
     return ContextKVWeights(
         hidden_norm_weight=(1 + randn((L, H) if per_layer_norm else (H,), g, device, std=0.2)).to(dtype),
-        kv_weight=randn((L * 2 * Hk * D, H), g, device, dtype, std=H ** -0.5),
+        kv_weight=kv_weight, kv_weight_scale=kv_weight_scale,
         kv_bias=randn((L * 2 * Hk * D,), g, device, dtype, std=0.1) if bias else None,
         k_norm_weight=(1 + randn((L, D), g, device, std=0.3)).to(dtype),
         cos_sin_cache=build_cos_sin_cache(R, max_position, {"rope_theta": 10000.0}).to(device),
@@ -274,9 +280,24 @@ def make_weights(g: torch.Generator, device: str, *, L: int, Hk: int, D: int, H:
         rope_layers=rope_layers, round_k_before_rope=round_k_before_rope)
 
 
+def quantize_rows(rows: torch.Tensor, dtype: torch.dtype, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` as fp8 ``dtype`` codes and their float32 scale (``[1]`` per-tensor, one per
+    row per-channel), each scale mapping its rows' largest magnitude to the format's
+    largest value, as a checkpoint's quantizer does."""
+    amax = rows.abs().amax(dim=1) if granularity == "channel" else rows.abs().amax().view(1)
+    scale = (amax.clamp(min=1e-12) / torch.finfo(dtype).max).float()
+    limit = torch.finfo(dtype).max
+    return (rows / scale.view(-1, 1)).clamp(-limit, limit).to(dtype), scale
+
+
+WEIGHT_FORMATS = tuple((dtype, granularity) for dtype in FP8_DTYPES for granularity in ("tensor", "channel"))
+
+
 @st.composite
 def precompute_cases(draw, sizes: Sizes = CPU_SIZES, dtypes=(torch.float32, torch.float16, torch.bfloat16),
-                     cache_dtypes=CACHE_DTYPE_CHOICES, packings=("plain",)) -> PrecomputeCase:
+                     cache_dtypes=CACHE_DTYPE_CHOICES, packings=("plain",), weight_formats=(None,)) -> PrecomputeCase:
+    """One call; ``weight_formats``: the K/V rows' formats to draw from (None: rows in the
+    states' dtype; see :func:`make_weights`)."""
     device = sizes.device
     N = draw(st.sampled_from([1, sizes.max_tokens]) | st.integers(1, sizes.max_tokens))
     L = draw(st.integers(1, sizes.max_layers))
@@ -300,12 +321,13 @@ def precompute_cases(draw, sizes: Sizes = CPU_SIZES, dtypes=(torch.float32, torc
     return_kv = draw(st.booleans())
     layout = draw(st.sampled_from(LAYOUTS))
     packing = draw(st.sampled_from(packings))
+    weight_format = draw(st.sampled_from(weight_formats))
     seed = draw(st.integers(0, 2**31 - 1))
 
     g = make_generator(seed, device)
     weights = make_weights(g, device, L=L, Hk=Hk, D=D, H=H, R=R, is_neox=is_neox, bias=bias,
                            v_scale=v_scale, dtype=dtype, per_layer_norm=per_layer_norm, rope_layers=rope_layers,
-                           round_k_before_rope=round_k)
+                           round_k_before_rope=round_k, weight_format=weight_format)
     states = randn((N, H), g, device, dtype, std=2.0)
     positions = torch.randint(0, weights.max_position, (N,), generator=g, device=device)
     num_blocks = -(-N // block_size) + 2
@@ -335,7 +357,7 @@ def precompute_cases(draw, sizes: Sizes = CPU_SIZES, dtypes=(torch.float32, torc
     description = (f"N={N} L={L} Hk={Hk} D={D} H={H} R={R} neox={is_neox} bias={bias} v_scale={v_scale} "
                    f"per_layer_norm={per_layer_norm} rope_layers={rope_layers} round_k={round_k} "
                    f"{dtype} cache={cache_dtype} bs={block_size} mapping={mapping_kind} return_kv={return_kv} "
-                   f"layout={layout} packing={packing}")
+                   f"layout={layout} packing={packing} weights={weight_format}")
     if isinstance(slot_mapping, list):
         slot_mapping = [None if m is None else relayout(m, layout) for m in slot_mapping]
     elif slot_mapping is not None:

@@ -21,6 +21,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+import torch
 
 from dflash_rocm.audit import isa, model, sweep, traffic
 from dflash_rocm.audit.targets import TARGETS
@@ -387,6 +388,37 @@ def test_precompute_traffic_runs_whole_tiles_then_every_part_of_the_split_ones()
                                       if chunk[0] in ("sum", "part")) == [("sum", t) for t in range(whole, 640)]
     variants = traffic.role_variants(launch)
     assert variants["whole"].constexprs["SPLIT_K"] == 1 and not variants["part"].constexprs["MERGE_IN_KERNEL"]
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950", "gfx1201", "sm_90"])
+def test_fp8_weight_cases_launch_the_targets_fp8_rows_and_move_half_the_weight_bytes(arch):
+    """``--weight-dtype fp8``: the precompute reads the target's fp8 rows as they are (the
+    launch's weight is fp8, FP8_WEIGHTS on); the floor and the traffic model charge one byte
+    a weight (plus the norm weight's float32 columns), the float rows two."""
+    target = TARGETS[arch]
+    cases = sweep.default_cases(QWEN, ops=("precompute",), tokens=(16,), kv=("bf16",), packed=False,
+                                weights=("bf16", "fp8"))
+    assert [c.fp8_weights for c in cases] == [False, True] and cases[1].label == "pre N=16 bf16 w8"
+    bf16, fp8 = (sweep.capture_case(c, target).launches[0] for c in cases)
+    assert fp8.arg("w_ptr").dtype == target.fp8_dtype and bf16.arg("w_ptr").dtype == torch.bfloat16
+    assert fp8.constexprs["FP8_WEIGHTS"] and not bf16.constexprs["FP8_WEIGHTS"]
+    weight_bytes = QWEN.layers * 2 * QWEN.kv_heads * QWEN.head_dim * QWEN.hidden
+    assert cases[0].cost().bytes - cases[1].cost().bytes == weight_bytes
+
+    def weight_reads(case, launch):
+        return sum(size for p in traffic.precompute_programs(case, launch) for chunk, size in p.reads
+                   if chunk[0] == "w")
+    assert weight_reads(cases[0], bf16) == 2 * weight_reads(cases[1], fp8) >= 2 * weight_bytes
+
+
+def test_inspect_takes_the_weight_dtype_switch():
+    from dflash_rocm.cli import build_parser
+
+    args = build_parser().parse_args(["inspect", "--weight-dtype", "bf16", "--weight-dtype", "fp8"])
+    assert args.weight_dtype == ["bf16", "fp8"]
+    assert build_parser().parse_args(["inspect"]).weight_dtype is None  # bf16 alone, as before
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["inspect", "--weight-dtype", "int4"])
 
 
 # ---- traffic ------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from dflash_rocm import dispatch
 from dflash_rocm.contract import TOLERANCES, relative_error
 from dflash_rocm.ops import ATTENTION, PRECOMPUTE
 from dflash_rocm.vllm_plugin.cache_views import cpu_page_views
-from strategies import CPU_SIZES, attention_cases, make_generator, make_weights, precompute_cases
+from strategies import CPU_SIZES, WEIGHT_FORMATS, attention_cases, make_generator, make_weights, precompute_cases
 from test_validation import attention_args, precompute_args
 
 
@@ -22,6 +22,13 @@ def test_attention_matches_reference(case):
 
 @given(precompute_cases(CPU_SIZES))
 def test_precompute_matches_reference(case):
+    check_precompute(case, "cpu")
+
+
+@given(precompute_cases(CPU_SIZES, weight_formats=WEIGHT_FORMATS))
+def test_precompute_with_fp8_weights_matches_reference(case):
+    """fp8 K/V rows (e4m3fn, e4m3fnuz; per-tensor and per-channel scales) for states of
+    every float dtype: the dequantized rows' result."""
     check_precompute(case, "cpu")
 
 

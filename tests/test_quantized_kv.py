@@ -237,7 +237,7 @@ def test_a_reload_of_a_quantized_draft_under_tensor_parallelism_refills_this_ran
     inner.layers = [SimpleNamespace(self_attn=attn)]
     setattr(inner, draft_weights.QUANTIZED_KV, source := draft_weights.QuantizedKV([attn]))
     held = SimpleNamespace(kv_weight=source.kv_weight(torch.float32), num_layers=1, num_kv_heads=1, head_dim=KV,
-                           per_layer_hidden_norm=False)
+                           per_layer_hidden_norm=False, quantized=False)
     address = held.kv_weight.data_ptr()
     full_codes = torch.randint(0, 16, (2 * KV, K_IN), generator=gen)  # both ranks' K rows
     full_scales = torch.rand(G, 2 * KV, generator=gen) + 0.5
@@ -249,3 +249,138 @@ def test_a_reload_of_a_quantized_draft_under_tensor_parallelism_refills_this_ran
     assert torch.equal(held.kv_weight[:KV].double(), want_k.float().double())
     assert torch.equal(held.kv_weight[KV:].double(), _grouped(codes, 8, s.T)[Q + KV:].float().double())  # V kept
     assert held.kv_weight.data_ptr() == address
+
+
+# --- fp8 rows kept as they are --------------------------------------------------------------------------
+
+def _fp8_attn(linear, heads=1):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(qkv_proj=linear, q_size=Q, num_kv_heads=heads, head_dim=KV // heads)
+
+
+def _per_channel_fp8(gen):
+    return Linear(method("CompressedTensorsLinearMethod"), weight=param(fp8_codes(gen), 0),
+                  weight_scale=param(torch.rand(N, 1, generator=gen) + 0.5, 0))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_fp8_rows_of_a_per_tensor_or_per_channel_shard_are_its_codes_and_a_scale_per_row(fused):
+    gen = g()
+    s = torch.tensor([0.5, 0.25, 0.125]) if not fused else torch.tensor([0.5] + [torch.finfo(torch.float32).min] * 2)
+    per_tensor = Linear(method("Fp8LinearMethod"), weight=param(fp8_codes(gen), 0), weight_scale=param(s))
+    for linear in (per_tensor, _per_channel_fp8(gen)):
+        for start in (Q, Q + KV):
+            tensors = quantized.shard_tensors(linear, start, start + KV)
+            codes, scale = quantized.fp8_rows(tensors, KV)
+            assert codes.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32 and scale.shape == (KV,)
+            dense = quantized.reader(linear)(tensors)
+            assert torch.equal(codes.double() * scale.double()[:, None], dense)
+
+
+def test_block_mx_and_int8_shards_are_not_fp8_rows():
+    gen = g()
+    block = Linear(method("Fp8LinearMethod", weight_block_size=[8, 32]), weight=param(fp8_codes(gen), 0),
+                   weight_scale_inv=param(torch.rand(N // 8, K_IN // 32, generator=gen) + 0.5, 0))
+    mx = Linear(method("CompressedTensorsLinearMethod"), weight=param(fp8_codes(gen), 0),
+                weight_scale=param(_e8m0(gen), 0))
+    int8 = Linear(method("CompressedTensorsLinearMethod"),
+                  weight=param(torch.randint(-127, 128, (N, K_IN), generator=gen, dtype=torch.int8), 0),
+                  weight_scale=param(torch.rand(N, 1, generator=gen) + 0.5, 0))
+    for linear in (block, mx, int8):
+        assert quantized.fp8_rows(quantized.shard_tensors(linear, Q, Q + KV), KV) is None
+
+
+def test_e4m3fn_codes_as_e4m3fnuz_keep_their_values():
+    bits = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes = bits[(bits & 0x7F) != 0x7F].view(torch.float8_e4m3fn)  # every finite e4m3fn value, -0 included
+    scale = torch.full((codes.numel(),), 0.375)
+    fnuz, doubled = quantized.as_fnuz(codes, scale)
+    assert fnuz.dtype == torch.float8_e4m3fnuz and not torch.isnan(fnuz.float()).any()
+    assert torch.equal(fnuz.float() * doubled, codes.float() * scale)
+
+
+def test_the_plugin_keeps_fp8_rows_where_the_backend_reads_them(monkeypatch):
+    """On CPU tensors auto's backend (cpu) reads fp8 rows: the held K/V weight is the fp8
+    codes and a scale per row, no dense copy, worth the dequantized rows; a backend that
+    reads only e4m3fnuz gets them converted; one that reads none gets None (dense rows)."""
+    from dflash_rocm.vllm_plugin import draft_weights
+
+    gen = g()
+    layers = [_fp8_attn(_per_channel_fp8(gen)) for _ in range(2)]
+    source = draft_weights.QuantizedKV(layers)
+    codes, scale = source.fp8_kv(KV, torch.device("cpu"))
+    assert codes.dtype == torch.float8_e4m3fn and codes.shape == (2 * 2 * KV, K_IN) and scale.shape == (4 * KV,)
+    assert torch.equal(codes.double() * scale.double()[:, None], source.kv_weight(torch.float64))
+    monkeypatch.setattr(draft_weights, "_fp8_rows_read", lambda fmt, device: fmt == torch.float8_e4m3fnuz)
+    fnuz, doubled = source.fp8_kv(KV, torch.device("cpu"))
+    assert fnuz.dtype == torch.float8_e4m3fnuz and torch.equal(fnuz.float() * doubled[:, None],
+                                                               codes.float() * scale[:, None])
+    monkeypatch.setattr(draft_weights, "_fp8_rows_read", lambda fmt, device: False)
+    assert source.fp8_kv(KV, torch.device("cpu")) is None
+
+
+def test_which_backend_reads_fp8_rows_follows_the_plugins_choice(monkeypatch):
+    from dflash_rocm import envs
+    from dflash_rocm.vllm_plugin import draft_weights
+
+    cpu = torch.device("cpu")
+    assert draft_weights._fp8_rows_read(torch.float8_e4m3fn, cpu)  # auto: the cpu backend dequantizes once
+    monkeypatch.setenv(envs.BACKEND.name, "cuda")  # unavailable here: nothing reads them
+    assert not draft_weights._fp8_rows_read(torch.float8_e4m3fn, cpu)
+    monkeypatch.setenv(envs.BACKEND.name, "reference")  # named: it reads them
+    assert draft_weights._fp8_rows_read(torch.float8_e4m3fn, cpu)
+
+
+def test_auto_passes_over_backends_that_do_not_read_fp8_rows_but_never_to_the_reference(monkeypatch):
+    """A GPU whose first backend (cuda) does not read fp8 rows: auto's next (triton) does,
+    so they are kept; with no backend but the reference left, they are dequantized."""
+    from dflash_rocm import dispatch, platform, registry
+    from dflash_rocm.backend import Backend
+    from dflash_rocm.vllm_plugin import draft_weights
+
+    monkeypatch.setattr(platform, "platform_for", lambda device: platform.platform_for_arch("sm_90"))
+
+    gpu = torch.device("cuda")
+    available = {"cuda", "triton"}
+    real = dispatch.backend
+
+    def backend(name):
+        found = real(name)
+        if found is None:
+            return None
+        return type(name, (found,), {"device_not_supported_reasons": classmethod(
+            lambda cls, device, platform: [] if name in available else ["not here"])})
+    monkeypatch.setattr(dispatch, "backend", backend)
+    monkeypatch.setattr(registry, "priority_for", lambda platform, device_type: ("cuda", "triton", "reference"))
+    assert issubclass(backend("cuda"), Backend)
+    assert draft_weights._fp8_rows_read(torch.float8_e4m3fn, gpu)
+    available.discard("triton")
+    assert not draft_weights._fp8_rows_read(torch.float8_e4m3fn, gpu)
+
+
+def test_a_reload_of_fp8_rows_held_as_they_are_writes_the_new_codes_and_scales_in_place():
+    from types import SimpleNamespace
+
+    from dflash_rocm.vllm_plugin import draft_weights
+
+    gen = g()
+    linear = _per_channel_fp8(gen)
+    attn = _fp8_attn(linear)
+    inner = type("Inner", (), {"hf_to_vllm_mapper": _Mapper})()
+    inner.layers = [SimpleNamespace(self_attn=attn)]
+    setattr(inner, draft_weights.QUANTIZED_KV, source := draft_weights.QuantizedKV([attn]))
+    codes, scale = source.fp8_kv(KV, torch.device("cpu"))
+    held = SimpleNamespace(kv_weight=codes, kv_weight_scale=scale, dtype=codes.dtype, quantized=True, num_layers=1,
+                           num_kv_heads=1, head_dim=KV, per_layer_hidden_norm=False)
+    addresses = codes.data_ptr(), scale.data_ptr()
+    old_v = (codes[KV:].float() * scale[KV:, None]).clone()
+    new_codes = (torch.randn(KV, K_IN, generator=gen) * 4).to(torch.float8_e4m3fn)
+    new_scale = torch.rand(KV, 1, generator=gen) + 2.0
+    tee = draft_weights.ReloadTee(inner)
+    list(tee.watch([("layers.0.self_attn.k_proj.weight", new_codes),
+                    ("layers.0.self_attn.k_proj.weight_scale", new_scale)]))
+    assert tee.refill(held) is None
+    assert torch.equal(held.kv_weight[:KV].float() * held.kv_weight_scale[:KV, None], new_codes.float() * new_scale)
+    assert torch.equal(held.kv_weight[KV:].float() * held.kv_weight_scale[KV:, None], old_v)  # V kept
+    assert (held.kv_weight.data_ptr(), held.kv_weight_scale.data_ptr()) == addresses

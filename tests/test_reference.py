@@ -9,7 +9,7 @@ import dflash_rocm
 from checks import rel_err, bits
 from dflash_rocm.contract import FP8_DTYPES
 from dflash_rocm.paged import logical
-from strategies import CPU_SIZES, PACKINGS, Sizes, attention_cases, precompute_cases
+from strategies import CPU_SIZES, PACKINGS, WEIGHT_FORMATS, Sizes, attention_cases, precompute_cases
 
 TINY = Sizes(max_seqs=2, max_query=4, max_context=12, head_dims=(8,), block_sizes=(1, 3, 4),
              queries_per_kv=(1, 2, 3), max_tokens=5, hidden_sizes=(12,), max_layers=2)
@@ -59,7 +59,11 @@ def naive_context_kv(states, positions, w):
         for layer in range(L):
             norm = w.hidden_norm_weight[layer] if w.hidden_norm_weight.dim() == 2 else w.hidden_norm_weight
             xn = x / math.sqrt(float((x * x).mean()) + w.eps) * norm.double()
-            kv = w.kv_weight[layer * rows:(layer + 1) * rows].double() @ xn
+            weight = w.kv_weight[layer * rows:(layer + 1) * rows].double()
+            if w.kv_weight_scale is not None:  # fp8 rows: each row times its scale (one for all, or its own)
+                scale = w.kv_weight_scale.double().reshape(-1)
+                weight = weight * (scale if scale.numel() == 1 else scale[layer * rows:(layer + 1) * rows])[:, None]
+            kv = weight @ xn
             if w.kv_bias is not None:
                 kv = kv + w.kv_bias[layer * rows:(layer + 1) * rows].double()
             for h in range(Hk):
@@ -88,7 +92,7 @@ def test_reference_attention_matches_naive_loops(case):
     assert rel_err(ref, naive) < 1e-5, case.description
 
 
-@given(precompute_cases(TINY, dtypes=(torch.float32,)))
+@given(precompute_cases(TINY, dtypes=(torch.float32,), weight_formats=(None, *WEIGHT_FORMATS)))
 def test_reference_context_kv_matches_naive_loops(case):
     states, positions, weights = case.args[:3]
     k, v = dflash_rocm.precompute_and_store_context_kv(states, positions, weights, None, None, None,

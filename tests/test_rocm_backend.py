@@ -13,9 +13,10 @@ import dflash_rocm
 from checks import check_attention, check_precompute
 from dflash_rocm.backends import rocm
 from dflash_rocm.backends.rocm import tables
-from dflash_rocm.platform import simulate_platform
+from dflash_rocm.contract import FP8_DTYPES
+from dflash_rocm.platform import platform_for_arch, simulate_platform
 from dflash_rocm.ops.attention import attention_call
-from strategies import CPU_SIZES, PACKINGS, attention_cases, precompute_cases
+from strategies import CPU_SIZES, PACKINGS, WEIGHT_FORMATS, attention_cases, precompute_cases
 from support import needs_interpreter
 from test_triton_backend import paged
 
@@ -110,6 +111,28 @@ def test_rocm_attention_property(arch, case):
 def test_rocm_precompute_property(arch, case):
     with simulate_platform(arch):
         check_precompute(case, "rocm")
+
+
+@given(st.sampled_from(tables.SUPPORTED_ARCHS),
+       precompute_cases(CPU_SIZES, packings=PACKINGS, weight_formats=WEIGHT_FORMATS))
+def test_rocm_precompute_with_fp8_weights_property(arch, case):
+    """fp8 K/V rows under every architecture's table: the triton kernel's fp8-row path."""
+    with simulate_platform(arch):
+        check_precompute(case, "rocm")
+
+
+@pytest.mark.parametrize("arch", tables.SUPPORTED_ARCHS)
+def test_rocm_reads_the_fp8_weight_format_its_hardware_converts_and_says_why_not_the_other(arch):
+    """On the hardware (not simulated), an fp8 weight format the architecture cannot convert
+    is declined with a reason naming it (gfx942: e4m3fnuz only; gfx950, gfx12: e4m3fn)."""
+    platform = platform_for_arch(arch)
+    native = platform.arch_info.fp8_dtype
+    for dtype in FP8_DTYPES:
+        reasons = rocm.RocmPrecompute.weight_reasons(dtype, platform)
+        if dtype == native:
+            assert reasons == [], (arch, dtype, reasons)
+        else:
+            assert reasons and "fp8 K/V weights" in reasons[0], (arch, dtype, reasons)
 
 
 def test_auto_never_picks_rocm_for_cpu_tensors_even_when_simulated():

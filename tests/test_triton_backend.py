@@ -12,8 +12,8 @@ import dflash_rocm
 from dflash_rocm.planning import record_for
 from checks import check_attention, check_precompute
 from dflash_rocm.paged import PackedCache, read_rows
-from strategies import (CPU_SIZES, PACKINGS, attention_cases, attention_launch_configs, make_generator, make_weights,
-                        pack_caches, precompute_cases, precompute_launch_configs)
+from strategies import (CPU_SIZES, PACKINGS, WEIGHT_FORMATS, attention_cases, attention_launch_configs, make_generator,
+                        make_weights, pack_caches, precompute_cases, precompute_launch_configs)
 from support import needs_interpreter
 
 pytestmark = needs_interpreter
@@ -46,6 +46,38 @@ def test_precompute_matches_reference_for_every_launch_config(data):
     case = data.draw(precompute_cases(CPU_SIZES, packings=PACKINGS))
     config = data.draw(precompute_launch_configs())
     check_precompute(case, "triton", run=lambda call: run_precompute(call, config))
+
+
+@given(st.data())
+def test_precompute_with_fp8_weights_matches_reference_for_every_launch_config(data):
+    """fp8 rows (e4m3fn, e4m3fnuz; per-tensor and per-channel scales; [H] and per-layer
+    [L, H] norms) read as they are, under every launch config (split, both heads)."""
+    from dflash_rocm.backends.triton.precompute import run_precompute
+
+    case = data.draw(precompute_cases(CPU_SIZES, packings=PACKINGS, weight_formats=WEIGHT_FORMATS))
+    config = data.draw(precompute_launch_configs())
+    check_precompute(case, "triton", run=lambda call: run_precompute(call, config))
+
+
+def test_fp8_rows_stay_fp8_in_the_fused_layout():
+    """The fused layout keeps fp8 rows (half the bytes of bf16 rows), permuted as float rows
+    are, with their scales as the row scales and the norm weight beside them."""
+    from dflash_rocm.backends.triton.precompute import fused_weights
+
+    g = make_generator(6, "cpu")
+    dense = make_weights(g, "cpu", L=2, Hk=2, D=16, H=32, R=16, is_neox=True, bias=False, v_scale=None,
+                         dtype=torch.float32, per_layer_norm=True)
+    fp8 = dataclasses.replace(dense, kv_weight=dense.kv_weight.to(torch.float8_e4m3fn),
+                              kv_weight_scale=torch.rand(dense.kv_weight.shape[0], generator=g) + 0.5)
+    ones = dataclasses.replace(dense, kv_weight=fp8.kv_weight.float(), hidden_norm_weight=torch.ones(2, 32))
+    got, float_rows = fused_weights(fp8), fused_weights(ones)
+    assert got.weight.dtype == torch.float8_e4m3fn and got.weight.element_size() == 1
+    assert torch.equal(got.weight.float(), float_rows.weight)  # the same permutation
+    permuted_scales = fused_weights(dataclasses.replace(ones, kv_weight=fp8.kv_weight_scale[:, None].expand(-1, 32)))
+    assert torch.equal(got.row_scale, permuted_scales.weight[:, 0])
+    norm = got.scale_table[:-got.row_scale.numel()].view(2, 32)  # the norm weight, right before the row scales
+    assert got.row_scale.data_ptr() == got.scale_table.data_ptr() + norm.numel() * 4
+    assert torch.equal(norm, dense.hidden_norm_weight)
 
 
 @given(precompute_cases(CPU_SIZES, packings=PACKINGS))

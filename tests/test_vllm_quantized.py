@@ -94,7 +94,8 @@ def served(models):
             return {"served": False}
         states, positions, slots = _precompute_inputs(weights)
         dense = _dense_kv(draft, weights.num_layers)
-        checks = {"served": True, "weight_error": (weights.kv_weight.float() - dense).abs().max().item()}
+        checks = {"served": True, "weight_error": (weights.dense_kv_weight().float() - dense).abs().max().item(),
+                  "held_dtype": weights.kv_weight.dtype}
         with torch.inference_mode():
             model.precompute_and_store_context_kv(states, positions, slots)
         ref = context_kv(precompute_call(states, positions, weights, None, None, None))
@@ -107,7 +108,7 @@ def served(models):
             for i, layer in enumerate(model.model.layers):
                 a = layer.self_attn
                 theirs = a.qkv_proj(normed)[0][:, a.q_size:].float()
-                ours = normed @ weights.kv_weight[2 * i * rows:2 * (i + 1) * rows].float().T
+                ours = normed @ weights.dense_kv_weight()[2 * i * rows:2 * (i + 1) * rows].float().T
                 worst = max(worst, ((theirs - ours).abs().max() / ours.abs().max()).item())
         checks["projection_error"] = worst
         checkpoint = load_file(f"{draft}/model.safetensors")
@@ -118,7 +119,7 @@ def served(models):
                            ((n, t * 1.5 if n.endswith("k_proj.weight_scale") else t) for n, t in checkpoint.items()),
                            None, True)
         expected = _dense_kv(draft, weights.num_layers, k_scale=1.5)
-        checks["reload_error"] = (model._dflash_weights.kv_weight.float() - expected).abs().max().item()
+        checks["reload_error"] = (model._dflash_weights.dense_kv_weight().float() - expected).abs().max().item()
         with torch.inference_mode():
             model.precompute_and_store_context_kv(states, positions, slots)
         ref = context_kv(precompute_call(states, positions, model._dflash_weights, None, None, None))
@@ -158,7 +159,10 @@ def test_greedy_output_equals_plain_decoding_with_the_plugin_serving_the_precomp
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_context_kv_is_the_dequantized_math(scheme, served):
+    """fp8 per-channel rows are held as they are (the cpu backend reads fp8 rows; no dense
+    copy in the plugin), int8 rows dequantized: both worth the checkpoint's codes times scales."""
     checks = served(scheme).draft_checks
+    assert checks["held_dtype"] == (torch.float8_e4m3fn if scheme == "fp8" else torch.float32), checks
     assert checks["weight_error"] == 0.0, checks
     assert max(checks["errors"]) < 1e-4, checks
     assert checks["projection_error"] < PROJECTION_TOLERANCE[scheme], checks
@@ -191,14 +195,14 @@ def test_a_quantized_laguna_draft_loads_and_serves_through_the_plugin(tmp_path, 
         from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
         weights = model._dflash_weights
-        checks = {"weight_error": (weights.kv_weight.float() - _laguna_dense_kv(quant)).abs().max().item()}
+        checks = {"weight_error": (weights.dense_kv_weight().float() - _laguna_dense_kv(quant)).abs().max().item()}
         checkpoint = load_file(f"{quant}/model.safetensors")
         with set_current_vllm_config(model._dflash_vllm_config):  # new scales for the fused qkv_proj
             reload_weights(model._dflash_vllm_config, model,
                            ((n, t * 1.5 if n.endswith("qkv_proj.weight_scale") else t) for n, t in checkpoint.items()),
                            None, True)
         checks["same_weights"] = model._dflash_weights is weights
-        checks["reload_error"] = (weights.kv_weight.float() - _laguna_dense_kv(quant, 1.5)).abs().max().item()
+        checks["reload_error"] = (weights.dense_kv_weight().float() - _laguna_dense_kv(quant, 1.5)).abs().max().item()
         return checks
     run = vllm_harness.generate(target, quant, plugin=True, backend="cpu", inspect=inspect,
                                 fixed_grouped_rms_norm=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from dflash_rocm.backend import AttentionImplementation, Backend, PrecomputeImplementation
+from dflash_rocm.contract import FP8_DTYPES
 from dflash_rocm.ops.attention import AttentionCall
 from dflash_rocm.ops.precompute import PrecomputeCall
 from dflash_rocm.platform import Platform
@@ -27,7 +28,10 @@ class CpuAttention(AttentionImplementation):
 
 
 class CpuPrecompute(PrecomputeImplementation):
-    """One GEMM for every layer and a vectorised float32 epilogue."""
+    """One GEMM for every layer and a vectorised float32 epilogue (fp8 rows: a dense copy
+    of their dequantized rows, derived once)."""
+
+    WEIGHT_FP8_DTYPES = FP8_DTYPES
 
     @classmethod
     def run(cls, call: PrecomputeCall):

@@ -28,11 +28,12 @@ call), which vLLM's steps do not repay.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from dflash_rocm.contract import FP8_DTYPES
+from dflash_rocm.contract import FP8_DTYPES, QUERY_DTYPES
 from dflash_rocm.derived import DerivedCache
 from dflash_rocm.ops.precompute import PrecomputeCall
 from dflash_rocm.weights import ContextKVWeights
@@ -81,17 +82,25 @@ def _rotate_pairs(y: torch.Tensor, is_neox: bool) -> torch.Tensor:
 _PREPARED = DerivedCache()
 
 
-def prepared_weights(w: ContextKVWeights) -> PreparedWeights:
-    """The GEMM operand and float32 tables, built once per weights (and refilled after an in-place update)."""
-    sources = (w.kv_weight, w.hidden_norm_weight, w.kv_bias, w.k_norm_weight, w.cos_sin_cache)
-    return _PREPARED.get(sources, (w.is_neox, w.eps, w.num_layers, w.head_dim), _prepare, w)
+def prepared_weights(w: ContextKVWeights, states_dtype: torch.dtype | None = None) -> PreparedWeights:
+    """The GEMM operand and float32 tables for states of ``states_dtype`` (default: the
+    weights' own dtype; fp8 rows serve states of any float dtype, each with its own), built
+    once per weights (and refilled after an in-place update)."""
+    states_dtype = states_dtype or w.dtype
+    if states_dtype not in QUERY_DTYPES:
+        raise TypeError(f"prepared_weights: fp8 K/V rows serve states of a float dtype; name it (got {states_dtype})")
+    sources = (w.kv_weight, w.hidden_norm_weight, w.kv_bias, w.k_norm_weight, w.cos_sin_cache, w.kv_weight_scale)
+    return _PREPARED.get(sources, (w.is_neox, w.eps, w.num_layers, w.head_dim, states_dtype),
+                         functools.partial(_prepare, states_dtype=states_dtype), w)
 
 
-def _prepare(w: ContextKVWeights) -> PreparedWeights:
+def _prepare(w: ContextKVWeights, states_dtype: torch.dtype) -> PreparedWeights:
+    """fp8 rows are dequantized here (float32, exact) into the GEMM operand: this backend's
+    GEMM has no fp8 kernel, so it keeps the dense rows the weights' scales give."""
     L, Hk, D, H = w.num_layers, w.num_kv_heads, w.head_dim, w.hidden_size
     folded = w.per_layer_hidden_norm
     rows, scale = w.folded_kv_weight()
-    limit = torch.finfo(w.dtype).max
+    limit = torch.finfo(states_dtype).max
     # |rms_norm(x, w)_c| <= sqrt(H) |w_c|, and |kv_r| <= sqrt(H) ||w * W_r|| (+ |bias_r|).
     wide_states = not folded and H ** 0.5 * float(w.hidden_norm_weight.detach().float().abs().max()) > limit
     key_bound = H ** 0.5 * (rows.double().norm(dim=1) * scale).view(L, 2, Hk * D)[:, 0]
@@ -100,17 +109,17 @@ def _prepare(w: ContextKVWeights) -> PreparedWeights:
     wide_keys = float(key_bound.max()) > limit
     # A GEMM in the states' dtype (oneDNN's, on AVX512-FP16/AMX CPUs) rounds its output to
     # that dtype: K that may pass its range is projected in float32.
-    dtype = torch.float32 if wide_states or wide_keys else gemm_dtype(w.dtype)
+    dtype = torch.float32 if wide_states or wide_keys else gemm_dtype(states_dtype)
     # Detached: parameters that require grad (a live model's) are read without grad.
     return PreparedWeights(
-        weight_t=(rows if folded else w.kv_weight).detach().to(dtype).t().contiguous(),
+        weight_t=(rows if folded else w.dense_kv_weight()).detach().to(dtype).t().contiguous(),
         bias=None if w.kv_bias is None else w.kv_bias.detach().to(dtype).contiguous(),
         hidden_norm=None if folded else w.hidden_norm_weight.detach().float().contiguous(),
         row_scale=scale if folded and bool((scale != 1).any()) else None,
         wide_states=wide_states, wide_keys=wide_keys,
         k_norm=w.k_norm_weight.detach().float().view(1, L, 1, D).contiguous(),
         # vLLM's rotary kernel reads the table in the activations' dtype.
-        rope=_rope_table(w.cos_sin_cache.to(w.dtype), w.is_neox), eps=torch.tensor(float(w.eps)))
+        rope=_rope_table(w.cos_sin_cache.to(states_dtype), w.is_neox), eps=torch.tensor(float(w.eps)))
 
 
 def _rms_factor(x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
@@ -198,7 +207,7 @@ class _Slots:
 
 
 def run_precompute(call: PrecomputeCall):
-    prep = prepared_weights(call.weights)
+    prep = prepared_weights(call.weights, call.dtype)
     kv = _projected(call, prep)
     k, v = _normed_rotated_keys(call, kv[:, :, 0], prep), kv[:, :, 1].to(call.dtype)
     k_store, v_store = k, v

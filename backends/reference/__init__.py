@@ -7,6 +7,7 @@ speed; ``auto`` takes it only when nothing else serves.
 from __future__ import annotations
 
 from dflash_rocm.backend import AttentionImplementation, Backend, PrecomputeImplementation
+from dflash_rocm.contract import FP8_DTYPES
 from dflash_rocm.ops import attention, precompute
 
 
@@ -20,6 +21,7 @@ class ReferenceAttention(AttentionImplementation):
 
 class ReferencePrecompute(PrecomputeImplementation):
     SUPPORTS_PACKED_CACHES = True
+    WEIGHT_FP8_DTYPES = FP8_DTYPES
 
     @classmethod
     def run(cls, call: precompute.PrecomputeCall):

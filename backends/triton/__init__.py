@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from dflash_rocm.backend import AttentionImplementation, Backend, PrecomputeImplementation, Runner
+from dflash_rocm.contract import FP8_DTYPES
 from dflash_rocm.ops.precompute import PrecomputeCall
 from dflash_rocm.planning import PlanningRecord
 from dflash_rocm.platform import Platform
@@ -52,7 +53,15 @@ class TritonAttention(TritonLimits, AttentionImplementation):
 
 
 class TritonPrecompute(TritonLimits, PrecomputeImplementation):
-    """The fused context-KV kernel, configured by the portable table."""
+    """The fused context-KV kernel, configured by the portable table; fp8 rows are read as
+    they are (``FP8_WEIGHTS``) where the platform converts their format."""
+
+    WEIGHT_FP8_DTYPES = FP8_DTYPES
+
+    @classmethod
+    def weight_reasons(cls, weight_dtype: torch.dtype, platform: Platform) -> list[str]:
+        why = fp8_reason(platform, weight_dtype)
+        return super().weight_reasons(weight_dtype, platform) + ([f"fp8 K/V weights: {why}"] if why else [])
 
     @classmethod
     def not_supported_reasons(cls, call: PrecomputeCall, platform: Platform) -> list[str]:

@@ -33,13 +33,22 @@ logger = logging.getLogger("dflash_rocm")
 @dataclass(frozen=True)
 class FusedKVWeights:
     """The K/V rows with their layer's hidden norm weight folded in and each K head's rows
-    permuted so RoPE pairs are adjacent; bias permuted alike; float32 norm weight and cos/sin."""
+    permuted so RoPE pairs are adjacent; bias permuted alike; float32 norm weight and cos/sin.
 
-    weight: torch.Tensor  # [L*2*Hk*D, H], states dtype, contiguous
-    row_scale: torch.Tensor  # [L*2*Hk*D] float32: the power of two each folded row was divided by
+    fp8 rows cannot take the norm weight without being quantized again: they are kept as
+    they are (permuted alike, still fp8, half the bytes of bf16 rows), ``row_scale`` holds
+    their weight scales, and the kernel applies the hidden norm weight to the states it
+    loads. That weight sits in ``scale_table`` right before the row scales (``row_scale``
+    is a view of its tail), so the kernel finds it at ``row_scale_ptr - NORM_ROWS * H``: the
+    float rows' kernel keeps its parameters, and its compiled code, unchanged."""
+
+    weight: torch.Tensor  # [L*2*Hk*D, H], states dtype (fp8 rows: their fp8 dtype), contiguous
+    row_scale: torch.Tensor  # [L*2*Hk*D] float32: the power of two each folded row was divided by (fp8: its scale)
     bias: torch.Tensor | None  # [L*2*Hk*D] float32
     k_norm: torch.Tensor  # [L, D] float32, original dim order
     cos_sin: torch.Tensor  # [max_position, R] float32, contiguous
+    # fp8 rows: float32 [(1 or L) * H + L*2*Hk*D], the hidden norm weight's rows then the row scales
+    scale_table: torch.Tensor | None = None
 
 
 def rope_pair_order(head_dim: int, rotary_dim: int, is_neox: bool, device: torch.device) -> torch.Tensor:
@@ -60,15 +69,26 @@ _FUSED = DerivedCache()
 
 def fused_weights(w: ContextKVWeights) -> FusedKVWeights:
     """This backend's layout of ``w``, rebuilt whenever a source tensor changes."""
-    sources = (w.kv_weight, w.hidden_norm_weight, w.kv_bias, w.k_norm_weight, w.cos_sin_cache)
-    return _FUSED.get(sources, (w.num_layers, w.num_kv_heads, w.head_dim, w.is_neox), _fuse, w)
+    return _FUSED.get(derived_sources(w), (w.num_layers, w.num_kv_heads, w.head_dim, w.is_neox), _fuse, w)
+
+
+def derived_sources(w: ContextKVWeights) -> tuple:
+    """The tensors :func:`fused_weights` derives from."""
+    return (w.kv_weight, w.hidden_norm_weight, w.kv_bias, w.k_norm_weight, w.cos_sin_cache, w.kv_weight_scale)
 
 
 def _fuse(w: ContextKVWeights) -> FusedKVWeights:
     L, Hk, D = w.num_layers, w.num_kv_heads, w.head_dim
     order = rope_pair_order(D, w.rotary_dim, w.is_neox, w.device)
-    rows, row_scale = w.folded_kv_weight()
-    rows, row_scale = rows.view(L, 2, Hk, D, -1), row_scale.view(L, 2, Hk, D)
+    table = None
+    if w.quantized:  # fp8 rows stay fp8 (permuted as bytes: torch indexes no fp8); the norm applies to the states
+        rows = w.kv_weight.detach().view(torch.uint8).clone().view(L, 2, Hk, D, -1)
+        norm = w.hidden_norm_weight.detach().float().reshape(-1)
+        table = torch.cat((norm, w.row_scales().float()))
+        row_scale = table[norm.numel():].view(L, 2, Hk, D)
+    else:
+        rows, row_scale = w.folded_kv_weight()
+        rows, row_scale = rows.view(L, 2, Hk, D, -1), row_scale.view(L, 2, Hk, D)
     rows[:, 0] = rows[:, 0, :, order]
     row_scale[:, 0] = row_scale[:, 0, :, order]
     bias = None
@@ -76,9 +96,11 @@ def _fuse(w: ContextKVWeights) -> FusedKVWeights:
         bias = w.kv_bias.float().view(L, 2, Hk, D).clone()
         bias[:, 0] = bias[:, 0, :, order]
         bias = bias.reshape(-1).contiguous()
-    return FusedKVWeights(weight=rows.reshape(L * 2 * Hk * D, -1).to(w.dtype).contiguous(),
-                          row_scale=row_scale.reshape(-1).contiguous(), bias=bias,
-                          k_norm=w.k_norm_weight.float().contiguous(), cos_sin=w.cos_sin_cache.float().contiguous())
+    rows = rows.reshape(L * 2 * Hk * D, -1)
+    return FusedKVWeights(weight=(rows.view(w.dtype) if w.quantized else rows.to(w.dtype)).contiguous(),
+                          row_scale=row_scale.reshape(-1) if w.quantized else row_scale.reshape(-1).contiguous(),
+                          bias=bias, k_norm=w.k_norm_weight.float().contiguous(),
+                          cos_sin=w.cos_sin_cache.float().contiguous(), scale_table=table)
 
 
 # Smallest normal exponent of each fp8 cache format (e4m3fn bias 7, e4m3fnuz bias 8).
@@ -178,6 +200,13 @@ def variant_constexprs(call: PrecomputeCall) -> dict:
                 K_ROUND_DTYPE=TL_DTYPES[call.dtype] if rounds else None)
 
 
+def weight_constexprs(w: ContextKVWeights) -> dict:
+    """The fp8-row switches: off (the kernel's defaults, which compile to the kernel
+    without them) for float rows. Passed always: the compiled launcher takes every constexpr."""
+    return dict(FP8_WEIGHTS=w.quantized,
+                NORM_ROWS=(w.num_layers if w.per_layer_hidden_norm else 1) if w.quantized else 0)
+
+
 def precompute_config_for(call: PrecomputeCall, platform: Platform) -> PrecomputeLaunchConfig:
     """The portable table's choice for ``call`` (or its facts) on ``platform``."""
     w = call.weights
@@ -270,9 +299,7 @@ class PrecomputePlan(Runner):
 
 def source_versions(w: ContextKVWeights) -> tuple:
     """The version counters of the tensors :func:`fused_weights` derives from."""
-    bias = w.kv_bias
-    return (w.kv_weight._version, w.hidden_norm_weight._version, None if bias is None else bias._version,
-            w.k_norm_weight._version, w.cos_sin_cache._version)
+    return tuple(None if t is None else t._version for t in derived_sources(w))
 
 
 def plan_precompute(record: PlanningRecord, config: PrecomputeLaunchConfig) -> PrecomputePlan:
@@ -324,7 +351,7 @@ def plan_precompute(record: PlanningRecord, config: PrecomputeLaunchConfig) -> P
              V_ALIGNED=all(aligned_runs(call.value_caches[i]) for i in call.written_layers),
              K_ROW_PACK=k_rows, K_DIM_PACK=k_dims, V_ROW_PACK=v_rows, V_DIM_PACK=v_dims,
              SLOTS_I32=slots_fit_int32(call), CACHE_BLOCK=shared_block_size(call), EXACT_FP8_ROUND=INTERPRETING,
-             FP32_MATH=fp32_math(dtype), **variant_constexprs(call)), kept=kept)
+             FP32_MATH=fp32_math(dtype), **variant_constexprs(call), **weight_constexprs(w)), kept=kept)
     scratch = PlanScratch(((parts * block_d, torch.float32), (parts, torch.float32)), split_tiles,
                           kept_sums=atomic_sum)
     return PrecomputePlan(config, main, atomic_sum, cache_table(call), scratch, slot_layer)

@@ -10,6 +10,13 @@ folded into the rows too, ``NOPE_LAYERS`` leaves the K of its layers unrotated a
 ``K_ROUND_DTYPE`` rounds the normed K before RoPE (both off by default: the kernel without them).
 With ``HEADS = 2`` it computes the K and the V tile of one (layer, KV head) from the same
 loads of ``x`` (the reads of ``x`` through L2 halve; no split then).
+``FP8_WEIGHTS``: the rows are fp8 (half the bytes of bf16 rows), which cannot take the norm
+weight without being quantized again: each trip multiplies the loaded states by the norm
+weight's columns (of the program's layer when ``NORM_ROWS`` is the layer count) in
+float32, rounds them to the dot's dtype, widens the fp8 tile to it, and the row scale the
+epilogue applies is the rows' weight scale (:func:`_normalised`). The norm weight's
+``NORM_ROWS`` rows of ``H`` sit right before the row scales in one table (so the kernel
+keeps its parameters). Off, the kernel is the one without it.
 Tiles (a token tile of one head row, or pair) are numbered token tile fastest, then head rows.
 The first ``whole_tiles`` run whole, one program each; the hidden size of every later
 tile is split ``SPLIT_K`` ways, one program per part. Splitting all tiles serves a
@@ -381,6 +388,17 @@ def _sum_parts(part_acc_ptr, part_ss_ptr, slot, BLOCK_T: tl.constexpr, BLOCK_D: 
 
 
 @triton.jit
+def _fp8_operands(xf, norm, dtype: tl.constexpr, FP32_MATH: tl.constexpr):
+    """The dot's states operand for fp8 rows: float32 states ``xf [BLOCK_T, BLOCK_K]`` times
+    the norm weight's columns ``norm [BLOCK_K]``, in the states' ``dtype`` (float32 under
+    ``FP32_MATH``); the fp8 tile is widened to the same dtype by the caller."""
+    xn = xf * norm[None, :]
+    if FP32_MATH:
+        return xn
+    return xn.to(dtype)
+
+
+@triton.jit
 def _program_tile(pid, num_programs, whole_tiles, NUM_XCDS: tl.constexpr, SPLIT_K: tl.constexpr,
                   HAS_WHOLE: tl.constexpr):
     """(tile, part, parts) of hardware program ``pid``: whole tiles first (``HAS_WHOLE``: if
@@ -411,7 +429,9 @@ def context_kv_kernel(
     # Tensors, passed per call. N context tokens, H hidden size, L layers, HK KV heads per layer, D head dims.
     x_ptr,  # [N, H] context states: float16, bfloat16 or float32
     w_ptr,  # [L * 2 * HK * D, H] the states' dtype: K/V weight rows, hidden norm folded in, K rows permuted
-    row_scale_ptr,  # [L * 2 * HK * D] float32: the power of two each folded row was divided by
+    #   (FP8_WEIGHTS: fp8 rows, K rows permuted, no norm folded in)
+    row_scale_ptr,  # [L * 2 * HK * D] float32: the power of two each folded row was divided by (fp8: its scale;
+    #   FP8_WEIGHTS: preceded in memory by the [NORM_ROWS, H] float32 hidden norm weight)
     part_acc_ptr,  # [split tiles * (1 or SPLIT_K) * BLOCK_T, BLOCK_D] float32: split tiles' partial sums
     part_ss_ptr,  # [split tiles * (1 or SPLIT_K) * BLOCK_T] float32: their partial sums of squares
     counters_ptr,  # [split tiles] int32: arrivals per split tile, left zero (MERGE_IN_KERNEL)
@@ -471,6 +491,8 @@ def context_kv_kernel(
     EXACT_FP8_ROUND: tl.constexpr,  # round to the fp8 grid by arithmetic (the interpreter's conversion cannot)
     NOPE_LAYERS: tl.constexpr = 0,  # bit l set: layer l's K is not rotated (0: every layer's is)
     K_ROUND_DTYPE: tl.constexpr = None,  # dtype the normed K is rounded to before RoPE (None: kept float32)
+    FP8_WEIGHTS: tl.constexpr = False,  # w_ptr holds fp8 rows: the norm weight multiplies the states per trip
+    NORM_ROWS: tl.constexpr = 0,  # FP8_WEIGHTS: rows of the norm weight, 1 ([H]) or L ([L, H]: each layer its own)
 ):
     tile, pid_k, parts = _program_tile(tl.program_id(0), tl.num_programs(0), whole_tiles, NUM_XCDS, SPLIT_K,
                                        HAS_WHOLE)
@@ -484,6 +506,11 @@ def context_kv_kernel(
     c_ok = c < D
     x_rows = x_ptr + t.to(tl.int64) * stride_xt
     w_rows = w_ptr + (head_row * D + c).to(tl.int64) * H
+    if FP8_WEIGHTS:  # the norm weight's rows end where the row scales begin
+        if NORM_ROWS == 1:
+            norm_row = row_scale_ptr - H
+        else:  # every head row of the program is of one layer
+            norm_row = row_scale_ptr - (NORM_ROWS - head_row // (2 * HK)).to(tl.int64) * H
     k_per = tl.cdiv(tl.cdiv(H, parts), BLOCK_K) * BLOCK_K
     k_lo = pid_k * k_per
     k_hi = tl.minimum(H, k_lo + k_per)
@@ -508,14 +535,17 @@ def context_kv_kernel(
             squares += xf * xf
         else:
             squares += tl.sum(tl.reshape(xf * xf, (BLOCK_T, BLOCK_K // SQUARE_GROUP, SQUARE_GROUP)), 2)
-        if FP32_MATH:
+        if FP8_WEIGHTS:  # the norm weight on the states (rounded once to the dot's dtype), fp8 rows widened
+            x = _fp8_operands(xf, tl.load(norm_row + k, mask=k_ok, other=0.0), x.dtype, FP32_MATH)
+            w = w.to(x.dtype)
+        elif FP32_MATH:
             x = xf
             w = w.to(tl.float32)
         acc += tl.dot(x, tl.trans(w))
         if HEADS == 2:
             w_v = tl.load(w_rows[:, None] + HK * D * H + k[None, :], mask=c_ok[:, None] & k_ok[None, :], other=0.0)
-            if FP32_MATH:
-                w_v = w_v.to(tl.float32)
+            if FP32_MATH or FP8_WEIGHTS:
+                w_v = w_v.to(x.dtype)
             acc_v += tl.dot(x, tl.trans(w_v))
     sum_sq = tl.sum(squares, 1)
     finish = parts == 1  # this program runs the epilogue: a whole tile, or the last part of a split one

@@ -41,7 +41,7 @@ def _case_label(r: CaseResult) -> str:
     c = r.case
     pages = f" {PACKINGS[c.packing]}" if c.packing != "plain" else ""
     if c.op == "precompute":
-        return f"N={c.tokens}{pages}"
+        return f"N={c.tokens}{pages}{' w8' if c.fp8_weights else ''}"
     span = f"/{kilo(c.planned_span)}" if c.planned_span else ""
     return f"b{c.batch} {kilo(c.context)}{span}{pages}"
 

@@ -69,7 +69,8 @@ class CaseResult:
     def as_dict(self) -> dict:
         c = self.case
         return {"target": self.target.arch, "part": self.target.peak.name, "op": c.op, "shape": c.shape.name,
-                "kv": "fp8" if c.fp8 else "bf16", "packing": c.packing, "batch": c.batch, "context": c.context,
+                "kv": "fp8" if c.fp8 else "bf16", "weights": "fp8" if c.fp8_weights else "bf16",
+                "packing": c.packing, "batch": c.batch, "context": c.context,
                 "planned_span": c.planned_span, "tokens": c.tokens, "cache": self.cache_variant, "label": c.label,
                 "config_name": self.config_name,
                 "config": self.config, "skipped": self.skipped, "floor_bytes": c.cost().bytes,
@@ -90,6 +91,7 @@ class AuditPlan:
     extras: bool = True  # the issues' extra attention cases (b64 4k, the captured plans of sweep.PLANNED_ATTENTION)
     packed: bool = True  # the ROCM_ATTN packed-page cases (AMD targets)
     planned: tuple[int, ...] = ()  # spans every attention case is also planned for (see sweep.default_cases)
+    weights: tuple[str, ...] = ("bf16",)  # the precompute's K/V rows: "bf16" and/or "fp8" (see sweep.default_cases)
 
     def cases(self) -> list[tuple[Target, sweep.Case]]:
         out = []
@@ -98,7 +100,7 @@ class AuditPlan:
             for shape in self.shapes:
                 for case in sweep.default_cases(shape, ops=self.ops, batches=self.batches, contexts=self.contexts,
                                                 tokens=self.tokens, kv=self.kv, extras=self.extras,
-                                                packed=self.packed, planned=self.planned):
+                                                packed=self.packed, planned=self.planned, weights=self.weights):
                     out += [(target, variant) for variant in sweep.cache_variants(case, target)]
         return out
 

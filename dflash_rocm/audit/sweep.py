@@ -63,13 +63,14 @@ class Case:
     large_cache: bool = False  # attention on AMD: the cache tensor spans more than 2 GiB
     tokens: int = 0  # precompute
     packing: str = "plain"  # or a key of PACKINGS: the caches are vLLM ROCM_ATTN's
+    fp8_weights: bool = False  # precompute: fp8 K/V rows (the target's fp8 format) with per-channel scales
 
     @property
     def label(self) -> str:
         kv = "fp8" if self.fp8 else "bf16"
         pages = f" {PACKINGS[self.packing]}" if self.packing != "plain" else ""
         if self.op == "precompute":
-            return f"pre N={self.tokens} {kv}{pages}"
+            return f"pre N={self.tokens} {kv}{pages}{' w8' if self.fp8_weights else ''}"
         span = f" plan {kilo(self.planned_span)}" if self.planned_span else ""
         return f"attn b{self.batch} {kilo(self.context)}{span} {kv}{pages}"
 
@@ -87,7 +88,8 @@ class Case:
         cache_bytes = 1 if self.fp8 else 2
         if self.op == "precompute":
             return precompute_cost(hidden=s.hidden, layers=s.layers, kv_heads=s.kv_heads, head_dim=s.head_dim,
-                                   num_tokens=self.tokens, elem_bytes=2, cache_bytes=cache_bytes)
+                                   num_tokens=self.tokens, elem_bytes=2, cache_bytes=cache_bytes,
+                                   weight_bytes=1 if self.fp8_weights else 2)
         return attention_cost(batch=self.batch, query_len=self.query_len, seq_len=self.seq_len, q_heads=s.q_heads,
                               kv_heads=s.kv_heads, head_dim=s.head_dim, elem_bytes=2, cache_bytes=cache_bytes,
                               sliding_window=s.sliding_window)
@@ -110,9 +112,11 @@ class CaseLaunches:
 
 def default_cases(shape: DraftShape, *, ops=("attention", "precompute"), batches=ATTENTION_BATCHES,
                   contexts=ATTENTION_CONTEXTS, tokens=PRECOMPUTE_TOKENS, kv=("bf16", "fp8"),
-                  extras: bool = True, packed: bool = True, planned: tuple[int, ...] = ()) -> list[Case]:
+                  extras: bool = True, packed: bool = True, planned: tuple[int, ...] = (),
+                  weights: tuple[str, ...] = ("bf16",)) -> list[Case]:
     """The sweep's cases; ``planned``: every attention case of the grid also planned for
-    each of these spans that is longer than its sequence."""
+    each of these spans that is longer than its sequence; ``weights``: the precompute's K/V
+    rows, ``"bf16"`` and/or ``"fp8"`` (each precompute case once per entry)."""
     cases = []
     for fp8 in (k == "fp8" for k in kv):
         if "attention" in ops:
@@ -123,10 +127,12 @@ def default_cases(shape: DraftShape, *, ops=("attention", "precompute"), batches
             if packed:
                 batch, context = PACKED_ATTENTION
                 cases += [Case("attention", shape, fp8, batch=batch, context=context, packing=p) for p in PACKINGS]
-        if "precompute" in ops:
-            cases += [Case("precompute", shape, fp8, tokens=n) for n in tokens]
-            if packed:
-                cases += [Case("precompute", shape, fp8, tokens=PACKED_TOKENS, packing=p) for p in PACKINGS]
+        for w8 in (w == "fp8" for w in weights):
+            if "precompute" in ops:
+                cases += [Case("precompute", shape, fp8, tokens=n, fp8_weights=w8) for n in tokens]
+                if packed:
+                    cases += [Case("precompute", shape, fp8, tokens=PACKED_TOKENS, packing=p, fp8_weights=w8)
+                              for p in PACKINGS]
     return cases
 
 
@@ -174,8 +180,11 @@ def precompute_call(case: Case, target: Target) -> PrecomputeCall:
     L, Hk, D, H, N = s.layers, s.kv_heads, s.head_dim, s.hidden, case.tokens
     dtype = _cache_dtype(case, target)
     empty = dict(dtype=torch.bfloat16, device=META)
+    rows = L * 2 * Hk * D
+    weight_dtype = target.fp8_dtype if case.fp8_weights else torch.bfloat16
     weights = ContextKVWeights(
-        hidden_norm_weight=torch.empty(H, **empty), kv_weight=torch.empty(L * 2 * Hk * D, H, **empty),
+        hidden_norm_weight=torch.empty(H, **empty), kv_weight=torch.empty(rows, H, dtype=weight_dtype, device=META),
+        kv_weight_scale=torch.empty(rows, dtype=torch.float32, device=META) if case.fp8_weights else None,
         k_norm_weight=torch.empty(L, D, **empty),
         cos_sin_cache=torch.empty(1 << 15, s.rope_dim, dtype=torch.float32, device=META),
         is_neox=s.is_neox, eps=1e-6, num_layers=L, num_kv_heads=Hk, head_dim=D)
@@ -213,7 +222,7 @@ def capture_case(case: Case, target: Target, config=None) -> CaseLaunches:
     """Every launch the host code makes for ``case`` on ``target`` with ``config`` (None:
     the table's, :func:`table_config`)."""
     result = CaseLaunches(case, target)
-    if case.fp8 and target.fp8_dtype is None:
+    if (case.fp8 or case.fp8_weights) and target.fp8_dtype is None:
         result.skipped = f"{target.arch} has no fp8 conversion"
         return result
     from dflash_rocm.backends.triton.attention import run_draft_attention

@@ -205,7 +205,12 @@ def precompute_programs(case: Case, launch: Launch) -> list[Program]:
         rows = _tokens_in(case, t, block_t)
         k_len = max(0, min(H, (k + 1) * k_per) - k * k_per)
         reads = [(("x", t, k, parts), rows * k_len * 2)]
-        reads += [(("w", r, k, parts), D * k_len * 2) for r in rows_of]
+        if c.get("FP8_WEIGHTS"):  # fp8 rows (1 byte), and the float32 norm weight's columns per trip
+            reads += [(("w", r, k, parts), D * k_len) for r in rows_of]
+            layer = head_row // (2 * case.shape.kv_heads) if c.get("NORM_ROWS", 1) > 1 else 0
+            reads.append((("norm", layer, k, parts), k_len * 4))
+        else:
+            reads += [(("w", r, k, parts), D * k_len * 2) for r in rows_of]
         remote = 0
         if parts == 1:
             written = 0

@@ -40,6 +40,10 @@ class QuantizedKV:
     def __init__(self, attns):
         self.methods = sorted({quantized.describe(a.qkv_proj) for a in attns})
         self.readers, self.shards, self.dims = [], [], []
+        # per layer: block scales (dequantized, never kept as fp8 rows)
+        self.blocked = [(getattr(a.qkv_proj, "weight_block_size", None) or getattr(
+            getattr(a.qkv_proj.quant_method, "quant_config", None), "weight_block_size", None)) is not None
+            for a in attns]
         for a in attns:
             read = quantized.reader(a.qkv_proj)
             if isinstance(read, str):
@@ -61,6 +65,57 @@ class QuantizedKV:
 
     def kv_weight(self, dtype: torch.dtype) -> torch.Tensor:
         return torch.cat([self.rows(layer, shard, dtype) for layer in range(len(self.shards)) for shard in "kv"])
+
+    def fp8_shard(self, layer: int, shard: str, rows: int, tensors: dict | None = None,
+                  fmt: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One shard's fp8 codes and float32 per-row scales (:func:`.quantized.fp8_rows`; of
+        ``tensors`` when given, else the held ones), in format ``fmt`` (e4m3fnuz: converted
+        from e4m3fn), or None when they are not fp8 rows of a kept format."""
+        found = quantized.fp8_rows(self.shards[layer][shard] if tensors is None else tensors, rows)
+        if found is None or self.blocked[layer]:
+            return None
+        if fmt == torch.float8_e4m3fnuz:
+            found = quantized.as_fnuz(*found)
+        return found if fmt is None or found[0].dtype == fmt else None
+
+    def fp8_kv(self, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every layer's K/V rows as fp8 codes with a float32 scale per row (``kv_weight``
+        and ``kv_weight_scale`` of :class:`ContextKVWeights`) when they are fp8 rows with
+        per-tensor or per-channel scales and the backend the precompute gets on ``device``
+        reads them (e4m3fn converted to e4m3fnuz where only that is read: MI300); else None."""
+        shards = [self.fp8_shard(layer, shard, rows) for layer in range(len(self.shards)) for shard in "kv"]
+        if any(found is None for found in shards) or len({codes.dtype for codes, _ in shards}) != 1:
+            return None
+        fmt = next((f for f in (shards[0][0].dtype, torch.float8_e4m3fnuz) if _fp8_rows_read(f, device)), None)
+        if fmt is None:
+            return None
+        if fmt != shards[0][0].dtype:
+            shards = [quantized.as_fnuz(*found) for found in shards]
+        return (torch.cat([codes.view(torch.uint8) for codes, _ in shards]).view(fmt),
+                torch.cat([scale for _, scale in shards]).contiguous())
+
+
+def _fp8_rows_read(fmt: torch.dtype, device: torch.device) -> bool:
+    """Whether a backend the plugin's precompute gets on ``device`` reads fp8 rows of
+    ``fmt`` as they are: the environment's named backend, else any of ``auto``'s that is
+    available here and implements the precompute (auto passes over one that does not read
+    them), the reference excepted (a last resort, not a reason to keep fp8 rows)."""
+    from .. import dispatch, registry
+    from ..ops import PRECOMPUTE
+    from ..platform import platform_for
+
+    platform = platform_for(device)
+    name = dispatch.resolve_name(None)
+    candidates = [n for n in registry.priority_for(platform, device.type) if n != "reference"] if (
+        name == "auto") else [name]
+    for candidate in candidates:
+        backend = dispatch.backend(candidate)
+        impl = None if backend is None else backend.implementation(PRECOMPUTE)
+        if impl is None or backend.device_not_supported_reasons(device, platform):
+            continue
+        if not impl.weight_reasons(fmt, platform):
+            return True
+    return False
 
 
 def _rope_of(attns, rope_layers) -> object | str:
@@ -106,7 +161,7 @@ def read(inner, *, rope_layers: tuple[bool, ...] | None = None, per_layer_norm: 
         if any(t.is_meta for t in norms + kv_parts + [rope.cos_sin_cache]):
             return "the draft's weights are on the meta device (a layerwise weight update in progress)"
         with torch.no_grad():
-            source = None
+            source = kv_weight_scale = None
             if skeleton:
                 rows = len(attns) * 2 * first.num_kv_heads * first.head_dim
                 dtype = getattr(first.qkv_proj, "params_dtype", first.k_norm.weight.dtype)
@@ -115,7 +170,11 @@ def read(inner, *, rope_layers: tuple[bool, ...] | None = None, per_layer_norm: 
                 kv_bias = torch.zeros(rows, dtype=dtype, device=device) if has_bias else None
             elif not plain:
                 source = QuantizedKV(attns)
-                kv_weight = source.kv_weight(first.k_norm.weight.dtype)
+                kept = source.fp8_kv(first.num_kv_heads * first.head_dim, first.k_norm.weight.device)
+                if kept is not None:  # fp8 rows read as they are: no dense copy
+                    kv_weight, kv_weight_scale = kept
+                else:
+                    kv_weight = source.kv_weight(first.k_norm.weight.dtype)
                 kv_bias = torch.cat([a.qkv_proj.bias[a.q_size:] for a in attns]) if has_bias else None
             else:
                 kv_weight = torch.cat([a.qkv_proj.weight[a.q_size:] for a in attns])
@@ -132,7 +191,7 @@ def read(inner, *, rope_layers: tuple[bool, ...] | None = None, per_layer_norm: 
             cos_sin_cache=rope.cos_sin_cache, is_neox=bool(rope.is_neox_style),
             eps=float(first.q_norm.variance_epsilon), v_scale=None if v_scale is None else float(v_scale),
             num_layers=len(attns), num_kv_heads=int(first.num_kv_heads), head_dim=int(first.head_dim),
-            rope_layers=rope_layers)
+            rope_layers=rope_layers, kv_weight_scale=kv_weight_scale)
     except (AttributeError, TypeError, ValueError, IndexError, RuntimeError, KeyError) as exc:
         return f"cannot read the draft's K/V weights ({type(exc).__name__}: {exc})"
 
@@ -276,6 +335,13 @@ class ReloadTee:
         rows = held.num_kv_heads * held.head_dim
         for (layer, shard), tensors in updated.items():
             start = (2 * layer + (shard == "v")) * rows
+            if held.quantized:  # fp8 rows held as they are: the new codes and scales
+                found = source.fp8_shard(layer, shard, rows, tensors, held.dtype)
+                if found is None:
+                    return "the reloaded K/V tensors are no longer fp8 rows with per-tensor or per-channel scales"
+                writes += [(held.kv_weight.view(torch.uint8)[start:start + rows], found[0].view(torch.uint8)),
+                           (held.kv_weight_scale[start:start + rows], found[1])]
+                continue
             try:
                 writes.append((held.kv_weight[start:start + rows], source.readers[layer](tensors)))
             except (KeyError, IndexError, ValueError, RuntimeError) as exc:  # never fail vLLM's reload

@@ -161,9 +161,10 @@ class ServedDraft:
                         "dflash_rocm from the first weight update that names every K/V weight")
             return
         methods = draft_weights.quantized_methods(self.model)
+        how = f"read as {found.dtype} rows with their scales" if found.quantized else "dequantized"
         logger.info("context-KV precompute of this draft runs through dflash_rocm (%d layers%s%s)", found.num_layers,
                     "".join(f", {v}" for v in sorted(variants)),
-                    f", K/V weights dequantized from {', '.join(methods)}" if methods else "")
+                    f", K/V weights {how} from {', '.join(methods)}" if methods else "")
 
     def process_weights_after_loading(self) -> None:
         parent = getattr(super(), "process_weights_after_loading", None)

@@ -30,6 +30,10 @@ Methods, by the tensors the layer holds (``W[n, k]``, ``n`` an output row of thi
   reorders, ``weight_scale [G, N]``, ``weight_zero_point``): symmetric codes are signed
   nibbles, asymmetric ``(q - z) * s``.
 
+fp8 rows with a per-tensor or per-channel scale can also be kept as they are, where the
+backend serving the precompute reads fp8 rows (:func:`fp8_rows`): half the bytes of dense
+bf16 rows, and no dense copy held.
+
 A method none of these covers steps aside with its name (the generic probe
 ``quant_method.apply(layer, c * I)`` works only after vLLM's post-load processing, past
 this read point, and needs ``c`` representable under static input scales: not used).
@@ -124,6 +128,36 @@ def grouped(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | int, 
 
 def _groups(width: int, group: int, device) -> torch.Tensor:
     return torch.arange(width, device=device) // group
+
+
+# --- fp8 rows kept as they are ----------------------------------------------------------------------------
+
+FP8_ROW_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)  # what ContextKVWeights.kv_weight_scale goes with
+
+
+def fp8_rows(tensors: dict, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A shard's fp8 codes ``[rows, K]`` and float32 scale per row ``[rows]`` when its
+    tensors (:func:`shard_tensors`) are e4m3 codes with one scale for the shard or one per
+    row (None: block or MX scales, int8, packed ints: dequantized instead)."""
+    weight, scale = tensors.get("weight"), tensors.get("weight_scale")
+    if (weight is None or scale is None or "weight_scale_inv" in tensors or weight.dtype not in FP8_ROW_DTYPES
+            or not scale.is_floating_point() or weight.dim() != 2 or weight.shape[0] != rows):
+        return None
+    if scale.numel() == 1:
+        return weight, scale.float().reshape(1).expand(rows)
+    if scale.numel() == rows and (scale.dim() == 1 or scale.shape[-1] == 1):
+        return weight, scale.float().reshape(rows)
+    return None
+
+
+def as_fnuz(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3fn codes as the e4m3fnuz codes of the same values (MI300's format): the same bits
+    are worth half in fnuz, so the scale doubles; fn's -0 (0x80, NaN in fnuz) becomes 0."""
+    if codes.dtype == torch.float8_e4m3fnuz:
+        return codes, scale
+    bits = codes.view(torch.uint8).clone()
+    bits[bits == 0x80] = 0
+    return bits.view(torch.float8_e4m3fnuz), scale * 2
 
 
 # --- the layer's method, read from its tensors -----------------------------------------------------------

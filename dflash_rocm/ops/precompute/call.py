@@ -102,6 +102,8 @@ class PrecomputeCall:
         parts = [f"x={dtype_name(self.dtype)}", f"kv={dtype_name(self.cache_dtype)}",
                  f"L={w.num_layers}", f"Hk={w.num_kv_heads}", f"D={w.head_dim}", f"R={w.rotary_dim}",
                  "neox" if w.is_neox else "gptj", f"layers_written={len(self.written_layers)}"]
+        if w.quantized:
+            parts.append(f"w={dtype_name(w.dtype)}/{'tensor' if w.kv_weight_scale.numel() == 1 else 'channel'}")
         if w.per_layer_hidden_norm:
             parts.append("per_layer_norm")
         if w.nope_layers:

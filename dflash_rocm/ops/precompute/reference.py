@@ -46,14 +46,16 @@ def quantize_for_cache(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor 
 def project(call: PrecomputeCall) -> torch.Tensor:
     """Steps 1-2: ``rms_norm(x, hidden_norm_weight) @ kv_weight.T + kv_bias``, float32
     ``[N, L, 2, Hk, D]``; a per-layer norm weight ``[L, H]`` normalises the states once per
-    layer, literally (the backends fold it into the weight instead)."""
+    layer, literally (the backends fold it into the weight instead). fp8 rows are
+    dequantized first, ``kv_weight.float() * kv_weight_scale`` per row, in float32."""
     w = call.weights
     N, L, Hk, D, H = call.num_tokens, w.num_layers, w.num_kv_heads, w.head_dim, w.hidden_size
+    weight = w.dense_kv_weight().float()
     if w.per_layer_hidden_norm:
         xn = rms_norm(call.states.unsqueeze(0), w.hidden_norm_weight.view(L, 1, H), w.eps)  # [L, N, H]
-        kv = torch.bmm(xn, w.kv_weight.float().view(L, 2 * Hk * D, H).transpose(1, 2)).transpose(0, 1)
+        kv = torch.bmm(xn, weight.view(L, 2 * Hk * D, H).transpose(1, 2)).transpose(0, 1)
     else:
-        kv = rms_norm(call.states, w.hidden_norm_weight, w.eps) @ w.kv_weight.float().t()
+        kv = rms_norm(call.states, w.hidden_norm_weight, w.eps) @ weight.t()
     kv = kv.reshape(N, L * 2 * Hk * D)
     if w.kv_bias is not None:
         kv = kv + w.kv_bias.float()

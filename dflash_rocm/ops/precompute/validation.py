@@ -134,7 +134,7 @@ def _weights_signature(weights) -> tuple:
     return (ContextKVWeights, weights.num_layers, weights.num_kv_heads, weights.head_dim, w.shape, w.dtype, w.device,
             weights.cos_sin_cache.shape, weights.per_layer_hidden_norm, weights.rope_layers,
             weights.round_k_before_rope, weights.kv_bias is None, weights.v_scale, weights.is_neox, weights.eps,
-            weights.rotary_dim)
+            weights.rotary_dim, None if weights.kv_weight_scale is None else weights.kv_weight_scale.shape)
 
 
 def _sequence(value) -> tuple:
@@ -184,7 +184,7 @@ def _check_structure(context_states, positions, weights, key_caches, value_cache
     states = tensor_arg("context_states", context_states)
     check_dtype("context_states", states, QUERY_DTYPES)
     check_shape("context_states", states, (None, weights.hidden_size), f"[num_tokens, hidden={weights.hidden_size}]")
-    if states.dtype != weights.dtype:
+    if not weights.accepts_states(states.dtype):  # float rows: the states' dtype; fp8 rows: any float dtype
         raise TypeError(f"context_states: expected dtype {weights.dtype} (as weights.kv_weight); got {states.dtype}")
     device = states.device
     if weights.device != device:
