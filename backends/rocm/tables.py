@@ -67,6 +67,7 @@ class TileRule:
     matrix_instr_nonkdim: int = 0  # CDNA: 16 gives 16-row MFMA tiles: 4 warps share a 64-row tile, none replicated
     min_keys_per_segment: int = 256  # below this a segment's merge costs more than it saves
     programs_per_cu: float = 1.0  # how many (tile, head, segment) programs to aim for per CU
+    fp8_k_at_load: bool = False  # an fp8 K tile widened in its load layout (AttentionLaunchConfig)
     # The last segment may merge a split tile: "always", "large cache" (only without buffer loads:
     # with them its merge code spills), or "never".
     last_merges: str = "always"
@@ -93,7 +94,7 @@ class TileRule:
 CDNA_RULES = (
     TileRule(name="cdna-d256", min_head_dim=129, block_m=32, block_n=32, num_warps=2, matrix_instr_nonkdim=16),
     TileRule(name="cdna-gfx950-fp8", archs=("gfx950",), fp8=True, block_m=64, block_n=64, num_warps=4, num_stages=2,
-             matrix_instr_nonkdim=16),
+             matrix_instr_nonkdim=16, fp8_k_at_load=True),
     TileRule(name="cdna-default", block_m=64, block_n=64, num_warps=4, matrix_instr_nonkdim=16),
 )
 RDNA_RULES = (
@@ -101,7 +102,8 @@ RDNA_RULES = (
     TileRule(name="rdna-short-query", max_query_rows=16, block_m=16, block_n=32, num_warps=4,
              min_keys_per_segment=128),
     TileRule(name="rdna3-default", archs=("gfx11",), block_m=64, block_n=16, num_warps=8),
-    TileRule(name="rdna4-fp8", fp8=True, block_m=64, block_n=16, num_warps=4, last_merges="large cache"),
+    TileRule(name="rdna4-fp8", fp8=True, block_m=64, block_n=16, num_warps=4, last_merges="large cache",
+             fp8_k_at_load=True),
     TileRule(name="rdna4-default", block_m=64, block_n=32, num_warps=4),
 )
 MAX_SEGMENTS = {"cdna": 64, "rdna": 32}
@@ -148,7 +150,8 @@ def segmented_config(w: AttentionWorkload) -> tuple[str, AttentionLaunchConfig]:
     return rule.name, AttentionLaunchConfig(
         block_m=block_m, block_n=rule.block_n, num_segments=segments, num_warps=warps, num_stages=rule.num_stages,
         min_segment_keys=rule.min_keys_per_segment, merge=merge, merge_rows=merge_rows,
-        matrix_instr_nonkdim=rule.matrix_instr_nonkdim, wave_size=w.platform.wave_size)
+        matrix_instr_nonkdim=rule.matrix_instr_nonkdim, fp8_k_at_load=rule.fp8_k_at_load and w.fp8,
+        wave_size=w.platform.wave_size)
 
 
 def unsegmented_config(w: AttentionWorkload) -> tuple[str, AttentionLaunchConfig]:
