@@ -316,8 +316,8 @@ def _in_load_layout(x):
     runs in the operand layout: once per warp, each warp holding the whole tile (4 times the
     work of widening the tile once on CDNA's 4-warp tiles). A splat of a runtime value is
     such a leaf no more: the conversion then stays at the dot, after the widening. The
-    select costs nothing compiled: AMD's fold-true-cmpi pass folds the comparison once the
-    layouts are chosen (LLVM would too: a program id is never negative)."""
+    select costs nothing compiled on AMD: the fold-true-cmpi pass folds the comparison once
+    the layouts are chosen (no select left in the loop, compiled gfx942/gfx950/gfx1201)."""
     return tl.where(tl.program_id(2) >= 0, x, 0.0)
 
 
