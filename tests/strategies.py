@@ -381,7 +381,7 @@ def attention_launch_configs(draw, queries_per_kv: int):
                                  min_segment_keys=draw(st.sampled_from([0, 16, 48])),
                                  merge=draw(st.sampled_from(MERGES)),
                                  merge_rows=draw(st.sampled_from([r for r in (0, 8, 16) if r <= block_m])),
-                                 fp16_dots=draw(st.booleans()))
+                                 fp16_dots=draw(st.booleans()), fp8_k_at_load=draw(st.booleans()))
 
 
 @st.composite

@@ -630,7 +630,8 @@ def test_compiled_variants_per_kernel_and_architecture_are_bounded(audit):
     attributes (cache under/over 2 GiB, a batch of 1, 16-divisible strides): a few, not one
     per segment count (each would be a JIT compile at run time); a merge's load width (a
     constexpr) follows the launch's segment count below its cap.
-    The captured plans bring batch 8 with merger programs (28 on gfx942). The precompute
+    The captured plans bring batch 8 with merger programs (28 on gfx942; 32 with its fp8 rule
+    from 4096 keys, a second fp8 loop: two stages, K widened at its load). The precompute
     compiles once per token regime of its table and split of a last round: one split tile of
     16, 32 or 64 tokens, 32-, 64- and (gfx950) 128-token tiles with a split last round or
     without one."""
@@ -642,7 +643,7 @@ def test_compiled_variants_per_kernel_and_architecture_are_bounded(audit):
     bound = {"context_kv_kernel": 7}
     assert constexprs and all(len(v) <= bound.get(k[1], 5) for k, v in constexprs.items()), {
         k: len(v) for k, v in constexprs.items()}
-    assert max(len(v) for v in variants.values()) <= 28, {k: len(v) for k, v in variants.items()}
+    assert max(len(v) for v in variants.values()) <= 32, {k: len(v) for k, v in variants.items()}
 
 
 @pytest.mark.slow
@@ -703,7 +704,7 @@ from dflash_rocm.workloads import shape_named
 
 out = []
 for arch, shape, case, changes, cache in json.loads(sys.argv[1]):
-    case, target = sweep.Case(shape=shape_named(shape), fp8=False, **case), TARGETS[arch]
+    case, target = sweep.Case(shape=shape_named(shape), **{"fp8": False, **case}), TARGETS[arch]
     cache = FactsCache(Path(cache))
     chosen = run.model_case(case, target, cache)
     cls = AttentionLaunchConfig if case.op == "attention" else PrecomputeLaunchConfig
@@ -727,6 +728,14 @@ def _compare(jobs) -> list:
     # One segment: 8 programs for the whole key span instead of enough to fill the CUs.
     ("gfx942", dict(op="attention", batch=1, context=8192), dict(num_segments=1, merge="last")),
     ("gfx1201", dict(op="attention", batch=1, context=8192), dict(num_segments=1, merge="last")),
+    # fp8: the K tile widened in the dot's operand layout (each warp the whole tile), not at its
+    # load; on gfx942 also the one-stage loop (its widened tile then takes 256-266 VGPRs).
+    ("gfx942", dict(op="attention", batch=8, context=8192, fp8=True), dict(fp8_k_at_load=False, num_stages=1)),
+    ("gfx942", dict(op="attention", batch=1, context=32768, fp8=True), dict(fp8_k_at_load=False, num_stages=1)),
+    ("gfx950", dict(op="attention", batch=1, context=8192, fp8=True), dict(fp8_k_at_load=False)),
+    ("gfx1201", dict(op="attention", batch=1, context=8192, fp8=True), dict(fp8_k_at_load=False)),
+    # gfx1201 fp8 under 2 GiB: merged by a second launch instead of 4-token mergers.
+    ("gfx1201", dict(op="attention", batch=1, context=8192, fp8=True), dict(merge="launch", merge_rows=0)),
     # A single token tile's hidden size unsplit: one program a head row, most CUs idle.
     ("gfx942", dict(op="precompute", tokens=16), dict(split_k=1)),
     ("gfx950", dict(op="precompute", tokens=16), dict(split_k=1))])
@@ -775,6 +784,37 @@ def test_the_per_rank_tables_are_modelled_no_slower_than_their_what_ifs(arch, tm
     slower = [(name, n, change, chosen * 1e6, weaker * 1e6) for name, n, change, changed, chosen, weaker in compared
               if changed and chosen > 1.01 * weaker]
     assert not slower, slower
+
+
+# Where an fp8 cache's launch is modelled no slower than bf16's at the same shape (issue 36):
+# the fewest keys of context from which it holds, at batch 1 and at batch 8 and more. Below
+# them the launch is bound by issue, not by the bytes fp8 halves (docs/performance.md, "fp8 KV
+# at batch 1": gfx942 b1 8k 12.9 us against 11.5, every target at 1k).
+FP8_MET_FROM = {"gfx942": (32768, 8192), "gfx950": (8192, 8192), "gfx1201": (8192, 1024)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", list(FP8_MET_FROM))
+def test_fp8_attention_is_modelled_no_slower_than_bf16_where_the_bytes_bind(audit, arch):
+    """*Modelled*: from the contexts of ``FP8_MET_FROM`` on, each fp8 attention case of the
+    sweep (each cache size) takes no longer than the bf16 case of the same shape; on gfx1201
+    every fp8 case is one launch (its merge in the same launch)."""
+    from_b1, from_batch = FP8_MET_FROM[arch]
+    cases = {(c["kv"], c["batch"], c["context"], c["cache"]): c for c in audit["cases"]
+             if c["target"] == arch and c["op"] == "attention" and not c["skipped"] and c["packing"] == "plain"
+             and not c["planned_span"]}
+    checked, slower = 0, []
+    for (kv, batch, context, cache), fp8 in cases.items():
+        if kv != "fp8":
+            continue
+        if arch == "gfx1201":
+            assert len(fp8["launches"]) == 1, (fp8["label"], cache, [launch["kernel"] for launch in fp8["launches"]])
+        bf16 = cases.get(("bf16", batch, context, cache))
+        if bf16 is not None and context >= (from_b1 if batch == 1 else from_batch):
+            checked += 1
+            if fp8["modelled_us"] > bf16["modelled_us"]:
+                slower.append((fp8["label"], cache, fp8["modelled_us"], bf16["modelled_us"]))
+    assert checked >= 4 and not slower, slower
 
 
 @pytest.mark.slow

@@ -70,12 +70,11 @@ def test_configs_are_valid_for_every_shape(arch, group, d):
                     mergers = -(-tiles_heads * cfg.block_m // rows // xcds)
                     return rows <= cfg.block_m and mergers < p.compute_units // xcds
 
+                shares = [r for r in (token_rows << i for i in range(8)) if fits(r)]  # 2x the rows, 1/2 the mergers
                 if cfg.num_segments <= IN_KERNEL_MERGE_SEGMENTS and tables.select_rule(w).merges_last(w):
                     assert (cfg.merge, cfg.merge_rows) == ("last", 0)
-                elif fits(token_rows):
-                    assert (cfg.merge, cfg.merge_rows) == ("tail", 0)
-                elif fits(2 * token_rows):  # twice the rows, half the mergers
-                    assert (cfg.merge, cfg.merge_rows) == ("tail", 2 * token_rows)
+                elif shares:
+                    assert (cfg.merge, cfg.merge_rows) == ("tail", 0 if shares[0] == token_rows else shares[0])
                 else:
                     assert (cfg.merge, cfg.merge_rows) == ("launch", 0)
 
@@ -94,8 +93,9 @@ def test_split_kv_fills_the_device_for_one_request(arch):
 def test_small_batches_on_cdna_merge_by_merger_programs_and_a_large_batch_does_not():
     """Batch 1 x 8 KV heads x 16 mergers is 128 programs, 16 per XCD of MI300X's 38 CUs:
     merged in the same launch without one program reading every partial; batch 4 takes
-    8-row mergers (256: 32 per XCD); batch 8's would fill the XCDs: a second launch (with
-    few segments, the last one merges)."""
+    8-row mergers (256: 32 per XCD); batch 8 split 16 ways takes 16-row mergers (256: 32 per
+    XCD; with few segments, the last one merges); batch 64's would fill the XCDs even a
+    tile to a merger: a second launch."""
     b1 = tables.attention_config(workload("gfx942", batch=1, key_span=8192), 16)[1]
     assert (b1.merge, b1.merge_rows) == ("tail", 0)
     b4 = tables.attention_config(workload("gfx942", batch=4, key_span=131072), 16)[1]
@@ -103,9 +103,10 @@ def test_small_batches_on_cdna_merge_by_merger_programs_and_a_large_batch_does_n
     from dflash_rocm.backends.triton.launch_config import merge_for
 
     mi300 = platform_for_arch("gfx942")
-    assert merge_for(16, 8 * 8, 64, 4, mi300) == ("launch", 0)  # 8 tiles x 8 heads: 64 or 128 mergers per XCD
-    assert merge_for(16, 8 * 8, 64, 4, mi300, last_merges=False) == ("launch", 0)
+    assert merge_for(16, 8 * 8, 64, 4, mi300) == ("tail", 16)  # 8 tiles x 8 heads: 128 or 64 mergers per XCD, 32
+    assert merge_for(16, 8 * 8, 64, 4, mi300, last_merges=False) == ("tail", 16)
     assert merge_for(8, 8 * 8, 64, 4, mi300) == ("last", 0)
+    assert merge_for(16, 64 * 8, 64, 4, mi300) == ("launch", 0)  # 64 tiles x 8 heads: 64 mergers per XCD at least
 
 
 def test_merger_programs_leave_room_in_every_xcd():
@@ -154,7 +155,9 @@ def test_head_dim_256_rules(arch, expected):
 
 
 def test_rule_order_fp8_and_short_queries():
-    assert tables.select_rule(workload("gfx942", fp8=True)).name == "cdna-default"
+    assert tables.select_rule(workload("gfx942", key_span=4096, fp8=True)).name == "cdna-gfx942-fp8-long"
+    assert tables.select_rule(workload("gfx942", key_span=4095, fp8=True)).name == "cdna-default"
+    assert tables.select_rule(workload("gfx942", key_span=8192)).name == "cdna-default"
     assert tables.select_rule(workload("gfx1201", fp8=True)).name == "rdna4-fp8"
     assert tables.select_rule(workload("gfx1100", fp8=True)).name == "rdna3-default"
     assert tables.select_rule(workload("gfx1100", query_len=4, hq=8, hk=2)).name == "rdna-short-query"
@@ -292,7 +295,7 @@ def attention_workloads(arch):
 
 
 CONDITIONS = {"precompute": ("min_tokens", "max_tokens", "max_head_dim", "max_rounds", "tail_ways", "full_tiles"),
-              "attention": ("archs", "min_head_dim", "fp8", "max_query_rows")}
+              "attention": ("archs", "min_head_dim", "fp8", "max_query_rows", "min_key_span")}
 
 
 def unconditional(rule, kind):
@@ -355,6 +358,15 @@ def operand_bytes(rows, cols_a, cols_b, stages, elem_bytes=2):
     return stages * (rows + cols_b) * cols_a * elem_bytes
 
 
+def attention_operand_bytes(w, c):
+    """LDS the attention loop's operands take at the least: the query tile (loaded once,
+    2 bytes an element), and a K and a V tile per pipeline stage in the cache's element
+    size (an fp8 K tile widened at its load in 2)."""
+    kv = 1 if w.fp8 else 2
+    k = 2 if c.fp8_k_at_load else kv
+    return c.block_m * w.head_dim * 2 + c.num_stages * c.block_n * w.head_dim * (k + kv)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_config_fits_the_arch_lds(arch):
     """The operand tiles of every config the tables give, one buffer per stage, fit the
@@ -366,7 +378,7 @@ def test_every_config_fits_the_arch_lds(arch):
         assert operand_bytes(c.block_t, c.block_k, c.heads * w.head_dim, c.num_stages) <= lds, (w, c)
     for w in attention_workloads(arch):
         c = tables.attention_config(w, 16)[1]
-        assert operand_bytes(c.block_m, w.head_dim, 2 * c.block_n, c.num_stages) <= lds, (w, c)
+        assert attention_operand_bytes(w, c) <= lds, (w, c)
 
 
 def test_rows_are_keyword_data():

@@ -643,12 +643,14 @@ def test_per_layer_slot_mappings_that_are_views_of_one_row_are_one_mapping(layou
             assert torch.allclose(a, b, atol=1e-5)
 
 
-@pytest.mark.parametrize("block_n,window,fp16_dots", [(16, None, False), (32, 21, False), (16, None, True),
-                                                      (32, 21, True)])
-def test_fp8_keys_widened_in_the_operand_layout_match_the_reference(block_n, window, fp16_dots):
+@pytest.mark.parametrize("block_n,window,fp16_dots,k_at_load", [
+    (16, None, False, False), (32, 21, False, False), (16, None, True, False), (32, 21, True, False),
+    (16, None, False, True), (32, 21, True, True)])
+def test_fp8_keys_widened_in_the_operand_layout_match_the_reference(block_n, window, fp16_dots, k_at_load):
     """fp8 caches with fp16 queries take the GPU path under the interpreter: K loaded as
-    K^T and widened after the layout change, V as on a GPU; masked last tiles, a window;
-    with ``fp16_dots`` the query is pre-scaled (the scores then in the exponents' units)."""
+    K^T and widened after the layout change (or, ``k_at_load``, in its load layout), V as
+    on a GPU; masked last tiles, a window; with ``fp16_dots`` the query is pre-scaled (the
+    scores then in the exponents' units)."""
     from dflash_rocm.backends.triton.attention import run_draft_attention
     from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig
     from dflash_rocm.launches import capture
@@ -658,15 +660,35 @@ def test_fp8_keys_widened_in_the_operand_layout_match_the_reference(block_n, win
     kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
     args = (q, kc, vc, *rest)
     kwargs = dict(sliding_window=window, k_scale=torch.tensor(0.5), v_scale=torch.tensor(2.0))
-    config = AttentionLaunchConfig(block_m=64, block_n=block_n, num_segments=2, fp16_dots=fp16_dots)
+    config = AttentionLaunchConfig(block_m=64, block_n=block_n, num_segments=2, fp16_dots=fp16_dots,
+                                   fp8_k_at_load=k_at_load)
     with capture() as launches:
         run_draft_attention(attention_call(*args, **kwargs), config)
     assert launches[0].constexprs["IS_FP8"] and not launches[0].constexprs["FP32_MATH"]
     assert launches[0].constexprs["FP16_DOTS"] == fp16_dots
+    assert launches[0].constexprs["K_AT_LOAD"] == k_at_load
     call = attention_call(*args, **kwargs)
     run_draft_attention(call, config)
     ref = dflash_rocm.draft_attention(*args, **kwargs, backend="reference")
     assert dflash_rocm.contract.relative_error(call.out, ref) < 5e-3
+
+
+def test_keys_widened_at_load_only_for_fp8_caches_on_the_gpu_path():
+    """A config's fp8 K widening at the load applies to fp8 caches on the GPU path only: a
+    16-bit cache has nothing to widen (its kernel stays the one compiled without the
+    switch), and FP32_MATH widens every operand to float32 anyway."""
+    from dflash_rocm.backends.triton.attention import plan_attention
+    from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig
+    from dflash_rocm.ops.attention import attention_call
+
+    config = AttentionLaunchConfig(block_m=32, block_n=16, fp8_k_at_load=True)
+    for dtype, fp8, expected in ((torch.float16, True, True), (torch.bfloat16, True, False),
+                                 (torch.float16, False, False)):
+        q, kc, vc, *rest = paged([20], [4], Hk=1, G=4, D=32, block_size=16, dtype=dtype)
+        if fp8:
+            kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+        plan = plan_attention(record_for("draft_attention", "triton", attention_call(q, kc, vc, *rest)), config)
+        assert plan.main.constexprs["K_AT_LOAD"] == expected, (dtype, fp8)
 
 
 def test_fp16_dots_only_for_fp8_caches_and_16_bit_queries():

@@ -461,6 +461,7 @@ BAD_ENTRIES = {
     "bool merge (the old field's type)": _entry_with(merge=True),
     "merge_rows 3": _entry_with(merge_rows=3),
     "int for fp16_dots": _entry_with(fp16_dots=1),
+    "int for fp8_k_at_load": _entry_with(fp8_k_at_load=0),
     "workload with a string": {**_entry_with(), "workload": {"batch": "1", "query_len": 4, "key_span": 64}},
     "negative speed-up": {**_entry_with(), "speedup": -1.0},
     "entry is a list": [1, 2],

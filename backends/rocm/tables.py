@@ -59,6 +59,7 @@ class TileRule:
     min_head_dim: int = 0
     fp8: bool | None = None  # True: an fp8 cache only; False: a 16-bit cache only; None: either
     max_query_rows: int | None = None  # longest query x group (a request's rows of one KV head)
+    min_key_span: int = 0  # the longest sequence's keys
     # Launch
     block_m: int
     block_n: int
@@ -67,6 +68,7 @@ class TileRule:
     matrix_instr_nonkdim: int = 0  # CDNA: 16 gives 16-row MFMA tiles: 4 warps share a 64-row tile, none replicated
     min_keys_per_segment: int = 256  # below this a segment's merge costs more than it saves
     programs_per_cu: float = 1.0  # how many (tile, head, segment) programs to aim for per CU
+    fp8_k_at_load: bool = False  # an fp8 K tile widened in its load layout (AttentionLaunchConfig)
     # The last segment may merge a split tile: "always", "large cache" (only without buffer loads:
     # with them its merge code spills), or "never".
     last_merges: str = "always"
@@ -78,22 +80,30 @@ class TileRule:
     def applies(self, w: AttentionWorkload) -> bool:
         return ((not self.archs or w.arch.startswith(self.archs)) and w.head_dim >= self.min_head_dim
                 and (self.fp8 is None or w.fp8 == self.fp8)
-                and (self.max_query_rows is None or w.query_len * w.group <= self.max_query_rows))
+                and (self.max_query_rows is None or w.query_len * w.group <= self.max_query_rows)
+                and w.key_span >= self.min_key_span)
 
 
 # Every rule compiles without spills for the sweep `dflash-rocm inspect` audits (tests/test_audit.py).
 # CDNA: one 64-row tile (16 queries x 4 heads) per request on 4 warps with 16x16 MFMA; one program
 # per CU (a second one per CU only shares the SIMDs). gfx950 with an fp8 cache takes the two-stage
 # loop, whose LDS layout takes the fp8 tiles in words, not bytes (a sixth of the LDS instructions a
-# trip, compiled). RDNA3's WMMA keeps operands twice in registers: 8 warps and 16-key tiles stay
-# under 256 VGPRs. RDNA4 takes 32-key tiles, and 16-key tiles on 4 warps for fp8: every warp widens
-# the fp8 tiles it reads, so 4 warps widen half as often as 8; their split tiles are merged by
-# their last segment only in a cache over 2 GiB (252 VGPRs, 0 spills; with buffer loads that merge
-# code spills 20 VGPRs, compiled gfx1201): else by a second launch.
+# trip, compiled). An fp8 K tile is widened at its load (``fp8_k_at_load``: each lane its share,
+# not each warp the whole tile) on gfx950, on RDNA4, and on gfx942 from 4096 keys, where the two-
+# stage loop keeps the widened tile in 218 VGPRs (one stage: 256-266, a second workgroup per CU
+# no longer fits; below 4096 keys the pipeline's prologue costs more than the widening saves:
+# modelled MI300X fp8 b8 2k 19.3 us unchanged, 20.2 so; b8 4k 25.2 -> 23.2, b1 8k 13.1 -> 12.9).
+# RDNA3's WMMA keeps operands twice in registers: 8 warps and 16-key tiles stay under 256 VGPRs.
+# RDNA4 takes 32-key tiles, and 16-key tiles on 4 warps for fp8: every warp widens the V tiles it
+# reads, so 4 warps widen half as often as 8; their split tiles are merged by their last segment
+# only in a cache over 2 GiB (248 VGPRs, 0 spills; with buffer loads that merge code spills,
+# compiled gfx1201): else by merger programs of 4 tokens' rows (32 on 64 CUs, 213 VGPRs).
 CDNA_RULES = (
     TileRule(name="cdna-d256", min_head_dim=129, block_m=32, block_n=32, num_warps=2, matrix_instr_nonkdim=16),
+    TileRule(name="cdna-gfx942-fp8-long", archs=("gfx942",), fp8=True, min_key_span=4096, block_m=64, block_n=64,
+             num_warps=4, num_stages=2, matrix_instr_nonkdim=16, fp8_k_at_load=True),
     TileRule(name="cdna-gfx950-fp8", archs=("gfx950",), fp8=True, block_m=64, block_n=64, num_warps=4, num_stages=2,
-             matrix_instr_nonkdim=16),
+             matrix_instr_nonkdim=16, fp8_k_at_load=True),
     TileRule(name="cdna-default", block_m=64, block_n=64, num_warps=4, matrix_instr_nonkdim=16),
 )
 RDNA_RULES = (
@@ -101,7 +111,8 @@ RDNA_RULES = (
     TileRule(name="rdna-short-query", max_query_rows=16, block_m=16, block_n=32, num_warps=4,
              min_keys_per_segment=128),
     TileRule(name="rdna3-default", archs=("gfx11",), block_m=64, block_n=16, num_warps=8),
-    TileRule(name="rdna4-fp8", fp8=True, block_m=64, block_n=16, num_warps=4, last_merges="large cache"),
+    TileRule(name="rdna4-fp8", fp8=True, block_m=64, block_n=16, num_warps=4, last_merges="large cache",
+             fp8_k_at_load=True),
     TileRule(name="rdna4-default", block_m=64, block_n=32, num_warps=4),
 )
 MAX_SEGMENTS = {"cdna": 64, "rdna": 32}
@@ -148,7 +159,8 @@ def segmented_config(w: AttentionWorkload) -> tuple[str, AttentionLaunchConfig]:
     return rule.name, AttentionLaunchConfig(
         block_m=block_m, block_n=rule.block_n, num_segments=segments, num_warps=warps, num_stages=rule.num_stages,
         min_segment_keys=rule.min_keys_per_segment, merge=merge, merge_rows=merge_rows,
-        matrix_instr_nonkdim=rule.matrix_instr_nonkdim, wave_size=w.platform.wave_size)
+        matrix_instr_nonkdim=rule.matrix_instr_nonkdim, fp8_k_at_load=rule.fp8_k_at_load and w.fp8,
+        wave_size=w.platform.wave_size)
 
 
 def unsegmented_config(w: AttentionWorkload) -> tuple[str, AttentionLaunchConfig]:

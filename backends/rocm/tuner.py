@@ -62,11 +62,12 @@ MAX_STAGES = 8  # the tables and the candidates use 1 or 2
 MAX_WAVES_PER_EU = 16
 MAX_SEGMENT_KEYS = 1 << 20
 MATRIX_INSTR_NONKDIMS = (0, 16, 32)  # 0: the compiler's choice; 16 or 32: MFMA tile edge
+BOOL_FIELDS = ("fp16_dots", "fp8_k_at_load")  # the launch fields that are switches
 
 
 def launch_config_from_dict(d: object, group: int, family: str) -> AttentionLaunchConfig:
     """A tuned entry's config, validated like a table entry: exactly the launch fields,
-    ints (``merge`` one of :data:`MERGES`, ``fp16_dots`` a bool), power-of-two tiles of 16..256 rows with
+    ints (``merge`` one of :data:`MERGES`, the :data:`BOOL_FIELDS` bools), power-of-two tiles of 16..256 rows with
     ``block_m >= group`` (each tile holds whole query tokens), segments within the
     family's table limit, a warp count the compiler takes, stages >= 1 and waves per EU
     >= 0 within sane bounds. ``ValueError`` says what is wrong. (What still fails to
@@ -81,9 +82,9 @@ def launch_config_from_dict(d: object, group: int, family: str) -> AttentionLaun
         if name == "merge":
             if value not in MERGES:
                 raise ValueError(f"config merge: expected one of {MERGES}, got {value!r}")
-        elif name == "fp16_dots":
+        elif name in BOOL_FIELDS:
             if not isinstance(value, bool):
-                raise ValueError(f"config fp16_dots: expected a bool, got {value!r}")
+                raise ValueError(f"config {name}: expected a bool, got {value!r}")
         elif isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"config {name}: expected an int, got {value!r}")
     for name in ("block_m", "block_n"):

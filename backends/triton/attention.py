@@ -142,7 +142,8 @@ def plan_attention(record: PlanningRecord, config: AttentionLaunchConfig) -> Att
              MERGE_CHUNK=merge_load_segments(rows, segments) if mergers else merge_chunk(config, block_d),
              IS_FP8=call.is_fp8, FP32_MATH=fp32_math(q.dtype),
              FP16_DOTS=config.fp16_dots and call.is_fp8 and q.dtype in (torch.float16, torch.bfloat16)
-             and not fp32_math(q.dtype), **tiles,
+             and not fp32_math(q.dtype), K_AT_LOAD=config.fp8_k_at_load and call.is_fp8 and not fp32_math(q.dtype),
+             **tiles,
              **{f"K_{k}": v for k, v in k_pack.items()}, **{f"V_{k}": v for k, v in v_pack.items()}),
         kept=kept_scratch)
     second = None

@@ -65,6 +65,7 @@ class AttendMode(NamedTuple):
     HAS_WINDOW: tl.constexpr
     IS_FP8: tl.constexpr
     FP32_MATH: tl.constexpr
+    K_AT_LOAD: tl.constexpr  # an fp8 K tile is widened in its load layout (:func:`_in_load_layout`)
     K_LAYOUT: tl.constexpr  # CacheLayout of the K cache
     V_LAYOUT: tl.constexpr  # CacheLayout of the V cache
 
@@ -306,6 +307,21 @@ def _dim_offset(cache, LAYOUT, d):
 
 
 @triton.jit
+def _in_load_layout(x):
+    """``x`` itself, through a select on ``program_id(2) >= 0`` (always true), so that what
+    is computed from it stays in ``x``'s layout (the load's) rather than the dot operand's.
+
+    Triton's layout pass moves the conversion of a dot operand up to the operand's load
+    past every elementwise op whose leaves are loads or constants, so an fp8 tile's widening
+    runs in the operand layout: once per warp, each warp holding the whole tile (4 times the
+    work of widening the tile once on CDNA's 4-warp tiles). A splat of a runtime value is
+    such a leaf no more: the conversion then stays at the dot, after the widening. The
+    select costs nothing compiled on AMD: the fold-true-cmpi pass folds the comparison once
+    the layouts are chosen (no select left in the loop, compiled gfx942/gfx950/gfx1201)."""
+    return tl.where(tl.program_id(2) >= 0, x, 0.0)
+
+
+@triton.jit
 def _attend(acc, m_i, l_i, query, table, k_cache, v_cache, start, seg_hi, MASKED: tl.constexpr, MODE):
     """One key tile: load K/V through the block table, online-softmax update.
 
@@ -323,6 +339,7 @@ def _attend(acc, m_i, l_i, query, table, k_cache, v_cache, start, seg_hi, MASKED
     HAS_WINDOW: tl.constexpr = MODE.HAS_WINDOW
     IS_FP8: tl.constexpr = MODE.IS_FP8
     FP32_MATH: tl.constexpr = MODE.FP32_MATH
+    K_AT_LOAD: tl.constexpr = MODE.K_AT_LOAD
     q = query.q
     qk_scale = query.qk_scale
     pos = query.pos
@@ -341,8 +358,15 @@ def _attend(acc, m_i, l_i, query, table, k_cache, v_cache, start, seg_hi, MASKED
     if IS_FP8 and not FP32_MATH:
         # K loaded as K^T ([dims, keys]): the fp8 tile then goes to the dot like V, through
         # LDS as whole words, and is widened in the operand layout (loaded as [keys, dims]
-        # and transposed, the compiler moves it through LDS byte by byte)
+        # and transposed, the compiler moves it through LDS byte by byte). K_AT_LOAD: widened
+        # where it was loaded instead, each lane its own share, and through LDS in q's dtype
+        # (K^T's contiguous dims are the product's reduction dim: read back in words): a
+        # quarter of the conversions on 4 warps, for the registers of the widened tile. V
+        # stays in the operand layout: widened at its load it would be read back from LDS
+        # one element at a time (its contiguous dims are not the reduction dim).
         k_t = tl.load(k_rows[None, :] + k_dims[:, None], mask=d_ok[:, None] & key_ok[None, :], other=0.0)
+        if K_AT_LOAD:
+            k_t = _in_load_layout(k_t)
         s = tl.dot(q, k_t.to(q.dtype))
         v = v.to(q.dtype)
     else:
@@ -436,6 +460,7 @@ def draft_attention_kernel(
     IS_FP8: tl.constexpr,  # the caches are fp8, scaled by k_scale/v_scale
     FP32_MATH: tl.constexpr,  # compute in float32 (the interpreter's bfloat16: see common.py)
     FP16_DOTS: tl.constexpr,  # fp8 caches under a 16-bit query: products in float16
+    K_AT_LOAD: tl.constexpr,  # fp8 caches (not FP32_MATH): K widened in its load layout, not the dot operand's
     K_ROW_PACK: tl.constexpr,  # K cache rows per pack (1: not packed)
     K_DIM_PACK: tl.constexpr,  # K cache dims per pack (1: not packed)
     V_ROW_PACK: tl.constexpr,  # V cache rows per pack
@@ -507,7 +532,8 @@ def draft_attention_kernel(
     v_cache = CacheHead(v_head, stride_vb, stride_vs, stride_vs_in, stride_vd, stride_vd_in)
     K_LAYOUT: tl.constexpr = CacheLayout(K_ROW_PACK, K_DIM_PACK, K_UNIT)
     V_LAYOUT: tl.constexpr = CacheLayout(V_ROW_PACK, V_DIM_PACK, V_UNIT)
-    MODE: tl.constexpr = AttendMode(BLOCK_N, BLOCK_SIZE, CAUSAL, HAS_WINDOW, IS_FP8, FP32_MATH, K_LAYOUT, V_LAYOUT)
+    MODE: tl.constexpr = AttendMode(BLOCK_N, BLOCK_SIZE, CAUSAL, HAS_WINDOW, IS_FP8, FP32_MATH, K_AT_LOAD, K_LAYOUT,
+                                       V_LAYOUT)
     full_hi = seg_lo + (seg_hi - seg_lo) // BLOCK_N * BLOCK_N
     for start in range(seg_lo, full_hi, BLOCK_N):
         acc, m_i, l_i = _attend(acc, m_i, l_i, query, table, k_cache, v_cache, start, seg_hi, False, MODE)

@@ -37,7 +37,10 @@ class AttentionLaunchConfig:
     and 16-bit queries, both products take fp16 operands (the query pre-scaled by the
     softmax scale, fp8 widened exactly, P with 3 more bits than bf16) instead of the
     query's dtype: on NVIDIA an e4m3 pair widens to fp16 in one instruction, to bf16 in
-    several; on AMD the opposite holds.
+    several; on AMD the opposite holds. ``fp8_k_at_load``: with an fp8 cache, each K tile is
+    widened in the layout it was loaded in (each lane its own share) rather than in the dot
+    operand's (every warp the whole tile), for the widened tile's registers (the kernel's
+    ``_in_load_layout``).
     """
 
     block_m: int = 64
@@ -51,6 +54,7 @@ class AttentionLaunchConfig:
     merge_rows: int = 0
     matrix_instr_nonkdim: int = 0  # AMD only: 16 picks 16x16 MFMA tiles; 0 the compiler's choice
     fp16_dots: bool = False
+    fp8_k_at_load: bool = False
     wave_size: int = 32
 
     def __post_init__(self) -> None:
@@ -166,14 +170,19 @@ def merge_for(num_segments: int, tiles_heads: int, block_m: int, queries_per_kv:
     """(merge, merge_rows) the tables choose for a split tile: its last segment merges when
     there are few partials (and ``last_merges``: the kernel has the registers for that
     merge); else merger programs where they fit, each merging one query token's heads, or
-    twice those rows when that halves the mergers enough to fit (no second launch, and no
-    single program reads every partial); else a second launch."""
+    the fewest times more rows (2, 4, ... up to the tile) that cuts the mergers enough to
+    fit (no second launch, and no single program reads every partial when a smaller share
+    fits); else a second launch. (RDNA4's fp8 batch 1, a tile of 16 tokens x 4 heads on 64
+    CUs: 4 tokens' rows a merger, 32 mergers, one launch: 43.4 us at 8k against 45.4 with the
+    second launch, modelled gfx1201.)"""
     if num_segments <= IN_KERNEL_MERGE_SEGMENTS and last_merges:
         return "last", 0
     base = min(block_m, next_pow2(queries_per_kv))
-    for rows in (base, 2 * base):
-        if rows <= block_m and tail_merge_fits(tiles_heads * (block_m // rows), platform):
+    rows = base
+    while rows <= block_m:
+        if tail_merge_fits(tiles_heads * (block_m // rows), platform):
             return "tail", 0 if rows == base else rows
+        rows *= 2
     return "launch", 0
 
 
