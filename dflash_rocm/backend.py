@@ -173,6 +173,14 @@ class PrecomputeImplementation(Implementation):
         return [f"{dtype_name(weight_dtype)} K/V weights (kv_weight_scale) not supported: dequantize them to "
                 "float rows for this backend"]
 
+    @classmethod
+    def slower_weight_reasons(cls, weight_dtype: torch.dtype, platform: Platform) -> list[str]:
+        """Why rows of ``weight_dtype``, though read (:meth:`weight_reasons` empty), are
+        slower here than dense float rows (empty: they are not). A cost, not a capability:
+        calls with such rows are served; whoever chooses the rows to hold (the vLLM plugin)
+        holds dense ones instead."""
+        return []
+
 
 class Backend:
     """A backend: its implementations, what it needs of the device, its hooks."""

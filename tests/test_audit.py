@@ -818,6 +818,31 @@ def test_fp8_attention_is_modelled_no_slower_than_bf16_where_the_bytes_bind(audi
 
 
 @pytest.mark.slow
+def test_fp8_rows_are_declared_slower_exactly_where_the_model_ranks_them_slower(tmp_path):
+    """*Modelled*: the declared cost rule (``weight_formats.FP8_ROWS_SLOWER``, which keeps
+    the vLLM plugin from holding fp8 K/V rows) names an architecture iff the precompute
+    reading its fp8 rows is modelled slower than reading bf16 rows at one of
+    ``FP8_ROWS_TOKENS`` (Qwen3-8B draft, bf16 states and cache, the table's launch), on
+    every checked target that converts fp8."""
+    from dflash_rocm.backends.triton.weight_formats import FP8_ROWS_TOKENS, fp8_rows_slower
+    from dflash_rocm.platform import platform_for_arch
+
+    archs = [arch for arch in CHECKED_ARCHS if TARGETS[arch].fp8_dtype is not None]
+    # No change to the table's launch ([{}]): each result is [False, modelled s, modelled s].
+    jobs = [[arch, QWEN.name, dict(op="precompute", tokens=n, fp8_weights=w8), [{}], str(tmp_path)]
+            for arch in archs for n in FP8_ROWS_TOKENS for w8 in (False, True)]
+    times = iter(seconds for _, seconds, _ in _compare(jobs))
+    slower = defaultdict(list)
+    for arch in archs:
+        for n in FP8_ROWS_TOKENS:
+            bf16, fp8 = next(times), next(times)
+            if fp8 > bf16:
+                slower[arch].append((n, round(bf16 * 1e6, 1), round(fp8 * 1e6, 1)))
+    declared = {arch for arch in archs if fp8_rows_slower(platform_for_arch(arch))}
+    assert set(slower) == declared, dict(slower)
+
+
+@pytest.mark.slow
 def test_a_captured_plan_costs_within_the_target_of_the_eager_plan(audit):
     """*Modelled*: batch 1 and 8 at a real context of 1k and 8k under a plan made for 32k
     and for 128k (vLLM captures its graphs with max_seq_len = max_model_len) cost within

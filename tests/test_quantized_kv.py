@@ -312,12 +312,14 @@ def test_the_plugin_keeps_fp8_rows_where_the_backend_reads_them(monkeypatch):
     codes, scale = source.fp8_kv(KV, torch.device("cpu"))
     assert codes.dtype == torch.float8_e4m3fn and codes.shape == (2 * 2 * KV, K_IN) and scale.shape == (4 * KV,)
     assert torch.equal(codes.double() * scale.double()[:, None], source.kv_weight(torch.float64))
-    monkeypatch.setattr(draft_weights, "_fp8_rows_read", lambda fmt, device: fmt == torch.float8_e4m3fnuz)
+    monkeypatch.setattr(draft_weights, "_fp8_rows_declined",
+                        lambda fmt, device: None if fmt == torch.float8_e4m3fnuz else "not read")
     fnuz, doubled = source.fp8_kv(KV, torch.device("cpu"))
     assert fnuz.dtype == torch.float8_e4m3fnuz and torch.equal(fnuz.float() * doubled[:, None],
                                                                codes.float() * scale[:, None])
-    monkeypatch.setattr(draft_weights, "_fp8_rows_read", lambda fmt, device: False)
+    monkeypatch.setattr(draft_weights, "_fp8_rows_declined", lambda fmt, device: f"{fmt} not read")
     assert source.fp8_kv(KV, torch.device("cpu")) is None
+    assert source.declined == "torch.float8_e4m3fn not read; torch.float8_e4m3fnuz not read"
 
 
 def test_which_backend_reads_fp8_rows_follows_the_plugins_choice(monkeypatch):
@@ -325,11 +327,11 @@ def test_which_backend_reads_fp8_rows_follows_the_plugins_choice(monkeypatch):
     from dflash_rocm.vllm_plugin import draft_weights
 
     cpu = torch.device("cpu")
-    assert draft_weights._fp8_rows_read(torch.float8_e4m3fn, cpu)  # auto: the cpu backend dequantizes once
+    assert draft_weights._fp8_rows_declined(torch.float8_e4m3fn, cpu) is None  # auto: the cpu backend dequantizes once
     monkeypatch.setenv(envs.BACKEND.name, "cuda")  # unavailable here: nothing reads them
-    assert not draft_weights._fp8_rows_read(torch.float8_e4m3fn, cpu)
+    assert draft_weights._fp8_rows_declined(torch.float8_e4m3fn, cpu)
     monkeypatch.setenv(envs.BACKEND.name, "reference")  # named: it reads them
-    assert draft_weights._fp8_rows_read(torch.float8_e4m3fn, cpu)
+    assert draft_weights._fp8_rows_declined(torch.float8_e4m3fn, cpu) is None
 
 
 def test_auto_passes_over_backends_that_do_not_read_fp8_rows_but_never_to_the_reference(monkeypatch):
@@ -354,9 +356,40 @@ def test_auto_passes_over_backends_that_do_not_read_fp8_rows_but_never_to_the_re
     monkeypatch.setattr(dispatch, "backend", backend)
     monkeypatch.setattr(registry, "priority_for", lambda platform, device_type: ("cuda", "triton", "reference"))
     assert issubclass(backend("cuda"), Backend)
-    assert draft_weights._fp8_rows_read(torch.float8_e4m3fn, gpu)
+    assert draft_weights._fp8_rows_declined(torch.float8_e4m3fn, gpu) is None
     available.discard("triton")
-    assert not draft_weights._fp8_rows_read(torch.float8_e4m3fn, gpu)
+    assert draft_weights._fp8_rows_declined(torch.float8_e4m3fn, gpu)
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950", "gfx1201", "sm_90"])
+def test_fp8_rows_are_dequantized_where_reading_them_is_modelled_slower(monkeypatch, arch):
+    """Where the fused kernel is modelled slower reading fp8 rows than bf16 rows at the
+    draft shapes' usual token counts (backends/triton/weight_formats.py: MI300X, MI355X,
+    R9700), auto's backends read them but the plugin holds dense rows and says why, once
+    however many backends gave the reason; on sm_90 they are held as they are."""
+    from dflash_rocm import dispatch, platform, registry
+    from dflash_rocm.backends.triton import weight_formats
+    from dflash_rocm.vllm_plugin import draft_weights
+
+    target = platform.platform_for_arch(arch)
+    monkeypatch.setattr(platform, "platform_for", lambda device: target)
+    real = dispatch.backend
+
+    def backend(name):
+        found = real(name)
+        return None if found is None else type(name, (found,), {"device_not_supported_reasons": classmethod(
+            lambda cls, device, platform: [])})
+    monkeypatch.setattr(dispatch, "backend", backend)
+    monkeypatch.setattr(registry, "priority_for", lambda platform, device_type: ("rocm", "triton", "reference"))
+    fmt = target.arch_info.fp8_dtype
+    why = draft_weights._fp8_rows_declined(fmt, torch.device("cuda"))
+    if arch == "sm_90":
+        assert why is None
+        return
+    assert why == weight_formats.fp8_rows_slower(target) and "modelled slower" in why
+    source = draft_weights.QuantizedKV([_fp8_attn(_per_channel_fp8(g())) for _ in range(2)])
+    assert source.fp8_kv(KV, torch.device("cuda")) is None
+    assert why in source.declined
 
 
 def test_a_reload_of_fp8_rows_held_as_they_are_writes_the_new_codes_and_scales_in_place():

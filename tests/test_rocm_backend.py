@@ -135,6 +135,30 @@ def test_rocm_reads_the_fp8_weight_format_its_hardware_converts_and_says_why_not
             assert reasons and "fp8 K/V weights" in reasons[0], (arch, dtype, reasons)
 
 
+@pytest.mark.parametrize("arch", tables.SUPPORTED_ARCHS)
+def test_rocm_says_where_reading_its_fp8_rows_is_modelled_slower_than_bf16_rows(arch):
+    """A cost, not a capability: where the declared rule (backends/triton/weight_formats.py)
+    names the architecture, the native fp8 rows are still read (``weight_reasons`` empty)
+    but ``slower_weight_reasons`` gives the modelled figures; float rows never have one, and
+    neither has the interpreter simulating the architecture."""
+    from dflash_rocm.backends.triton import weight_formats
+
+    platform = platform_for_arch(arch)
+    native = platform.arch_info.fp8_dtype
+    declared = any(arch.startswith(prefix) for prefix in weight_formats.FP8_ROWS_SLOWER)
+    if native is None:  # RDNA3: no fp8 rows to weigh
+        assert not declared
+        return
+    slower = rocm.RocmPrecompute.slower_weight_reasons(native, platform)
+    assert rocm.RocmPrecompute.weight_reasons(native, platform) == []
+    assert bool(slower) == declared, (arch, slower)
+    if declared:
+        assert "modelled slower" in slower[0] and arch in slower[0] and "N=256" in slower[0]
+    assert rocm.RocmPrecompute.slower_weight_reasons(torch.bfloat16, platform) == []
+    with simulate_platform(arch) as simulated:
+        assert rocm.RocmPrecompute.slower_weight_reasons(native, simulated) == []
+
+
 def test_auto_never_picks_rocm_for_cpu_tensors_even_when_simulated():
     args = paged([20], [4], Hk=1, G=2, D=16, block_size=4)
     with simulate_platform("gfx942"):

@@ -255,3 +255,26 @@ def _laguna_dense_kv(draft: str, scale: float = 1.0) -> torch.Tensor:
     q_rows = tiny_models.HEADS * tiny_models.HEAD_DIM
     qkv = [f"layers.{i}.self_attn.qkv_proj." for i in range(tiny_models.DRAFT_LAYERS)]
     return torch.cat([(t[p + "weight"].float() * (t[p + "weight_scale"] * scale))[q_rows:] for p in qkv])
+
+
+@pytest.mark.parametrize("declined", [None, "fp8 K/V rows are modelled slower than bf16 rows on gfx942 (...)"])
+def test_the_log_line_says_why_fp8_rows_were_dequantized(declined, caplog, monkeypatch):
+    """Where the plugin dequantizes fp8 rows it could have held (no backend reads them, or
+    reading them is modelled slower: ``QuantizedKV.declined``), its one log line gives the
+    reason; other quantized drafts' line says only that they were dequantized."""
+    import logging
+
+    from dflash_rocm.vllm_plugin import draft_weights, family, model
+
+    dense = type("Weights", (), {"quantized": False, "num_layers": 2})()
+    monkeypatch.setattr(family, "precompute_variants", lambda draft: set())
+    monkeypatch.setattr(draft_weights, "read", lambda inner, **kw: dense)
+    monkeypatch.setattr(draft_weights, "quantized_methods", lambda inner: ["Fp8LinearMethod"])
+    draft = object.__new__(model.served_class(type("DFlashDraftModel", (), {})))
+    draft.model = torch.nn.Module()
+    setattr(draft.model, draft_weights.QUANTIZED_KV, type("Held", (), {"declined": declined})())
+    caplog.set_level(logging.INFO, logger="dflash_rocm")
+    draft._take_weights()
+    [line] = [r.getMessage() for r in caplog.records if "runs through dflash_rocm" in r.getMessage()]
+    assert line.endswith(f"K/V weights dequantized ({declined}) from Fp8LinearMethod)" if declined else
+                         "K/V weights dequantized from Fp8LinearMethod)"), line

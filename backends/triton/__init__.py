@@ -15,6 +15,7 @@ from .common import INTERPRETING
 from .launcher import prelude_seconds
 from .launch_config import AttentionLaunchConfig, PrecomputeLaunchConfig
 from .precompute import MAX_NOPE_LAYER, precompute_config_for, precompute_runner
+from .weight_formats import fp8_rows_slower
 
 
 def fp8_reason(platform: Platform, dtype: torch.dtype) -> str | None:
@@ -62,6 +63,13 @@ class TritonPrecompute(TritonLimits, PrecomputeImplementation):
     def weight_reasons(cls, weight_dtype: torch.dtype, platform: Platform) -> list[str]:
         why = fp8_reason(platform, weight_dtype)
         return super().weight_reasons(weight_dtype, platform) + ([f"fp8 K/V weights: {why}"] if why else [])
+
+    @classmethod
+    def slower_weight_reasons(cls, weight_dtype: torch.dtype, platform: Platform) -> list[str]:
+        """fp8 rows where the kernel reading them is modelled slower than bf16 rows
+        (:func:`.weight_formats.fp8_rows_slower`)."""
+        why = fp8_rows_slower(platform) if weight_dtype in cls.WEIGHT_FP8_DTYPES else None
+        return super().slower_weight_reasons(weight_dtype, platform) + ([why] if why else [])
 
     @classmethod
     def not_supported_reasons(cls, call: PrecomputeCall, platform: Platform) -> list[str]:

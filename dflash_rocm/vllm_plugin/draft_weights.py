@@ -39,6 +39,7 @@ class QuantizedKV:
 
     def __init__(self, attns):
         self.methods = sorted({quantized.describe(a.qkv_proj) for a in attns})
+        self.declined: str | None = None  # why fp8 rows were dequantized (fp8_kv)
         self.readers, self.shards, self.dims = [], [], []
         # per layer: block scales (dequantized, never kept as fp8 rows)
         self.blocked = [(getattr(a.qkv_proj, "weight_block_size", None) or getattr(
@@ -82,12 +83,16 @@ class QuantizedKV:
         """Every layer's K/V rows as fp8 codes with a float32 scale per row (``kv_weight``
         and ``kv_weight_scale`` of :class:`ContextKVWeights`) when they are fp8 rows with
         per-tensor or per-channel scales and the backend the precompute gets on ``device``
-        reads them (e4m3fn converted to e4m3fnuz where only that is read: MI300); else None."""
+        reads them no slower than dense rows (e4m3fn converted to e4m3fnuz where only that is
+        read: MI300); else None, and ``declined`` says why when they were such rows."""
+        self.declined = None
         shards = [self.fp8_shard(layer, shard, rows) for layer in range(len(self.shards)) for shard in "kv"]
         if any(found is None for found in shards) or len({codes.dtype for codes, _ in shards}) != 1:
             return None
-        fmt = next((f for f in (shards[0][0].dtype, torch.float8_e4m3fnuz) if _fp8_rows_read(f, device)), None)
+        declined = {f: _fp8_rows_declined(f, device) for f in (shards[0][0].dtype, torch.float8_e4m3fnuz)}
+        fmt = next((f for f, why in declined.items() if why is None), None)
         if fmt is None:
+            self.declined = "; ".join(dict.fromkeys(declined.values()))
             return None
         if fmt != shards[0][0].dtype:
             shards = [quantized.as_fnuz(*found) for found in shards]
@@ -95,11 +100,13 @@ class QuantizedKV:
                 torch.cat([scale for _, scale in shards]).contiguous())
 
 
-def _fp8_rows_read(fmt: torch.dtype, device: torch.device) -> bool:
-    """Whether a backend the plugin's precompute gets on ``device`` reads fp8 rows of
-    ``fmt`` as they are: the environment's named backend, else any of ``auto``'s that is
-    available here and implements the precompute (auto passes over one that does not read
-    them), the reference excepted (a last resort, not a reason to keep fp8 rows)."""
+def _fp8_rows_declined(fmt: torch.dtype, device: torch.device) -> str | None:
+    """None when a backend the plugin's precompute gets on ``device`` reads fp8 rows of
+    ``fmt`` as they are and no slower than dense rows (``slower_weight_reasons``): the
+    environment's named backend, else any of ``auto``'s that is available here and
+    implements the precompute (auto passes over one that does not read them), the
+    reference excepted (a last resort, not a reason to keep fp8 rows); else why not (each
+    distinct reason the candidates gave, once)."""
     from .. import dispatch, registry
     from ..ops import PRECOMPUTE
     from ..platform import platform_for
@@ -108,14 +115,17 @@ def _fp8_rows_read(fmt: torch.dtype, device: torch.device) -> bool:
     name = dispatch.resolve_name(None)
     candidates = [n for n in registry.priority_for(platform, device.type) if n != "reference"] if (
         name == "auto") else [name]
+    reasons: dict[str, None] = {}
     for candidate in candidates:
         backend = dispatch.backend(candidate)
         impl = None if backend is None else backend.implementation(PRECOMPUTE)
         if impl is None or backend.device_not_supported_reasons(device, platform):
             continue
-        if not impl.weight_reasons(fmt, platform):
-            return True
-    return False
+        why = impl.weight_reasons(fmt, platform) or impl.slower_weight_reasons(fmt, platform)
+        if not why:
+            return None
+        reasons.update(dict.fromkeys(why))
+    return "; ".join(reasons) or f"no backend available here reads {fmt} rows"
 
 
 def _rope_of(attns, rope_layers) -> object | str:

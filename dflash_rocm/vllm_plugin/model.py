@@ -161,7 +161,9 @@ class ServedDraft:
                         "dflash_rocm from the first weight update that names every K/V weight")
             return
         methods = draft_weights.quantized_methods(self.model)
-        how = f"read as {found.dtype} rows with their scales" if found.quantized else "dequantized"
+        declined = getattr(getattr(self.model, draft_weights.QUANTIZED_KV, None), "declined", None)
+        how = f"read as {found.dtype} rows with their scales" if found.quantized else (
+            f"dequantized ({declined})" if declined else "dequantized")
         logger.info("context-KV precompute of this draft runs through dflash_rocm (%d layers%s%s)", found.num_layers,
                     "".join(f", {v}" for v in sorted(variants)),
                     f", K/V weights {how} from {', '.join(methods)}" if methods else "")
