@@ -673,39 +673,35 @@ def test_fp8_keys_widened_in_the_operand_layout_match_the_reference(block_n, win
     assert dflash_rocm.contract.relative_error(call.out, ref) < 5e-3
 
 
-def test_keys_widened_at_load_only_for_fp8_caches_on_the_gpu_path():
-    """A config's fp8 K widening at the load applies to fp8 caches on the GPU path only: a
-    16-bit cache has nothing to widen (its kernel stays the one compiled without the
-    switch), and FP32_MATH widens every operand to float32 anyway."""
+# (config field, the kernel's constexpr, (query dtype, fp8 cache, switched on) cases)
+FP8_CACHE_SWITCHES = {
+    # fp8 K widened at its load: fp8 caches on the GPU path only (a 16-bit cache has nothing
+    # to widen and keeps the kernel compiled without it; FP32_MATH widens every operand anyway)
+    "fp8_k_at_load": ("K_AT_LOAD", ((torch.float16, True, True), (torch.bfloat16, True, False),
+                                    (torch.float16, False, False))),
+    # fp16 products where they lose nothing: fp8 caches (which fp16 holds exactly) and 16-bit
+    # queries; fp32 queries and bf16 caches keep their dtypes
+    "fp16_dots": ("FP16_DOTS", ((torch.float16, True, True), (torch.float32, True, False),
+                                (torch.float16, False, False))),
+}
+
+
+@pytest.mark.parametrize("field", FP8_CACHE_SWITCHES)
+def test_fp8_cache_switches_apply_only_where_they_lose_nothing(field):
+    """A config's fp8-cache switches reach the kernel only for the caches and queries they
+    serve (see :data:`FP8_CACHE_SWITCHES`)."""
     from dflash_rocm.backends.triton.attention import plan_attention
     from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig
     from dflash_rocm.ops.attention import attention_call
 
-    config = AttentionLaunchConfig(block_m=32, block_n=16, fp8_k_at_load=True)
-    for dtype, fp8, expected in ((torch.float16, True, True), (torch.bfloat16, True, False),
-                                 (torch.float16, False, False)):
+    constexpr, cases = FP8_CACHE_SWITCHES[field]
+    config = AttentionLaunchConfig(block_m=32, block_n=16, **{field: True})
+    for dtype, fp8, expected in cases:
         q, kc, vc, *rest = paged([20], [4], Hk=1, G=4, D=32, block_size=16, dtype=dtype)
         if fp8:
             kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
         plan = plan_attention(record_for("draft_attention", "triton", attention_call(q, kc, vc, *rest)), config)
-        assert plan.main.constexprs["K_AT_LOAD"] == expected, (dtype, fp8)
-
-
-def test_fp16_dots_only_for_fp8_caches_and_16_bit_queries():
-    """A config's fp16 products apply where they lose nothing: fp8 caches (which fp16
-    holds exactly) and 16-bit queries; fp32 queries and bf16 caches keep their dtypes."""
-    from dflash_rocm.backends.triton.attention import plan_attention
-    from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig
-    from dflash_rocm.ops.attention import attention_call
-
-    config = AttentionLaunchConfig(block_m=32, block_n=16, fp16_dots=True)
-    for dtype, fp8, expected in ((torch.float16, True, True), (torch.float32, True, False),
-                                 (torch.float16, False, False)):
-        q, kc, vc, *rest = paged([20], [4], Hk=1, G=4, D=32, block_size=16, dtype=dtype)
-        if fp8:
-            kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
-        plan = plan_attention(record_for("draft_attention", "triton", attention_call(q, kc, vc, *rest)), config)
-        assert plan.main.constexprs["FP16_DOTS"] == expected, (dtype, fp8)
+        assert plan.main.constexprs[constexpr] == expected, (dtype, fp8)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float16, 5e-3), (torch.float32, 2e-3), (torch.bfloat16, 2e-2)])
