@@ -270,11 +270,17 @@ class ContextKVWeights:
                     num_kv_heads: int, head_dim: int, k_proj_biases: Sequence[torch.Tensor] | None = None,
                     v_proj_biases: Sequence[torch.Tensor] | None = None, v_scale: float | None = None,
                     rope_layers: Sequence[bool] | None = None,
-                    round_k_before_rope: bool = False) -> "ContextKVWeights":
+                    round_k_before_rope: bool = False, k_proj_scales: Sequence[torch.Tensor] | None = None,
+                    v_proj_scales: Sequence[torch.Tensor] | None = None) -> "ContextKVWeights":
         """Stack per-layer ``k_proj``/``v_proj``/``k_norm`` tensors into the fused layout; a
         sequence of per-layer ``hidden_norm_weight`` tensors is stacked to ``[L, H]``. Every
         layer's tensor is checked before anything is stacked (``ValueError`` naming the
-        sequence and the layer: a shape or device unlike layer 0's ``k_proj``)."""
+        sequence and the layer: a shape or device unlike layer 0's ``k_proj``).
+
+        fp8 projections (a quantized module's ``weight``) come with their float32 scales,
+        ``k_proj_scales``/``v_proj_scales``: per layer one scale (``[]`` or ``[1]``,
+        per-tensor) or one per row (``[num_kv_heads*head_dim]`` or ``[.., 1]``, per-channel);
+        they become one scale per fused row (:attr:`kv_weight_scale`, per-channel)."""
         n = len(k_proj_weights)
         if n == 0 or len(v_proj_weights) != n or len(k_norm_weights) != n:
             raise ValueError(
@@ -282,6 +288,8 @@ class ContextKVWeights:
                 f"weights, got {len(k_proj_weights)}, {len(v_proj_weights)}, {len(k_norm_weights)}")
         if (k_proj_biases is None) != (v_proj_biases is None):
             raise ValueError("from_layers: give both k_proj_biases and v_proj_biases, or neither")
+        if (k_proj_scales is None) != (v_proj_scales is None):
+            raise ValueError("from_layers: give both k_proj_scales and v_proj_scales (fp8 projections), or neither")
         first = _layer_tensor("k_proj_weights", 0, k_proj_weights[0])
         H = first.shape[-1] if first.dim() else -1
         rows, cols = (num_kv_heads * head_dim, "num_kv_heads*head_dim"), (H, "hidden")
@@ -302,12 +310,38 @@ class ContextKVWeights:
         if not isinstance(hidden_norm_weight, torch.Tensor):
             hidden_norm_weight = torch.stack(list(hidden_norm_weight))
         rows = [w for pair in zip(k_proj_weights, v_proj_weights) for w in pair]
-        return cls(hidden_norm_weight=hidden_norm_weight, kv_weight=torch.cat(rows, dim=0),
+        scales = None
+        if k_proj_scales is not None:
+            scales = torch.cat([_row_scales(name, layer, t, num_kv_heads * head_dim, first.device)
+                                for layer, pair in enumerate(zip(_per_layer_scales("k_proj_scales", k_proj_scales, n),
+                                                                 _per_layer_scales("v_proj_scales", v_proj_scales, n)))
+                                for name, t in zip(("k_proj_scales", "v_proj_scales"), pair)])
+        return cls(hidden_norm_weight=hidden_norm_weight, kv_weight=torch.cat(rows, dim=0), kv_weight_scale=scales,
                    kv_bias=bias, k_norm_weight=torch.stack(list(k_norm_weights)),
                    cos_sin_cache=cos_sin_cache, is_neox=is_neox, eps=float(eps), v_scale=v_scale,
                    rope_layers=rope_layers,
                    round_k_before_rope=round_k_before_rope, num_layers=n, num_kv_heads=num_kv_heads,
                    head_dim=head_dim)
+
+
+def _per_layer_scales(name: str, scales: Sequence[torch.Tensor], n: int) -> Sequence[torch.Tensor]:
+    if len(scales) != n:
+        raise ValueError(f"from_layers: expected {n} {name} (one per layer), got {len(scales)}")
+    return scales
+
+
+def _row_scales(name: str, layer: int, t, rows: int, device: torch.device) -> torch.Tensor:
+    """Layer ``layer``'s projection scale as ``rows`` float32 scales (a per-tensor one
+    repeated); its values are checked with the fused weights' scale."""
+    _layer_tensor(name, layer, t)
+    if t.dtype != torch.float32:
+        raise TypeError(f"from_layers: {name}[{layer}]: expected float32, got {t.dtype}")
+    if not (t.numel() == 1 and t.dim() <= 2 or tuple(t.shape) in ((rows,), (rows, 1))):
+        raise ValueError(f"from_layers: {name}[{layer}]: expected [] or [1] (per-tensor) or "
+                         f"[num_kv_heads*head_dim] = [{rows}] or [{rows}, 1] (per-channel), got {list(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"from_layers: {name}[{layer}]: on {t.device}, k_proj_weights[0] on {device}")
+    return t.detach().reshape(-1).expand(rows)
 
 
 def _layer_tensor(name: str, layer: int, t) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Weights taken from a live model's modules (``ContextKVWeights.from_layers``): parameters
-that require grad are read without grad, and malformed layers are refused by name."""
+that require grad are read without grad, fp8 projections come with their scales, and
+malformed layers are refused by name."""
 
 import re
 from contextlib import nullcontext
@@ -88,3 +89,53 @@ def test_layers_on_another_device_or_not_tensors_are_refused_by_name():
     tensors["v_proj_weights"][0] = tensors["v_proj_weights"][0].tolist()
     with pytest.raises(TypeError, match=r"from_layers: v_proj_weights\[0\]: expected a torch.Tensor, got list"):
         from_layers(tensors)
+
+
+def fp8_layers(tensors):
+    """``tensors`` with fp8 projections: layer 0 per-tensor scales (``[]``), layer 1
+    per-channel (``[rows, 1]``, as quantized modules hold them); and the float rows they
+    stand for (codes times scales)."""
+    quantized, dense = dict(tensors), dict(tensors)
+    for proj in ("k", "v"):
+        codes, scales, rows = [], [], []
+        for layer, w in enumerate(tensors[f"{proj}_proj_weights"]):
+            amax = w.abs().amax() if layer == 0 else w.abs().amax(1, keepdim=True)
+            scale = (amax / 448).float()
+            code = (w / scale).to(torch.float8_e4m3fn)
+            codes.append(code)
+            scales.append(scale)
+            rows.append(code.float() * scale)
+        quantized[f"{proj}_proj_weights"], quantized[f"{proj}_proj_scales"] = codes, scales
+        dense[f"{proj}_proj_weights"] = rows
+    return quantized, dense
+
+
+@pytest.mark.parametrize("backend", SERVING_HERE)
+def test_fp8_projections_with_their_scales_are_fp8_rows_with_one_scale_a_row(backend):
+    quantized, dense = fp8_layers(layer_tensors())
+    w = from_layers(quantized)
+    assert w.kv_weight.dtype == torch.float8_e4m3fn and w.kv_weight_scale.shape == (L * 2 * HK * D,)
+    assert torch.equal(w.dense_kv_weight(), from_layers(dense).kv_weight)
+    g = torch.Generator().manual_seed(13)
+    states, positions = torch.randn(5, H, generator=g), torch.arange(5)
+    with simulate_platform("gfx942") if backend == "rocm" else nullcontext():
+        k, v = dflash_rocm.precompute_and_store_context_kv(states, positions, w, None, None, None, return_kv=True,
+                                                           backend=backend)
+    ref_k, ref_v = dflash_rocm.precompute_and_store_context_kv(states, positions, from_layers(dense), None, None,
+                                                               None, return_kv=True, backend="reference")
+    assert relative_error(k, ref_k) < TOLERANCES[torch.float32]
+    assert relative_error(v, ref_v) < TOLERANCES[torch.float32]
+
+
+def test_fp8_projection_scales_are_checked_by_name():
+    quantized, _ = fp8_layers(layer_tensors())
+    with pytest.raises(ValueError, match=r"give both k_proj_scales and v_proj_scales"):
+        from_layers({k: v for k, v in quantized.items() if k != "v_proj_scales"})
+    bad = dict(quantized, v_proj_scales=[quantized["v_proj_scales"][0], torch.ones(HK * D + 1)])
+    with pytest.raises(ValueError, match=rf"from_layers: v_proj_scales\[1\]: expected .*, got \[{HK * D + 1}\]"):
+        from_layers(bad)
+    bad = dict(quantized, k_proj_scales=[quantized["k_proj_scales"][0].double(), quantized["k_proj_scales"][1]])
+    with pytest.raises(TypeError, match=r"from_layers: k_proj_scales\[0\]: expected float32"):
+        from_layers(bad)
+    with pytest.raises(ValueError, match=r"kv_weight_scale: kv_weight is .*expected a float32 scale"):
+        from_layers({k: v for k, v in quantized.items() if not k.endswith("_scales")})
