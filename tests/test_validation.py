@@ -1,6 +1,8 @@
 """Every malformed call is refused with a clear error before anything is written."""
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 import torch
 
 import dflash_rocm
@@ -183,3 +185,49 @@ def test_weights_refuse_inconsistent_shapes():
         with pytest.raises((ValueError, TypeError)) as info:
             dflash_rocm.ContextKVWeights(**{**fields, **change})
         assert needle in str(info.value)
+
+
+CORRUPTIONS = ["none", "first start", "num_tokens", "negative query length", "query past its sequence",
+               "sequence past the table", "used block below 0", "used block past the cache", "unused block"]
+
+
+@pytest.mark.parametrize("corruption", CORRUPTIONS)
+@given(st.data())
+def test_the_host_shortcut_of_the_attention_index_checks_passes_only_what_the_exact_checks_pass(corruption, data):
+    """On host tensors a call's indices are first checked from two lists and one reduction
+    (``_plainly_in_range``): valid indices pass it, and whatever it passes the exact checks
+    pass too, so an index out of range never gets past it (anything it doubts goes to the
+    exact checks, which name the offender or find the doubt unfounded)."""
+    from dflash_rocm.ops.attention.validation import _exact_index_checks, _plainly_in_range
+    from dflash_rocm.validation import IndexChecks
+
+    B = data.draw(st.integers(2 if corruption == "negative query length" else 1, 4))
+    bs, max_blocks, num_blocks = 4, data.draw(st.integers(2, 4)), data.draw(st.integers(2, 6))
+    seq = data.draw(st.lists(st.integers(0, bs * max_blocks - bs), min_size=B, max_size=B))
+    q_lens = [data.draw(st.integers(0, n)) for n in seq]
+    table = torch.tensor(data.draw(st.lists(st.lists(st.integers(0, num_blocks - 1), min_size=max_blocks,
+                                                     max_size=max_blocks), min_size=B, max_size=B)))
+    b = data.draw(st.integers(0, B - 1))
+    if corruption == "negative query length":
+        q_lens[b], q_lens[(b + 1) % B] = -1, q_lens[(b + 1) % B] + 1
+    elif corruption == "query past its sequence":
+        seq[b], q_lens[b] = max(seq[b] - 1, 0), max(q_lens[b], seq[b]) + 1
+    elif corruption == "sequence past the table":
+        seq[b] = bs * max_blocks + 1
+    elif corruption in ("used block below 0", "used block past the cache"):
+        seq[b] = max(seq[b], 1)
+        table[b, data.draw(st.integers(0, (seq[b] - 1) // bs))] = -1 if "below" in corruption else num_blocks
+    elif corruption == "unused block":
+        table[b, -1] = -1  # no request uses its last column: seq <= bs * (max_blocks - 1)
+    qsl = torch.tensor([0] + q_lens).cumsum(0)
+    qsl[0] += corruption == "first start"
+    T = int(qsl[-1]) + (corruption == "num_tokens")
+    seq_lens = torch.tensor(seq)
+    shortcut = _plainly_in_range(qsl, seq_lens, table, T, num_blocks, bs)
+    if corruption in ("none", "unused block"):
+        _exact_index_checks(IndexChecks(torch.device("cpu")), qsl, seq_lens, table, T, num_blocks, bs)
+        assert shortcut or corruption == "unused block"
+    else:
+        assert not shortcut
+        with pytest.raises(ValueError):
+            _exact_index_checks(IndexChecks(torch.device("cpu")), qsl, seq_lens, table, T, num_blocks, bs)

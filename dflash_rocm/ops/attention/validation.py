@@ -188,7 +188,35 @@ def _check_out_memory(out, read: list) -> None:
             check_disjoint("out", out, name, t)
 
 
+def _plainly_in_range(qsl, seq_lens, block_table, T, num_blocks, block_size) -> bool:
+    """Host tensors: whether every condition :func:`_exact_index_checks` states holds, from two
+    short lists and one reduction over the block-table columns some request uses (a
+    superset of the entries in use: in range there, in range where it counts). False sends
+    the call through the exact checks, which pass it or name the offender."""
+    starts, lens = qsl.tolist(), seq_lens.tolist()
+    if starts[0] != 0 or starts[-1] != T:
+        return False
+    capacity = block_table.shape[1] * block_size
+    used = 0
+    for b, seq_len in enumerate(lens):
+        q_len = starts[b + 1] - starts[b]
+        if q_len < 0 or seq_len < q_len or seq_len > capacity:
+            return False
+        used = max(used, -(-seq_len // block_size))
+    if used == 0:
+        return True
+    low, high = torch.aminmax(block_table[:, :used])
+    return int(low) >= 0 and int(high) < num_blocks
+
+
 def _check_indices(checks: IndexChecks, qsl, seq_lens, block_table, T, num_blocks, block_size) -> None:
+    if not (checks.on_host and _plainly_in_range(qsl, seq_lens, block_table, T, num_blocks, block_size)):
+        _exact_index_checks(checks, qsl, seq_lens, block_table, T, num_blocks, block_size)
+
+
+def _exact_index_checks(checks: IndexChecks, qsl, seq_lens, block_table, T, num_blocks, block_size) -> None:
+    """Every condition on the index values, each by :meth:`IndexChecks.require` (on a
+    device: asynchronous asserts; on the host: the first offender named)."""
     B = seq_lens.shape[0]
     checks.require(torch.stack((qsl[0] == 0, qsl[-1] == T)),
                    f"query_start_loc: expected query_start_loc[0] == 0 and query_start_loc[{B}] == num_tokens={T}",
