@@ -220,7 +220,7 @@ def configure(device: torch.device | None = None, **settings: Any) -> None:
     if unknown:
         raise ValueError(f"unknown setting(s) {', '.join(sorted(unknown))}; known: {', '.join(SETTINGS)}")
     configure_engine(**settings)
-    for cls in _candidates(device):
+    for cls in candidates(device):
         cls.configure(**settings)
 
 
@@ -228,14 +228,15 @@ def warm_up(op: Op, spec: Any, device: torch.device) -> None:
     """Startup work for ``op`` (ROCm attention: tuning) by every backend ``auto`` may pick
     on ``device`` (tuned tables that change move the planning records' generation). An
     optimisation that fails costs itself, never the caller."""
-    for cls in _candidates(device):
+    for cls in candidates(device):
         try:
             cls.warm_up(op, spec, device)
         except Exception as exc:  # warm-up is an optimisation
             logger.warning("%s warm-up failed for %s: %s", cls.name, spec, exc)
 
 
-def _candidates(device: torch.device | None) -> list[type[Backend]]:
+def candidates(device: torch.device | None) -> list[type[Backend]]:
+    """The backends ``auto`` may pick on ``device``, in its order (those importable here)."""
     device = torch.device(device) if device is not None else (
         torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     names = registry.priority_for(platform_for(device), device.type)

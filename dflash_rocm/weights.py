@@ -312,22 +312,18 @@ class ContextKVWeights:
         rows = [w for pair in zip(k_proj_weights, v_proj_weights) for w in pair]
         scales = None
         if k_proj_scales is not None:
-            scales = torch.cat([_row_scales(name, layer, t, num_kv_heads * head_dim, first.device)
-                                for layer, pair in enumerate(zip(_per_layer_scales("k_proj_scales", k_proj_scales, n),
-                                                                 _per_layer_scales("v_proj_scales", v_proj_scales, n)))
-                                for name, t in zip(("k_proj_scales", "v_proj_scales"), pair)])
+            named = {"k_proj_scales": k_proj_scales, "v_proj_scales": v_proj_scales}
+            for name, given in named.items():
+                if len(given) != n:
+                    raise ValueError(f"from_layers: expected {n} {name} (one per layer), got {len(given)}")
+            scales = torch.cat([_row_scales(name, layer, given[layer], num_kv_heads * head_dim, first.device)
+                                for layer in range(n) for name, given in named.items()])
         return cls(hidden_norm_weight=hidden_norm_weight, kv_weight=torch.cat(rows, dim=0), kv_weight_scale=scales,
                    kv_bias=bias, k_norm_weight=torch.stack(list(k_norm_weights)),
                    cos_sin_cache=cos_sin_cache, is_neox=is_neox, eps=float(eps), v_scale=v_scale,
                    rope_layers=rope_layers,
                    round_k_before_rope=round_k_before_rope, num_layers=n, num_kv_heads=num_kv_heads,
                    head_dim=head_dim)
-
-
-def _per_layer_scales(name: str, scales: Sequence[torch.Tensor], n: int) -> Sequence[torch.Tensor]:
-    if len(scales) != n:
-        raise ValueError(f"from_layers: expected {n} {name} (one per layer), got {len(scales)}")
-    return scales
 
 
 def _row_scales(name: str, layer: int, t, rows: int, device: torch.device) -> torch.Tensor:

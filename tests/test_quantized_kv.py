@@ -337,7 +337,7 @@ def test_which_backend_reads_fp8_rows_follows_the_plugins_choice(monkeypatch):
 def test_auto_passes_over_backends_that_do_not_read_fp8_rows_but_never_to_the_reference(monkeypatch):
     """A GPU whose first backend (cuda) does not read fp8 rows: auto's next (triton) does,
     so they are kept; with no backend but the reference left, they are dequantized."""
-    from dflash_rocm import dispatch, platform, registry
+    from dflash_rocm import dispatch, platform
     from dflash_rocm.backend import Backend
     from dflash_rocm.vllm_plugin import draft_weights
 
@@ -354,7 +354,8 @@ def test_auto_passes_over_backends_that_do_not_read_fp8_rows_but_never_to_the_re
         return type(name, (found,), {"device_not_supported_reasons": classmethod(
             lambda cls, device, platform: [] if name in available else ["not here"])})
     monkeypatch.setattr(dispatch, "backend", backend)
-    monkeypatch.setattr(registry, "priority_for", lambda platform, device_type: ("cuda", "triton", "reference"))
+    monkeypatch.setattr(dispatch, "candidates", lambda device: [b for b in map(backend, ("cuda", "triton", "reference"))
+                                                                if b is not None])
     assert issubclass(backend("cuda"), Backend)
     assert draft_weights._fp8_rows_declined(torch.float8_e4m3fn, gpu) is None
     available.discard("triton")
@@ -367,7 +368,7 @@ def test_fp8_rows_are_dequantized_where_reading_them_is_modelled_slower(monkeypa
     draft shapes' usual token counts (backends/triton/weight_formats.py: MI300X, MI355X,
     R9700), auto's backends read them but the plugin holds dense rows and says why, once
     however many backends gave the reason; on sm_90 they are held as they are."""
-    from dflash_rocm import dispatch, platform, registry
+    from dflash_rocm import dispatch, platform
     from dflash_rocm.backends.triton import weight_formats
     from dflash_rocm.vllm_plugin import draft_weights
 
@@ -380,7 +381,8 @@ def test_fp8_rows_are_dequantized_where_reading_them_is_modelled_slower(monkeypa
         return None if found is None else type(name, (found,), {"device_not_supported_reasons": classmethod(
             lambda cls, device, platform: [])})
     monkeypatch.setattr(dispatch, "backend", backend)
-    monkeypatch.setattr(registry, "priority_for", lambda platform, device_type: ("rocm", "triton", "reference"))
+    monkeypatch.setattr(dispatch, "candidates", lambda device: [b for b in map(backend, ("rocm", "triton", "reference"))
+                                                                if b is not None])
     fmt = target.arch_info.fp8_dtype
     why = draft_weights._fp8_rows_declined(fmt, torch.device("cuda"))
     if arch == "sm_90":

@@ -107,17 +107,16 @@ def _fp8_rows_declined(fmt: torch.dtype, device: torch.device) -> str | None:
     implements the precompute (auto passes over one that does not read them), the
     reference excepted (a last resort, not a reason to keep fp8 rows); else why not (each
     distinct reason the candidates gave, once)."""
-    from .. import dispatch, registry
+    from .. import dispatch
     from ..ops import PRECOMPUTE
     from ..platform import platform_for
 
     platform = platform_for(device)
     name = dispatch.resolve_name(None)
-    candidates = [n for n in registry.priority_for(platform, device.type) if n != "reference"] if (
-        name == "auto") else [name]
+    classes = [c for c in dispatch.candidates(device) if c.name != "reference"] if name == "auto" else [
+        dispatch.backend(name)]
     reasons: dict[str, None] = {}
-    for candidate in candidates:
-        backend = dispatch.backend(candidate)
+    for backend in classes:
         impl = None if backend is None else backend.implementation(PRECOMPUTE)
         if impl is None or backend.device_not_supported_reasons(device, platform):
             continue

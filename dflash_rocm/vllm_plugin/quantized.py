@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import torch
 
+from ..contract import FP8_DTYPES
+
 FP8_WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz)
 AWQ_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # the nibble slot that holds column i of a packed group
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -132,15 +134,12 @@ def _groups(width: int, group: int, device) -> torch.Tensor:
 
 # --- fp8 rows kept as they are ----------------------------------------------------------------------------
 
-FP8_ROW_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)  # what ContextKVWeights.kv_weight_scale goes with
-
-
 def fp8_rows(tensors: dict, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A shard's fp8 codes ``[rows, K]`` and float32 scale per row ``[rows]`` when its
     tensors (:func:`shard_tensors`) are e4m3 codes with one scale for the shard or one per
     row (None: block or MX scales, int8, packed ints: dequantized instead)."""
     weight, scale = tensors.get("weight"), tensors.get("weight_scale")
-    if (weight is None or scale is None or "weight_scale_inv" in tensors or weight.dtype not in FP8_ROW_DTYPES
+    if (weight is None or scale is None or "weight_scale_inv" in tensors or weight.dtype not in FP8_DTYPES
             or not scale.is_floating_point() or weight.dim() != 2 or weight.shape[0] != rows):
         return None
     if scale.numel() == 1:
