@@ -56,3 +56,18 @@ def replay(recorded) -> None:
 
     for launch in recorded:
         launch.kernel[launch.grid](*launch.args, **launch.constexprs, **options_for(launch.options, amd=False))
+
+
+def bare_interpreter(cwd) -> tuple[list[str], dict]:
+    """``(command prefix, environment)`` for a Python where this package is NOT installed, as
+    on the lent GPU machine: ``python -S`` skips ``site`` (so no ``.pth`` file, hence no
+    editable import hook, runs) and this environment's site-packages come back through
+    ``PYTHONPATH`` for torch, Triton and pytest. Run with ``cwd``, ``python -S -m X`` puts
+    ``cwd`` first on the path, as ``python -m X`` does."""
+    import os
+    import site
+    import sys
+
+    paths = [p for p in site.getsitepackages() if os.path.isdir(p)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), PWD=str(cwd))
+    return [sys.executable, "-S"], env

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from dflash_rocm.vllm_plugin.compat import SUPPORTED
+from support import bare_interpreter
 from dockerfiles import DOCKERFILES, base_image, copy_sources, image_version, instructions
 
 try:
@@ -118,6 +119,35 @@ def test_the_package_list_check_fails_on_a_listed_package_without_a_folder(tmp_p
     ]
 
 
+# --- the checkout is a complete package -------------------------------------------------
+
+def test_the_package_links_the_backends_folder():
+    """``dflash_rocm/backends`` is a committed link to the card's ``backends/`` (as Triton links
+    ``third_party/<vendor>/backend`` into its package tree): a checkout is the whole package
+    for ``python -m`` from the root, IDEs and import-graph tools, and the wheel still takes each
+    file once, from ``backends/`` through ``package-dir``."""
+    link = ROOT / "dflash_rocm" / "backends"
+    assert link.is_symlink() and os.readlink(link) == "../backends"
+    if (ROOT / ".git").exists() and shutil.which("git"):
+        mode = subprocess.run(["git", "ls-files", "-s", "dflash_rocm/backends"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.split()
+        assert mode and mode[0] == "120000", "dflash_rocm/backends must be committed as a link"
+
+
+def test_the_checkout_imports_every_module_without_an_install():
+    """From the root, in an interpreter where the package is not installed (no editable hook):
+    every module, the backends included, comes from the checkout (``backends/`` through the link)."""
+    prefix, env = bare_interpreter(ROOT)
+    result = subprocess.run([*prefix, "-c", IMPORT_ALL, *modules(ROOT)], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    files = {name: Path(path).resolve() for name, path in json.loads(result.stdout).items()}
+    strays = {name: str(path) for name, path in files.items() if not path.is_relative_to(ROOT.resolve())}
+    assert strays == {}
+    backends = {name: path for name, path in files.items() if name.startswith("dflash_rocm.backends.")}
+    assert backends and all(path.is_relative_to((ROOT / "backends").resolve()) for path in backends.values())
+
+
 # --- the card's top-level entries -------------------------------------------------------
 
 def test_the_cards_top_level_entries_exist():
@@ -149,7 +179,7 @@ def build_sources(tmp: Path) -> Path:
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
     for folder in {path.relative_to(ROOT).parts[0] for path in package_roots(ROOT).values()}:
-        shutil.copytree(ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(ROOT / folder, source / folder, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
     return source
 
 
