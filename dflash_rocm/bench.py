@@ -25,7 +25,7 @@ from .arch import Product
 from .floors import attention_cost, measure_copy_bandwidth, peak_for, precompute_cost
 from .platform import platform_for
 from .report import WIDTH, Footnotes, Style, format_table, join_blocks, never_ran, not_run_here, wrap
-from .timing import interleaved_median_seconds
+from .timing import interleaved_median_seconds, l2_flush
 from .unfused import TorchOps, VllmOps, unfused_precompute
 from .ops import ATTENTION, OPS, PRECOMPUTE
 from .workloads import SHAPES, DraftShape, attention_inputs, precompute_inputs
@@ -172,14 +172,6 @@ class _Floor:
         return "; ".join(parts)
 
 
-def l2_flush(device: torch.device):
-    """What clears the GPU's caches before a timed call (a 256 MiB write); None off a GPU."""
-    if device.type != "cuda":
-        return None
-    buffer = torch.empty(256 << 20, dtype=torch.uint8, device=device)
-    return buffer.zero_
-
-
 def _row(op, shape, case, name, seconds, cost, floor: _Floor, launches, note="") -> BenchRow:
     floor_s = floor.seconds(cost)
     return BenchRow(op=op, shape=shape.name, case=case, backend=name, us=seconds * 1e6,
@@ -264,26 +256,21 @@ def _vllm_cpu_attention(plan: BenchPlan, sets) -> dict:
 
 def modelled_us(plan: BenchPlan, backend: str, op: str, shape: DraftShape, **case) -> float | None:
     """The audit's modelled time of ``backend``'s launches for this case on this device,
-    or None where there is no model (CPU, an unmodelled architecture or backend, no
-    compiler): printed beside the measured time so a first GPU run shows how far the
-    model is off."""
+    printed beside the measured time so a first GPU run shows how far the model is off.
+    None where there is no model (a CPU, an unmodelled architecture or backend); raises
+    when the model fails (the row says so: a broken model never just drops its column)."""
     platform = platform_for(plan.device)
     modelled_backend = "rocm" if platform.vendor == "rocm" else "triton"
     if backend != modelled_backend or dispatch.backend(backend) is None:
         return None
-    try:
-        from .audit import run, sweep
-        from .audit.compiler import FactsCache, default_cache_dir
+    from .audit import run, sweep
+    from .audit.compiler import FactsCache, default_cache_dir
 
-        target = run.target_for(platform, peak_for(platform))
-        if target is None:
-            return None
-        audit_case = sweep.Case(op=OPS[op].short, shape=shape,
-                                fp8=plan.cache_dtype in FP8_DTYPES, **case)
-        seconds = run.model_case(audit_case, target, FactsCache(default_cache_dir())).modelled_s
-    except Exception:  # the model is an aid; a failure to build it never spoils a measurement
+    target = run.target_for(platform, peak_for(platform))
+    if target is None:
         return None
-    return None if seconds is None else seconds * 1e6
+    audit_case = sweep.Case(op=OPS[op].short, shape=shape, fp8=plan.cache_dtype in FP8_DTYPES, **case)
+    return run.model_case(audit_case, target, FactsCache(default_cache_dir())).required_us()
 
 
 def _time_contenders(plan, op, shape, case, contenders, cost, floor, model=None) -> list[BenchRow]:
@@ -306,7 +293,10 @@ def _time_contenders(plan, op, shape, case, contenders, cost, floor, model=None)
     for name, s in seconds.items():
         rows[name] = _row(op, shape, case, name, s, cost, floor, launches[name])
         if model is not None:
-            rows[name].model_us = modelled_us(plan, name, op, shape, **model)
+            try:
+                rows[name].model_us = modelled_us(plan, name, op, shape, **model)
+            except Exception as exc:  # the measurement stands; the row says the model failed
+                rows[name].note = f"ERROR model: {type(exc).__name__}: {exc}"[:200]
     rows = [rows[name] for name in contenders]
     base = next((r.us for name in ("unfused-vllm", "vllm", "unfused-torch") for r in rows
                  if r.backend == name and r.us), None)

@@ -106,12 +106,17 @@ def _layout(args):
 
 def cmd_info(args) -> int:
     """The report, whole; exit status 1 when an environment variable's value is not valid
-    (the report marks it and says why: info shows a bad value, it does not fail on it)."""
-    from .info import bad_environment, collect_info, format_info
+    (the report marks it and says why: info shows a bad value, it does not fail on it), and
+    with ``--check-imports`` when a backend's module cannot be imported (a container or a
+    scratch install that lost a backend fails at once, saying which)."""
+    from .info import bad_environment, collect_info, format_info, import_problems
 
     info = collect_info()
     print(json.dumps(info, indent=2) if args.json else format_info(info, *_layout(args)))
-    return 1 if bad_environment(info) else 0
+    broken = import_problems() if args.check_imports else []
+    for problem in broken:
+        print(f"dflash-rocm info --check-imports: {problem}", file=sys.stderr)
+    return 1 if bad_environment(info) or broken else 0
 
 
 def cmd_check(args) -> int:
@@ -230,21 +235,22 @@ def _bench_host(args, device) -> int:
 
 
 def _bench_assumptions(args, device) -> int:
-    from .audit import assumptions
+    from . import assumptions_bench
     from .platform import platform_for
 
     if args.csv or args.plot:
         raise ValueError("--assumptions: writes a table and --json only (no --csv, --plot)")
     _check_outputs({"--json": args.json})
+
     def progress(r):
-        print(f"{r.check} {r.case} {r.config}: measured {r.measured_us} us, model {r.model_us} us {r.note}",
+        print(f"{r.check} {r.case} {r.config}: measured {r.measured} {r.unit}, model {r.model} {r.unit} {r.note}",
               file=sys.stderr, flush=True)
 
-    rows = assumptions.assumption_rows(device, repeats=args.repeats, progress=None if args.quiet else progress)
+    rows = assumptions_bench.assumption_rows(device, repeats=args.repeats, progress=None if args.quiet else progress)
     width, _ = _layout(args)
-    _emit(lambda: assumptions.format_rows(rows, platform_for(device), width),
+    _emit(lambda: assumptions_bench.format_rows(rows, platform_for(device), width),
           ((args.json, lambda: json.dumps([r.as_dict() for r in rows], indent=2)),))
-    return 0
+    return 1 if any(r.error for r in rows) else 0
 
 
 def _bench_vllm(args) -> int:
@@ -397,6 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
                                       ("dflash-rocm info --json", "the same for scripts")))
     info.add_argument("--json", action="store_true", help="machine-readable output")
     info.add_argument("--wide", action="store_true", help=_WIDE_HELP)
+    info.add_argument("--check-imports", action="store_true",
+                      help="exit 1 when any backend's module cannot be imported (what the Dockerfiles and "
+                           "scripts/gpu_check.sh run)")
     info.set_defaults(func=cmd_info)
 
     check = sub.add_parser(
@@ -452,9 +461,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--host", action="store_true",
                        help="host microseconds per call instead: launches captured, their own cost measured apart")
     bench.add_argument("--assumptions", action="store_true",
-                       help="the model's assumptions measured instead: the per-rank precompute at TP8 under the "
-                            "table's and what-if launches, the TP1 precompute at N=256 against the model's L2, "
-                            "the launch gap under a replayed CUDA graph (what scripts/gpu_check.sh runs)")
+                       help="the model's assumptions measured instead, beside the model: the eager and graph "
+                            "launch gaps, L2 and DRAM read bandwidth, the per-rank precompute at TP8 under the table's "
+                            "and what-if launches, the TP1 precompute at N=256 and the TP1/TP8 ratio (what "
+                            "scripts/gpu_check.sh runs first); exits 1 when a row failed")
     bench.add_argument("--arch", choices=sorted(KNOWN_ARCHS),
                        help="with --host: the GPU whose launch costs count (default: this device's, else gfx942)")
     bench.add_argument("--wide", action="store_true", help=_WIDE_HELP)

@@ -130,6 +130,12 @@ def format_info(info: dict, width: int | None = WIDTH, style: Style = Style()) -
                        problems)
 
 
+def import_problems() -> list[str]:
+    """Why each backend whose module cannot be imported cannot (a backend that imports but
+    cannot run on this device is no problem here: its reason is in the backend table)."""
+    return [registry.import_error(name) for name in registry.NAMES if registry.load(name) is None]
+
+
 def bad_environment(info: dict) -> list[str]:
     """Why each environment variable whose value is not valid is not (``cmd_info`` exits 1
     when any is: a script sees it without parsing the report)."""

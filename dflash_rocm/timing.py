@@ -65,3 +65,11 @@ def host_median_seconds(fn: Callable[[], object], repeats: int) -> float:
         fn()
         samples.append(time.perf_counter() - start)
     return statistics.median(samples)
+
+
+def l2_flush(device: torch.device):
+    """What clears the GPU's caches before a timed call (a 256 MiB write); None off a GPU."""
+    if device.type != "cuda":
+        return None
+    buffer = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    return buffer.zero_

@@ -1,105 +1,114 @@
 #!/usr/bin/env bash
-# One call on a lent GPU machine: environment facts, the GPU tests under a time budget
-# (real shapes, graph capture and replay, no device sync on the default path),
-# `dflash-rocm bench --host` (host microseconds per call, this GPU's launch costs),
-# `dflash-rocm bench --assumptions` (the model's assumptions measured: the per-rank precompute at TP8
-# under the table's and what-if launches, the TP1 precompute at N=256 against the model's L2, the
-# launch gap under a replayed CUDA graph; measured beside modelled),
-# `dflash-rocm bench --vllm` (vLLM with and without the plugin, when vLLM is importable),
-# then `dflash-rocm bench --quick` at real shapes. Logs, JSON, CSV and a plot go to $OUT
-# (default ./gpu-check-out); a short table is printed last, with `dflash-rocm inspect`'s
-# modelled time ("model us") beside every measured one of the modelled backend (rocm on
-# AMD, triton on NVIDIA), so the first lent GPU shows how far the model is off. Needs only
-# torch, Triton and pip: this checkout is installed without dependencies into a scratch folder
-# (the environment itself is left as it is).
+# One call on a lent GPU machine (torch, Triton, pytest, hypothesis; no vLLM, no network,
+# 600 s a command, 8 files back): this checkout installed into a scratch folder and imported
+# from there only, then, each step under its own timeout inside one budget:
+#   1. dflash-rocm bench --assumptions  the model's assumptions measured beside the model: the
+#      eager and graph launch gaps, L2 and DRAM read bandwidth, the TP8 per-rank precompute
+#      under the table's and what-if launches, the TP1 precompute and the TP1/TP8 ratio
+#   2. dflash-rocm bench --quick        both operations at real shapes beside inspect's model
+#   3. dflash-rocm bench --host         host microseconds per call
+#   4. pytest -m cuda|rocm              the GPU tests (tests/test_gpu.py, tests/test_host_path.py)
+# then python -m dflash_rocm.gpu_report judges and summarises: it exits 1, naming the step,
+# when a step failed, timed out or made nothing (an empty table, an ERROR row, no row of the
+# backend the model covers, no GPU test run). $OUT (default ./gpu-check-out) gets summary.txt,
+# figures.json (every figure), bench.png and logs.tar.gz (every step's output): 4 files.
 #
-#   scripts/gpu_check.sh           # on the GPU machine (budget: well under 8 minutes)
+#   scripts/gpu_check.sh           # on the GPU machine
 #   scripts/gpu_check.sh --dry     # CPU rehearsal (interpreter, tiny shapes): what CI runs
+# PYTHON=... picks the interpreter (default python3).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT="${OUT:-$PWD/gpu-check-out}"
-mkdir -p "$OUT"
+BUDGET=540  # seconds in all: the GPU machine allows 600 a command
+# seconds per step; they add up to BUDGET
+T_INSTALL=35 T_INFO=40 T_ASSUME=150 T_BENCH=100 T_HOST=60 T_TESTS=135 T_REPORT=20
+echo "budget $BUDGET s (install $T_INSTALL, info $T_INFO, assumptions $T_ASSUME, bench $T_BENCH, host $T_HOST," \
+     "tests $T_TESTS, report $T_REPORT)"
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+OUT="${OUT:-$ROOT/gpu-check-out}"
 PY="${PYTHON:-python3}"
-# The backends live in the top-level backends/ and install as dflash_rocm.backends: install
-# this checkout (no dependencies, no network) into a scratch folder and import it from there.
-SITE="$(mktemp -d)"
-{ "$PY" -m pip install -q --no-deps --no-build-isolation --no-compile --target "$SITE" . \
-    || "$PY" -m pip install -q --no-deps --no-compile --target "$SITE" .; } > "$OUT/install.log" 2>&1 \
-    || { echo "pip install of this checkout failed:"; tail -n 20 "$OUT/install.log"; exit 1; }
-export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 DRY=0
 [ "${1:-}" = "--dry" ] && DRY=1
-TEST_BUDGET="${TEST_BUDGET:-300}"   # seconds for pytest
-BENCH_BUDGET="${BENCH_BUDGET:-150}" # seconds for the benchmark
-VLLM_BUDGET="${VLLM_BUDGET:-300}"   # seconds for the end-to-end vLLM comparison (when vLLM is importable)
-ASSUME_BUDGET="${ASSUME_BUDGET:-240}" # seconds for bench --assumptions (compiles ~10 launches, models them)
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+SCRATCH="$(mktemp -d)"
+SITE="$SCRATCH/site" LOGS="$SCRATCH/logs" RUN="$SCRATCH/run"
+mkdir -p "$SITE" "$LOGS" "$RUN"
+STARTED=$SECONDS
 
+fail() { echo "gpu_check: $*"; exit 1; }
+
+# step NAME SECONDS COMMAND...: runs COMMAND under a timeout from a folder outside the checkout
+# (so `python -m` cannot import the source tree); its output goes to $LOGS/NAME.out and
+# $LOGS/NAME.err, its status, time and limit to $LOGS/steps.tsv.
+step() {
+    local name=$1 limit=$2 begin=$SECONDS status
+    shift 2
+    echo "== $name (at most $limit s)"
+    (cd "$RUN" && timeout "$limit" "$@") > "$LOGS/$name.out" 2> "$LOGS/$name.err"
+    status=$?
+    printf '%s\t%s\t%s\t%s\n' "$name" "$status" "$((SECONDS - begin))" "$limit" >> "$LOGS/steps.tsv"
+    [ "$status" = 0 ] || tail -n 15 "$LOGS/$name.out" "$LOGS/$name.err"
+    return "$status"
+}
+
+# --- prerequisites: said in one line each, before anything runs --------------------------
+"$PY" -c "import torch, triton, pytest, hypothesis" 2>/dev/null \
+    || fail "$PY lacks one of torch, triton, pytest, hypothesis: $("$PY" -c 'import torch, triton, pytest, hypothesis' 2>&1 | tail -n 1)"
 if [ "$DRY" = 1 ]; then
     export TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES="" HIP_VISIBLE_DEVICES=""
-    TEST_BUDGET=120 BENCH_BUDGET=120
+    MARK=cuda
+else
+    "$PY" -c "import torch; raise SystemExit(0 if torch.cuda.is_available() else 1)" \
+        || fail "torch sees no GPU (torch.cuda.is_available() is False): nothing to measure; --dry rehearses on a CPU"
+    MARK=$("$PY" -c "import torch; print('rocm' if torch.version.hip else 'cuda')")
+fi
+export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1  # never the working folder on sys.path
+
+# --- this checkout, installed into the scratch folder and imported from there only --------
+# pip builds it with the environment's setuptools (no network) when that is new enough for
+# pyproject's license string (>= 77); else the package tree is copied in as the wheel lays it
+# out (dflash_rocm/ with backends/ at dflash_rocm/backends; no metadata, which nothing here reads).
+if "$PY" -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)" 2>/dev/null; then
+    step install "$T_INSTALL" "$PY" -m pip install -q --no-deps --no-build-isolation --no-compile --target "$SITE" "$ROOT" \
+        || fail "pip install of this checkout failed (above)"
+else
+    echo "setuptools >= 77 not found: copying the package tree instead of pip install" | tee "$LOGS/install.out"
+    [ -d "$ROOT/backends" ] || fail "no backends/ in $ROOT: not a complete checkout"
+    cp -R "$ROOT/dflash_rocm" "$SITE/" && rm -f "$SITE/dflash_rocm/backends" && cp -R "$ROOT/backends" "$SITE/dflash_rocm/backends" \
+        || fail "copying the package tree failed"
+    printf 'install\t0\t0\t%s\n' "$T_INSTALL" >> "$LOGS/steps.tsv"
+fi
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+FROM=$(cd "$RUN" && "$PY" -c "import dflash_rocm.backends.triton as b; print(b.__file__)" 2>&1)
+case "$FROM" in
+    "$SITE"/*) echo "imports from the scratch install: $FROM" ;;
+    *) fail "dflash_rocm.backends.triton does not come from the scratch install $SITE: $FROM" ;;
+esac
+
+step info "$T_INFO" "$PY" -m dflash_rocm info --check-imports --json \
+    || fail "info failed or a backend cannot be imported (above): every row after this would be empty"
+
+if [ "$DRY" = 1 ]; then
     BENCH_ARGS=(--device cpu --tokens 4 --batch 1 --context 24 --repeats 1)
     HOST_REPEATS=10  # a rehearsal: every row made, none timed with care
 else
     BENCH_ARGS=(--quick)
     HOST_REPEATS=300
 fi
-
-echo "== info"
-"$PY" -m dflash_rocm info --json > "$OUT/info.json" 2> "$OUT/info.err"
-"$PY" -m dflash_rocm info | tee "$OUT/info.txt"
-
-echo "== GPU tests (budget ${TEST_BUDGET}s)"
-if "$PY" -c "import torch; raise SystemExit(0 if torch.version.hip else 1)" 2>/dev/null; then
-    MARK=rocm
-else
-    MARK=cuda
-fi
-timeout "$TEST_BUDGET" "$PY" -m pytest tests/test_gpu.py tests/test_host_path.py -m "$MARK" -q -rs -p no:cacheprovider \
-    --junitxml="$OUT/pytest.xml" > "$OUT/pytest.log" 2>&1
-TEST_RC=$?
-tail -n 25 "$OUT/pytest.log"
-
-echo "== bench --host"
-timeout 120 "$PY" -m dflash_rocm bench --host --repeats "$HOST_REPEATS" > "$OUT/bench_host.txt" 2> "$OUT/bench_host.err"
-HOST_RC=$?
-
-echo "== bench --assumptions (budget ${ASSUME_BUDGET}s)"
 ASSUME_ARGS=()
 [ "$DRY" = 1 ] && ASSUME_ARGS=(--device cpu)
-timeout "$ASSUME_BUDGET" "$PY" -m dflash_rocm bench --assumptions "${ASSUME_ARGS[@]}" \
-    --json "$OUT/bench_assumptions.json" > "$OUT/bench_assumptions.txt" 2> "$OUT/bench_assumptions.err"
-ASSUME_RC=$?
 
-echo "== bench (budget ${BENCH_BUDGET}s)"
-timeout "$BENCH_BUDGET" "$PY" -m dflash_rocm bench "${BENCH_ARGS[@]}" --quiet --json "$OUT/bench.json" \
-    --csv "$OUT/bench.csv" --plot "$OUT/bench.png" > "$OUT/bench.txt" 2> "$OUT/bench.err"
-BENCH_RC=$?
+step assumptions "$T_ASSUME" "$PY" -m dflash_rocm bench --assumptions "${ASSUME_ARGS[@]}" --json "$LOGS/assumptions.json"
+step bench "$T_BENCH" "$PY" -m dflash_rocm bench "${BENCH_ARGS[@]}" --quiet --json "$LOGS/bench.json" \
+    --plot "$OUT/bench.png"
+step host "$T_HOST" "$PY" -m dflash_rocm bench --host --repeats "$HOST_REPEATS" --json "$LOGS/host.json"
+step tests "$T_TESTS" "$PY" -m pytest "$ROOT/tests/test_gpu.py" "$ROOT/tests/test_host_path.py" -m "$MARK" \
+    -q -rs -p no:cacheprovider --rootdir "$ROOT" -c "$ROOT/pyproject.toml" --junitxml="$LOGS/pytest.xml"
 
-echo "== vLLM end to end (budget ${VLLM_BUDGET}s)"
-VLLM_RC=skipped
-if [ "$DRY" = 1 ]; then
-    echo "skipped in --dry (tests/test_bench.py runs bench --vllm --quick on CPU)"
-elif "$PY" -c "import vllm" > /dev/null 2>&1; then
-    timeout "$VLLM_BUDGET" "$PY" -m dflash_rocm bench --vllm --quiet --json "$OUT/bench_vllm.json" \
-        > "$OUT/bench_vllm.txt" 2> "$OUT/bench_vllm.err"
-    VLLM_RC=$?
-else
-    echo "vLLM is not importable: skipped"
-fi
-
-echo "== summary"
-echo "pytest -m $MARK: exit $TEST_RC ($(grep -Eo '[0-9]+ (passed|failed|skipped|error)' "$OUT/pytest.log" | tr '\n' ' '))"
-echo "bench --host: exit $HOST_RC"
-cat "$OUT/bench_host.txt"
-echo "bench --assumptions: exit $ASSUME_RC"
-cat "$OUT/bench_assumptions.txt"
-[ "$ASSUME_RC" = 0 ] || tail -n 20 "$OUT/bench_assumptions.err"  # the rows made before it stopped
-echo "bench --vllm: $VLLM_RC"
-[ -s "$OUT/bench_vllm.txt" ] && cat "$OUT/bench_vllm.txt"
-echo "bench: exit $BENCH_RC"
-cat "$OUT/bench.txt"
-# A dry run passes when the GPU tests were collected (and skipped: no GPU) and the bench ran.
-if [ "$DRY" = 1 ]; then
-    grep -qE '[0-9]+ skipped' "$OUT/pytest.log" || TEST_RC=1
-fi
-[ "$TEST_RC" = 0 ] && [ "$BENCH_RC" = 0 ] && [ "$HOST_RC" = 0 ] && [ "$ASSUME_RC" = 0 ]
+echo "== report (took $((SECONDS - STARTED)) s of $BUDGET)"
+REPORT_ARGS=()
+[ "$DRY" = 1 ] && REPORT_ARGS=(--dry)
+(cd "$RUN" && timeout "$T_REPORT" "$PY" -m dflash_rocm.gpu_report "$LOGS" "$OUT" "${REPORT_ARGS[@]}")
+STATUS=$?
+tar -czf "$OUT/logs.tar.gz" -C "$SCRATCH" logs
+rm -rf "$SCRATCH"
+exit "$STATUS"

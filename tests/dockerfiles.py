@@ -51,3 +51,30 @@ def image_version(image: str) -> tuple[int, int, int]:
     match = re.search(r":v(\d+)\.(\d+)\.(\d+)$", image)
     assert match, f"{image}: no vX.Y.Z tag"
     return tuple(int(g) for g in match.groups())
+
+
+def replay_copies(dockerfile: Path, context: Path, image_root: Path) -> Path:
+    """Lay out ``image_root`` as the Dockerfile's ``WORKDIR`` and ``COPY`` instructions lay out
+    the image (links kept, as COPY keeps them); returns the final working folder inside it."""
+    import shutil
+
+    workdir = image_root
+    for word, arguments in instructions(dockerfile.read_text()):
+        if word == "WORKDIR":
+            workdir = image_root / arguments.lstrip("/")
+            workdir.mkdir(parents=True, exist_ok=True)
+        elif word == "COPY":
+            sources = copy_sources(arguments)
+            if sources is None:
+                continue
+            words = json.loads(arguments) if arguments.startswith("[") else shlex.split(arguments)
+            dest = workdir / words[-1]
+            for source in sources:
+                origin = context / source
+                target = dest / origin.name if words[-1].endswith("/") else dest
+                if origin.is_dir():
+                    shutil.copytree(origin, target, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+                else:
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy(origin, target)
+    return workdir

@@ -1,36 +1,174 @@
-"""scripts/gpu_check.sh --dry: the prepared GPU script rehearsed on CPU so it cannot rot."""
+"""scripts/gpu_check.sh rehearsed as the lent GPU machine runs it, so the one GPU call a task
+may get is not lost: a clean copy of the checkout, an interpreter where this package is not
+installed (``python -S``: no ``.pth`` file, hence no editable import hook), ``--dry``. And the
+judge that reads its steps' files (:mod:`dflash_rocm.gpu_report`), on made-up runs."""
 
 import json
 import os
+import re
+import shutil
 import subprocess
-import sys
 from pathlib import Path
-
-from support import HAS_GPU, HAS_TRITON
 
 import pytest
 
+from dflash_rocm import gpu_report
+from dflash_rocm.ops import ATTENTION, PRECOMPUTE
+from support import HAS_GPU, HAS_TRITON, bare_interpreter
+
 ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = Path("scripts") / "gpu_check.sh"
+GPU_MACHINE_FILES = 8  # what comes back from the GPU machine's $OUT
+
+
+def clean_copy(dest: Path, leave_out: tuple[str, ...] = ()) -> Path:
+    """The checkout's tracked files as they are on disk (a clean clone of the working tree;
+    links kept), less the top-level entries in ``leave_out``."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    for name in filter(None, listed.decode().split("\0")):
+        if name.split("/")[0] in leave_out or not os.path.lexists(ROOT / name):
+            continue
+        target = dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, target, follow_symlinks=False)
+    return dest
+
+
+def bare_python(tmp_path: Path) -> tuple[str, dict]:
+    """(an executable that runs this Python with ``-S``, the environment giving it this
+    environment's site-packages): what ``PYTHON=`` hands the script."""
+    prefix, env = bare_interpreter(tmp_path)
+    wrapper = tmp_path / "python-bare"
+    wrapper.write_text("#!/bin/sh\nexec " + " ".join(prefix) + ' "$@"\n')
+    wrapper.chmod(0o755)
+    return str(wrapper), env
+
+
+def run_script(checkout: Path, tmp_path: Path, timeout: int) -> subprocess.CompletedProcess:
+    python, env = bare_python(tmp_path)
+    env.update(OUT=str(tmp_path / "out"), PYTHON=python)
+    return subprocess.run(["bash", str(checkout / SCRIPT), "--dry"], cwd=checkout, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+needs_git_and_cpu = pytest.mark.skipif(HAS_GPU or not HAS_TRITON or shutil.which("git") is None
+                                       or not (ROOT / ".git").exists(),
+                                       reason="the dry rehearsal runs on machines without a GPU, from a git checkout")
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(HAS_GPU or not HAS_TRITON, reason="the dry rehearsal is for machines without a GPU")
-def test_gpu_check_dry_run(tmp_path):
-    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
-    result = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry"], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=400)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    for name in ("info.json", "pytest.log", "pytest.xml", "bench.json", "bench.csv", "bench.png", "bench.txt",
-                 "bench_host.txt", "bench_assumptions.txt", "bench_assumptions.json"):
-        assert (tmp_path / name).stat().st_size > 0, name
-    assert "skipped" in (tmp_path / "pytest.log").read_text()
-    host = (tmp_path / "bench_host.txt").read_text()
-    assert all(any(line.startswith(f"{op} ") for line in host.splitlines()) for op in ("draft_attention", "precompute"))
-    assumed = json.loads((tmp_path / "bench_assumptions.json").read_text())
-    assert {r["check"] for r in assumed} == {"tp8", "l2", "gap"}
-    assert all(r["measured_us"] is not None and "ERROR" not in r["note"] for r in assumed), assumed
-    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
-    assert any(r["backend"] == "triton" and r["us"] for r in rows)
-    table = (tmp_path / "bench.txt").read_text()
-    assert result.stdout.rstrip().endswith(table.rstrip())  # the table comes last
-    assert any(line.startswith("draft_attention, ") for line in table.splitlines())
+@needs_git_and_cpu
+def test_the_dry_rehearsal_makes_every_row_within_the_budget(tmp_path):
+    checkout = clean_copy(tmp_path / "clone")
+    result = run_script(checkout, tmp_path, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    budget = re.fullmatch(r"budget (\d+) s \((.*)\)", result.stdout.splitlines()[0])
+    assert budget and int(budget.group(1)) <= 540
+    assert sum(int(n) for n in re.findall(r"(\d+)", budget.group(2))) == int(budget.group(1))
+    assert re.search(r"imports from the scratch install: /\S+/site/dflash_rocm/backends/", result.stdout)
+    out = tmp_path / "out"
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["bench.png", "figures.json", "logs.tar.gz", "summary.txt"]
+    assert len(files) <= GPU_MACHINE_FILES
+    figures = json.loads((out / "figures.json").read_text())
+    assert figures["problems"] == []
+    assert {r["check"] for r in figures["assumptions"]} == {"gap-eager", "gap-graph", "l2-read", "dram-read", "tp8",
+                                                           "l2", "tp-ratio"}
+    assert all(r["measured"] is not None for r in figures["assumptions"] if r["check"] != "gap-graph")
+    assert any(r["backend"] == "triton" and r["us"] for r in figures["bench"])
+    assert {r["op"] for r in figures["host"]} == {ATTENTION.name, PRECOMPUTE.name}
+    assert figures["tests"]["tests"] > 0 and figures["tests"]["failures"] == 0
+    summary = (out / "summary.txt").read_text()
+    assert len(summary) <= gpu_report.SUMMARY_LIMIT
+    assert result.stdout.rstrip().endswith(summary.rstrip())  # the summary is printed last
+    assert summary.rstrip().endswith("== verdict: OK")
+
+
+@pytest.mark.slow
+@needs_git_and_cpu
+def test_the_rehearsal_fails_at_once_on_a_copy_without_backends(tmp_path):
+    checkout = clean_copy(tmp_path / "clone", leave_out=("backends",))
+    result = run_script(checkout, tmp_path, timeout=300)
+    assert result.returncode != 0
+    assert "gpu_check: " in result.stdout
+    assert "== assumptions" not in result.stdout  # nothing measured from a broken install
+
+
+# --- the judge, on made-up runs ---------------------------------------------------------
+
+def good_run(tmp_path: Path) -> Path:
+    """The files of a GPU run where every step made its rows."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    steps = [("install", 0, 5, 35), ("info", 0, 9, 40), ("assumptions", 0, 90, 150), ("bench", 0, 60, 100),
+             ("host", 0, 20, 60), ("tests", 0, 80, 135)]
+    (logs / "steps.tsv").write_text("".join(f"{n}\t{s}\t{t}\t{b}\n" for n, s, t, b in steps))
+    (logs / "info.out").write_text(json.dumps({"device": {"vendor": "cuda", "arch": "sm_90", "name": "H200"},
+                                               "packages": {"torch": "2.11.0"}, "dflash_rocm": "0.2.0"}))
+    row = dict(check="tp8", case="N=256", config="table", unit="us", measured=10.0, model=8.0, note="")
+    (logs / "assumptions.json").write_text(json.dumps([row, {**row, "check": "gap-graph", "unit": "us"}]))
+    bench = dict(op=ATTENTION.name, shape="s", case="B=1 ctx=8192", backend="triton", us=20.0, model_us=15.0,
+                 pct_floor=50.0, note="")
+    (logs / "bench.json").write_text(json.dumps({"rows": [bench]}))
+    host = dict(op=ATTENTION.name, backend="triton", path="call", validate=False, host_us=10.0, total_us=12.0,
+                target_us=25.0)
+    (logs / "host.json").write_text(json.dumps([host, {**host, "op": PRECOMPUTE.name}]))
+    (logs / "pytest.xml").write_text('<testsuites><testsuite tests="5" failures="0" errors="0" skipped="1"/>'
+                                     '</testsuites>')
+    return logs
+
+
+def test_the_judge_passes_a_run_that_made_every_row(tmp_path):
+    figures = gpu_report.Figures.read(good_run(tmp_path), dry=False)
+    assert gpu_report.problems(figures) == []
+    text = gpu_report.summary(figures)
+    assert re.search(r" 10\.0 +8\.0 +1\.25\n", text)  # measured, model, ratio side by side
+    assert re.search(r" 20\.0 +15\.0 +1\.33 ", text)
+    assert text.endswith("== verdict: OK")
+
+
+def _edit_json(path: Path, change) -> None:
+    path.write_text(json.dumps(change(json.loads(path.read_text()))))
+
+
+@pytest.mark.parametrize("spoil, expected", [
+    (lambda logs: (logs / "host.json").write_text("[]"), "bench --host made no row"),
+    (lambda logs: _edit_json(logs / "assumptions.json", lambda rows: [{**rows[0], "note": "ERROR model: x"}]),
+     "ERROR model: x"),
+    (lambda logs: _edit_json(logs / "assumptions.json", lambda rows: [{**rows[0], "measured": None}]),
+     "nothing measured"),
+    (lambda logs: (logs / "assumptions.json").unlink(), "bench --assumptions made no row"),
+    (lambda logs: _edit_json(logs / "bench.json", lambda b: {"rows": [{**b["rows"][0], "backend": "cuda"}]}),
+     "no measured triton row"),
+    (lambda logs: _edit_json(logs / "bench.json", lambda b: {"rows": [{**b["rows"][0], "model_us": None,
+                                                                       "note": "ERROR model: broke"}]}),
+     "ERROR model: broke"),
+    (lambda logs: (logs / "pytest.xml").write_text('<testsuite tests="0"/>'), "pytest ran no test"),
+    (lambda logs: (logs / "pytest.xml").write_text('<testsuite tests="3" skipped="3"/>'), "passed no test"),
+    (lambda logs: (logs / "pytest.xml").write_text('<testsuite tests="3" failures="1"/>'), "1 failed"),
+    (lambda logs: (logs / "steps.tsv").write_text("bench\t124\t100\t100\n"), "step bench timed out"),
+], ids=["empty-host", "error-row", "unmeasured-row", "no-assumptions", "no-modelled-backend", "model-failed",
+        "no-tests", "all-skipped-on-gpu", "failed-test", "timed-out"])
+def test_the_judge_names_a_step_that_made_nothing(tmp_path, spoil, expected):
+    logs = good_run(tmp_path)
+    spoil(logs)
+    found = gpu_report.problems(gpu_report.Figures.read(logs, dry=False))
+    assert any(expected in problem for problem in found), found
+
+
+def test_the_summary_fits_the_limit_however_many_rows(tmp_path):
+    logs = good_run(tmp_path)
+    _edit_json(logs / "bench.json", lambda b: {"rows": b["rows"] * 2000})
+    text = gpu_report.summary(gpu_report.Figures.read(logs, dry=False))
+    assert len(text) <= gpu_report.SUMMARY_LIMIT
+    assert "more lines in figures.json" in text and text.endswith("== verdict: OK")
+
+
+def test_the_report_command_writes_two_files_and_exits_1_on_a_problem(tmp_path):
+    logs = good_run(tmp_path)
+    assert gpu_report.main([str(logs), str(tmp_path / "a")]) == 0
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["figures.json", "summary.txt"]
+    (logs / "host.json").write_text("[]")
+    assert gpu_report.main([str(logs), str(tmp_path / "b")]) == 1
+    assert json.loads((tmp_path / "b" / "figures.json").read_text())["problems"]

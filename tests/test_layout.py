@@ -24,7 +24,7 @@ import pytest
 
 from dflash_rocm.vllm_plugin.compat import SUPPORTED
 from support import bare_interpreter
-from dockerfiles import DOCKERFILES, base_image, copy_sources, image_version, instructions
+from dockerfiles import DOCKERFILES, base_image, copy_sources, image_version, instructions, replay_copies
 
 try:
     import tomllib
@@ -301,6 +301,35 @@ def test_every_base_image_runs_a_supported_vllm(dockerfile):
     major, minor, _ = image_version(base_image(dockerfile))
     low, high = SUPPORTED
     assert low <= (major, minor) <= high
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda path: path.name)
+def test_every_dockerfile_fails_its_build_when_a_backend_cannot_import(dockerfile):
+    runs = [arguments for word, arguments in instructions(dockerfile.read_text()) if word == "RUN"]
+    assert any("-m dflash_rocm info --check-imports" in run for run in runs)
+
+
+@pytest.mark.slow
+def test_the_images_steps_import_every_backend_and_collect_the_rocm_tests(tmp_path):
+    """The ROCm image as built, without Docker: its COPY layout, a non-editable install, then
+    its ``info`` step and its entrypoint's collection run from the copied folder (the image's
+    working directory, first on the path for ``python -m``) in an interpreter where the
+    package is not installed but for that install."""
+    workdir = replay_copies(ROOT / "docker" / "Dockerfile.rocm", ROOT, tmp_path / "image")
+    site = tmp_path / "site"
+    pip("install", "--no-deps", "--no-build-isolation", "--target", str(site), str(workdir))
+    prefix, env = bare_interpreter(workdir)
+    env["PYTHONPATH"] = os.pathsep.join([str(site), env["PYTHONPATH"]])
+    info = subprocess.run([*prefix, "-m", "dflash_rocm", "info", "--check-imports", "--json"], cwd=workdir, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert info.returncode == 0, info.stderr[-3000:]
+    reasons = [r for b in json.loads(info.stdout)["backends"].values() for r in b["reasons"]]
+    assert not [r for r in reasons if "cannot import" in r]
+    collect = subprocess.run([*prefix, "-m", "pytest", "-m", "rocm", "--collect-only", "-q", "-p", "no:cacheprovider",
+                              "tests"], cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
+    assert collect.returncode == 0, collect.stdout[-3000:] + collect.stderr[-3000:]
+    counts = re.search(r"(\d+)/\d+ tests collected", collect.stdout)
+    assert counts and int(counts.group(1)) > 0, collect.stdout[-500:]
 
 
 def test_the_copy_check_fails_on_a_missing_or_ignored_source(tmp_path):

@@ -55,6 +55,15 @@ class CaseResult:
             return None
         return sum(launch.model.seconds for launch in self.launches)
 
+    def required_us(self) -> float:
+        """The modelled microseconds; raises ``ValueError`` saying why there are none (a
+        skipped case, a launch that failed to compile or to fit): for callers that print a
+        model beside a measurement and must not drop it silently."""
+        if self.modelled_s is None:
+            reasons = [launch.error for launch in self.launches if launch.error] or [self.skipped or "no launch"]
+            raise ValueError(f"not modelled: {reasons[0]}")
+        return self.modelled_s * 1e6
+
     @property
     def pct_floor(self) -> float | None:
         total = self.modelled_s
