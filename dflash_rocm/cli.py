@@ -12,11 +12,11 @@ from typing import Callable
 
 import torch
 
+from .contract import DTYPE_NAMES
 from .ops import OPS
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3fn": torch.float8_e4m3fn,
-                "fp8_e4m3fnuz": torch.float8_e4m3fnuz}
+DTYPES = {name: DTYPE_NAMES[name] for name in ("bf16", "fp16", "fp32")}
+CACHE_DTYPES = {"auto": None, **{name: DTYPE_NAMES[name] for name in ("fp8", "fp8_e4m3fn", "fp8_e4m3fnuz")}}
 
 
 def _use_interpreter_without_gpu() -> None:
