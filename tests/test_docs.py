@@ -363,3 +363,34 @@ def test_a_variables_help_names_the_backend_that_reads_it():
             wrong.append(f"{var.name}: its help names {first}, whose folder never reads envs.{attribute}")
     assert wrong == []
     assert any(re.split(r"[\s:]", var.help, maxsplit=1)[0] in NAMES for var in envs.ALL)
+
+
+# --- the changelog and the version --------------------------------------------------------
+
+CHANGELOG = ROOT / "CHANGELOG.md"
+CHANGE_KINDS = ("Added", "Changed", "Deprecated", "Removed", "Fixed", "Security")  # Keep a Changelog's
+
+
+def test_the_version_is_the_changelogs_newest_release():
+    """pyproject.toml, ``dflash_rocm.__version__`` and the newest release in CHANGELOG.md
+    name one version (a release bumps all three)."""
+    import tomllib
+
+    from dflash_rocm import __version__
+
+    releases = re.findall(r"^## \[(\d+\.\d+\.\d+)\] - \d{4}-\d{2}-\d{2}$", CHANGELOG.read_text(), flags=re.M)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert releases and project["version"] == __version__ == releases[0]
+
+
+def test_the_changelog_keeps_its_form():
+    """Keep a Changelog: an ``Unreleased`` section first, then releases; under each only the
+    kinds of change it names, one line per entry; short; no issue numbers (they point
+    nowhere outside this project's tracker)."""
+    lines = CHANGELOG.read_text().splitlines()
+    sections = [line for line in lines if line.startswith("## ")]
+    assert len(lines) < 150 and sections[0] == "## [Unreleased]"
+    assert [line for line in lines if line.startswith("### ") and line[4:] not in CHANGE_KINDS] == []
+    entries = [i for i, line in enumerate(lines) if line.startswith("- ")]
+    assert entries and [lines[i + 1] for i in entries if lines[i + 1].startswith(" ")] == []  # no wrapped entries
+    assert re.findall(r"(?i)issue \d+|(?<![\w/])#\d+", CHANGELOG.read_text()) == []
