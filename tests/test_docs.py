@@ -394,3 +394,39 @@ def test_the_changelog_keeps_its_form():
     entries = [i for i, line in enumerate(lines) if line.startswith("- ")]
     assert entries and [lines[i + 1] for i in entries if lines[i + 1].startswith(" ")] == []  # no wrapped entries
     assert re.findall(r"(?i)issue \d+|(?<![\w/])#\d+", CHANGELOG.read_text()) == []
+
+
+# --- facts the docs state -------------------------------------------------------------------
+
+def paragraphs(text: str) -> list[str]:
+    return [" ".join(p.split()) for p in re.split(r"\n\s*\n", text)]
+
+
+def record_fields() -> list[str]:
+    """The planning record's fields, in order (a NamedTuple's or a dataclass's)."""
+    import dataclasses
+
+    from dflash_rocm.planning import PlanningRecord
+
+    if dataclasses.is_dataclass(PlanningRecord):
+        return [f.name for f in dataclasses.fields(PlanningRecord)]
+    return list(PlanningRecord._fields)
+
+
+def test_the_plan_caches_key_in_backends_md_is_the_planning_records_fields():
+    """docs/backends.md lists what keys the plan cache: exactly the record's fields, in order
+    (a field added to the record, or dropped, fails here until the sentence says so)."""
+    (sentence,) = [p for p in paragraphs((ROOT / "docs" / "backends.md").read_text())
+                   if "keyed by the call's planning record" in p]
+    listed = re.sub(r"\([^()]*\)", "", sentence.partition("whose fields are")[2])  # the asides
+    assert re.findall(r"`(\w+)`", listed.partition(".")[0]) == record_fields()
+
+
+def test_every_measured_on_sentence_points_to_the_machines_paragraph():
+    """A figure measured on some machine says which, through benchmarks.md's "Machines"
+    paragraph: every paragraph saying "measured on" or "measured here" links to it."""
+    unlinked = [f"{doc.relative_to(ROOT)}: {p[:80]}..." for doc in DOCS if doc.suffix == ".md"
+                for p in paragraphs(doc.read_text()) if re.search(r"(?i)\bmeasured (on|here)\b", p)
+                and "benchmarks.md#machines" not in p and not (doc.name == "benchmarks.md" and "](#machines)" in p)]
+    assert unlinked == []
+    assert "## Machines" in (ROOT / "docs" / "benchmarks.md").read_text()
