@@ -25,7 +25,7 @@ from .arch import Product
 from .floors import attention_cost, measure_copy_bandwidth, peak_for, precompute_cost
 from .platform import platform_for
 from .report import WIDTH, Footnotes, Style, format_table, join_blocks, never_ran, not_run_here, wrap
-from .timing import interleaved_median_seconds, l2_flush
+from .timing import busy_machine_note, interleaved_median_seconds, l2_flush
 from .unfused import TorchOps, VllmOps, unfused_precompute
 from .ops import ATTENTION, OPS, PRECOMPUTE
 from .workloads import SHAPES, DraftShape, attention_inputs, precompute_inputs
@@ -80,8 +80,10 @@ def default_plan(device: torch.device, *, shapes=None, tp: int = 1, tokens=None,
     chosen = [s.per_rank(tp) for s in chosen]
     if cpu:
         chosen = [s.scaled_for_cpu() for s in chosen]
-    notes = ["CPU run: Triton executes in its interpreter and torch on 2 cores; the numbers say nothing "
-             "about GPU speed (this is a smoke test)"] if cpu else []
+    notes = [f"CPU run: Triton executes in its interpreter and torch on {torch.get_num_threads()} threads; "
+             "the numbers say nothing about GPU speed (this is a smoke test)"] if cpu else []
+    if cpu and (busy := busy_machine_note()):
+        notes.append(busy)
     plan = BenchPlan(
         device=device, dtype=dtype, cache_dtype=cache_dtype or dtype, shapes=chosen,
         tokens=list(tokens or ((4, 16) if cpu else (16, 256, 4096) if quick else GPU_TOKENS)),

@@ -12,11 +12,11 @@ from typing import Callable
 
 import torch
 
+from .contract import DTYPE_NAMES
 from .ops import OPS
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3fn": torch.float8_e4m3fn,
-                "fp8_e4m3fnuz": torch.float8_e4m3fnuz}
+DTYPES = {name: DTYPE_NAMES[name] for name in ("bf16", "fp16", "fp32")}
+CACHE_DTYPES = {"auto": None, **{name: DTYPE_NAMES[name] for name in ("fp8", "fp8_e4m3fn", "fp8_e4m3fnuz")}}
 
 
 def _use_interpreter_without_gpu() -> None:
@@ -220,16 +220,18 @@ _OPS = {op.short: op.name for op in OPS.values()}
 
 def _bench_host(args, device) -> int:
     from . import host_bench
+    from .timing import busy_machine_note
 
     if args.csv or args.plot:
         raise ValueError("--host: writes a table and --json only (no --csv, --plot)")
     _check_outputs({"--json": args.json})
     arch = args.arch or host_bench.platform_arch(device)
+    busy = busy_machine_note()  # before the run, which loads the machine itself
     rows = host_bench.host_rows(device, arch=arch, backends=args.backend, repeats=args.repeats or 1000)
     if args.op:
         rows = [r for r in rows if r.op in {_OPS[o] for o in args.op}]
     width, _ = _layout(args)
-    _emit(lambda: host_bench.format_host_rows(rows, arch, width),
+    _emit(lambda: host_bench.format_host_rows(rows, arch, width, busy),
           ((args.json, lambda: json.dumps([r.as_dict() for r in rows], indent=2)),))
     return 0
 
@@ -320,6 +322,10 @@ def cmd_tune(args) -> int:
         table = rocm.tune(ATTENTION, spec, device, progress=_progress_bar)
     print(wrap(f"tuned {shape.name} on {platform.name} ({platform.arch}); table: {table_path(table.identity)}",
                WIDTH))
+    if device.type == "cpu":
+        print(wrap(f"Simulated: {platform.arch} simulated on this CPU, the kernels run through the Triton interpreter; "
+                   f"the times and speed-ups below are interpreter timings on a CPU, nothing about {platform.name}",
+                   WIDTH))
     rows = []
     for e in sorted(table.entries, key=lambda e: (e.workload.batch, e.workload.key_span)):
         def brief(c):

@@ -114,7 +114,9 @@ def platform_arch(device: torch.device, default: str = "gfx942") -> str:
     return platform.arch if platform.arch_info is not None else default
 
 
-def format_host_rows(rows: list[HostRow], arch: str, width: int | None) -> str:
+def format_host_rows(rows: list[HostRow], arch: str, width: int | None, busy: str | None = None) -> str:
+    """The table and what it measured; ``busy``: the warning that the machine looked busy
+    (:func:`dflash_rocm.timing.busy_machine_note`, taken before the run), printed last."""
     from .report import format_table, wrap
 
     def us(value) -> str:
@@ -131,4 +133,4 @@ def format_host_rows(rows: list[HostRow], arch: str, width: int | None) -> str:
             f"call itself needs a GPU and is not included. plan.run: through a plan, as the vLLM plugin "
             f"calls: attention for a step's second and later draft layers (plan_draft_attention), the "
             f"precompute every step (plan_context_kv).")
-    return "\n".join([table, "", wrap(note, width)])
+    return "\n".join([table, "", wrap(note, width), *([wrap(f"Warning: {busy}", width)] if busy else [])])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Callable, Hashable, Mapping
@@ -73,3 +74,23 @@ def l2_flush(device: torch.device):
         return None
     buffer = torch.empty(256 << 20, dtype=torch.uint8, device=device)
     return buffer.zero_
+
+
+BUSY_LOAD_PER_CORE = 0.5
+"""A 1-minute load average above this share of the cores: other work shares them."""
+
+
+def busy_machine_note(load: float | None = None, cores: int | None = None) -> str | None:
+    """A warning for timings taken on this CPU when the machine looks busy (``load``: the
+    1-minute load average, read from the system when not given; ``cores``: the CPU count),
+    else ``None``. Other work on the cores moves CPU timings by tens of percent from run to
+    run, so such figures must say they came from a busy machine."""
+    if load is None:
+        if not hasattr(os, "getloadavg"):  # no load average on this platform (Windows)
+            return None
+        load = os.getloadavg()[0]
+    cores = cores or os.cpu_count() or 1
+    if load <= BUSY_LOAD_PER_CORE * cores:
+        return None
+    return (f"this machine looks busy (load average {load:.1f} on {cores} cores): its timings move between runs; "
+            "quote them as from a busy machine, or rerun when it is quiet")

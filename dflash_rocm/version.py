@@ -1,3 +1,3 @@
 """The package version, at the bottom so any layer can report it."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

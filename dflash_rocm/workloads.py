@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import DraftDims, config_flag, layer_attention_modes, read_draft_config, rope_setup
-from .contract import FP8_DTYPES
+from .contract import FP8_DTYPES, as_dtype
 from .rope import build_cos_sin_cache
 from .weights import ContextKVWeights
 
@@ -111,8 +111,10 @@ def _generator(seed: int, device: torch.device) -> torch.Generator:
     return g
 
 
-def random_weights(shape: DraftShape, dtype: torch.dtype, device: torch.device, seed: int = 0,
+def random_weights(shape: DraftShape, dtype: torch.dtype | str, device: torch.device | str, seed: int = 0,
                    max_position: int = 1 << 15) -> ContextKVWeights:
+    """Random K/V weights of ``shape`` (``dtype``: a torch dtype or a name such as "bf16")."""
+    dtype = as_dtype(dtype)
     g = _generator(seed, device)
     L, Hk, D, H = shape.layers, shape.kv_heads, shape.head_dim, shape.hidden
 
@@ -144,10 +146,12 @@ class PrecomputeInputs:
         return {"k_scales": self.k_scales, "v_scales": self.v_scales}
 
 
-def precompute_inputs(shape: DraftShape, num_tokens: int, dtype: torch.dtype, cache_dtype: torch.dtype,
-                      device: torch.device, *, block_size: int = 16, seed: int = 0,
+def precompute_inputs(shape: DraftShape, num_tokens: int, dtype: torch.dtype | str, cache_dtype: torch.dtype | str,
+                      device: torch.device | str, *, block_size: int = 16, seed: int = 0,
                       weights: ContextKVWeights | None = None) -> PrecomputeInputs:
-    """Context states of one step, written to fresh slots of a shuffled paged cache."""
+    """Context states of one step, written to fresh slots of a shuffled paged cache (dtypes:
+    torch dtypes or names such as "bf16", "fp8")."""
+    dtype, cache_dtype = as_dtype(dtype), as_dtype(cache_dtype, "cache_dtype")
     g = _generator(seed + 1, device)
     weights = weights if weights is not None else random_weights(shape, dtype, device, seed)
     L, Hk, D = weights.num_layers, weights.num_kv_heads, weights.head_dim
@@ -178,11 +182,13 @@ class AttentionInputs:
                 self.seq_lens)
 
 
-def attention_inputs(shape: DraftShape, batch: int, context_len: int, dtype: torch.dtype,
-                     cache_dtype: torch.dtype, device: torch.device, *, block_size: int = 16,
+def attention_inputs(shape: DraftShape, batch: int, context_len: int, dtype: torch.dtype | str,
+                     cache_dtype: torch.dtype | str, device: torch.device | str, *, block_size: int = 16,
                      seed: int = 0) -> AttentionInputs:
     """``batch`` requests, each a query block of ``shape.block_tokens`` at the end of a
-    ``context_len + block_tokens`` sequence, in a cache with shuffled blocks."""
+    ``context_len + block_tokens`` sequence, in a cache with shuffled blocks (dtypes: torch
+    dtypes or names such as "bf16", "fp8")."""
+    dtype, cache_dtype = as_dtype(dtype), as_dtype(cache_dtype, "cache_dtype")
     g = _generator(seed + 2, device)
     q_len = shape.block_tokens
     seq_len = context_len + q_len

@@ -75,6 +75,23 @@ def test_bench_smoke_writes_table_json_csv_and_plot(tmp_path, capsys):
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_cpu_timings_warn_when_the_machine_looks_busy(monkeypatch):
+    """A bench on CPU says so when other work shares the cores (load average over half of
+    them), in the plan's notes (the report and --json); a quiet machine gets no warning."""
+    from dflash_rocm import host_bench, timing
+
+    assert timing.busy_machine_note(load=0.9, cores=2) is None
+    assert "load average 3.5 on 2 cores" in timing.busy_machine_note(load=3.5, cores=2)
+    monkeypatch.setattr(timing.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(timing.os, "getloadavg", lambda: (6.0, 1.0, 1.0))
+    notes = bench.default_plan(torch.device("cpu")).notes
+    assert any("looks busy (load average 6.0 on 4 cores)" in note for note in notes)
+    assert f"torch on {torch.get_num_threads()} threads" in notes[0]
+    assert "Warning: this machine looks busy" in host_bench.format_host_rows([], "gfx942", None, notes[-1])
+    monkeypatch.setattr(timing.os, "getloadavg", lambda: (1.0, 1.0, 1.0))
+    assert not any("busy" in note for note in bench.default_plan(torch.device("cpu")).notes)
+
+
 def test_bench_plan_on_gpu_covers_the_issue_sweep():
     plan = bench.default_plan(torch.device("cuda"))
     assert plan.tokens == [1, 16, 64, 256, 1024, 8192]

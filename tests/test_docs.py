@@ -363,3 +363,70 @@ def test_a_variables_help_names_the_backend_that_reads_it():
             wrong.append(f"{var.name}: its help names {first}, whose folder never reads envs.{attribute}")
     assert wrong == []
     assert any(re.split(r"[\s:]", var.help, maxsplit=1)[0] in NAMES for var in envs.ALL)
+
+
+# --- the changelog and the version --------------------------------------------------------
+
+CHANGELOG = ROOT / "CHANGELOG.md"
+CHANGE_KINDS = ("Added", "Changed", "Deprecated", "Removed", "Fixed", "Security")  # Keep a Changelog's
+
+
+def test_the_version_is_the_changelogs_newest_release():
+    """pyproject.toml, ``dflash_rocm.__version__`` and the newest release in CHANGELOG.md
+    name one version (a release bumps all three)."""
+    import tomllib
+
+    from dflash_rocm import __version__
+
+    releases = re.findall(r"^## \[(\d+\.\d+\.\d+)\] - \d{4}-\d{2}-\d{2}$", CHANGELOG.read_text(), flags=re.M)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert releases and project["version"] == __version__ == releases[0]
+
+
+def test_the_changelog_keeps_its_form():
+    """Keep a Changelog: an ``Unreleased`` section first, then releases; under each only the
+    kinds of change it names, one line per entry; short; no issue numbers (they point
+    nowhere outside this project's tracker)."""
+    lines = CHANGELOG.read_text().splitlines()
+    sections = [line for line in lines if line.startswith("## ")]
+    assert len(lines) < 150 and sections[0] == "## [Unreleased]"
+    assert [line for line in lines if line.startswith("### ") and line[4:] not in CHANGE_KINDS] == []
+    entries = [i for i, line in enumerate(lines) if line.startswith("- ")]
+    assert entries and [lines[i + 1] for i in entries if lines[i + 1].startswith(" ")] == []  # no wrapped entries
+    assert re.findall(r"(?i)issue \d+|(?<![\w/])#\d+", CHANGELOG.read_text()) == []
+
+
+# --- facts the docs state -------------------------------------------------------------------
+
+def paragraphs(text: str) -> list[str]:
+    return [" ".join(p.split()) for p in re.split(r"\n\s*\n", text)]
+
+
+def record_fields() -> list[str]:
+    """The planning record's fields, in order (a NamedTuple's or a dataclass's)."""
+    import dataclasses
+
+    from dflash_rocm.planning import PlanningRecord
+
+    if dataclasses.is_dataclass(PlanningRecord):
+        return [f.name for f in dataclasses.fields(PlanningRecord)]
+    return list(PlanningRecord._fields)
+
+
+def test_the_plan_caches_key_in_backends_md_is_the_planning_records_fields():
+    """docs/backends.md lists what keys the plan cache: exactly the record's fields, in order
+    (a field added to the record, or dropped, fails here until the sentence says so)."""
+    (sentence,) = [p for p in paragraphs((ROOT / "docs" / "backends.md").read_text())
+                   if "keyed by the call's planning record" in p]
+    listed = re.sub(r"\([^()]*\)", "", sentence.partition("whose fields are")[2])  # the asides
+    assert re.findall(r"`(\w+)`", listed.partition(".")[0]) == record_fields()
+
+
+def test_every_measured_on_sentence_points_to_the_machines_paragraph():
+    """A figure measured on some machine says which, through benchmarks.md's "Machines"
+    paragraph: every paragraph saying "measured on" or "measured here" links to it."""
+    unlinked = [f"{doc.relative_to(ROOT)}: {p[:80]}..." for doc in DOCS if doc.suffix == ".md"
+                for p in paragraphs(doc.read_text()) if re.search(r"(?i)\bmeasured (on|here)\b", p)
+                and "benchmarks.md#machines" not in p and not (doc.name == "benchmarks.md" and "](#machines)" in p)]
+    assert unlinked == []
+    assert "## Machines" in (ROOT / "docs" / "benchmarks.md").read_text()

@@ -234,6 +234,7 @@ def test_tune_command_prints_the_table(monkeypatch, capsys):
     captured = capsys.readouterr()
     assert rc == 0
     assert "gfx1201" in captured.out and "speed-up" in captured.out and "2/" in captured.err
+    assert "interpreter timings on a CPU" in " ".join(captured.out.split())  # never read as a GPU's speed-up
     assert captured.out.count("\n") >= 6  # header + a row per (batch, span)
 
 

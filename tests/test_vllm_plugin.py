@@ -130,9 +130,14 @@ def test_the_attention_mode_changes_the_proposals(run):
 
 def test_auto_runs_the_precompute_on_cpu_and_leaves_attention_to_vllms_cpu_kernel(models, run, caplog, monkeypatch):
     import vllm_harness
-    from dflash_rocm.vllm_plugin import attention
+    from dflash_rocm.vllm_plugin import attention, model
     monkeypatch.setattr(attention, "_warned", set())  # the hand-back is logged once per process
     caplog.set_level(logging.INFO, logger="dflash_rocm")
+    # The line that says the plugin engaged goes through a child of vLLM's logger, which vLLM's logging
+    # config prints at its default level and keeps from the root logger (and caplog): its records are
+    # taken where the logger hands them to its handlers, after the level check.
+    engaged = []
+    monkeypatch.setattr(model.engaged_logger, "handle", engaged.append)
     target, draft = models["sliding-window"]
     ours = vllm_harness.generate(target, draft, plugin=True)
     steps = len(ours.proposals)
@@ -140,6 +145,10 @@ def test_auto_runs_the_precompute_on_cpu_and_leaves_attention_to_vllms_cpu_kerne
     assert ours.proposals == run("v2", "sliding-window", "vllm").proposals
     assert ours.outputs == run("v2", "sliding-window", "vllm").outputs
     assert any("draft attention stays on vLLM's CPUAttentionBackendImpl" in r.getMessage() for r in caplog.records)
+    assert [(r.name, r.levelno) for r in engaged] == [("vllm.dflash_rocm", logging.INFO)]
+    assert [r.getMessage() for r in engaged] == [
+        "dflash_rocm serves this DFlashQwen3ForCausalLM draft's context-KV precompute on backend auto, the first of "
+        "cpu, triton, reference that serves a call (DFLASH_ROCM_LOG_LEVEL=INFO: details)"]
 
 
 @pytest.mark.parametrize("backend", ["cpu"])  # the load path is the backend's; triton serves the same weights

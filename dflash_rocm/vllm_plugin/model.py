@@ -34,7 +34,7 @@ import logging
 
 import torch
 
-from .. import dispatch, launches
+from .. import dispatch, launches, registry
 from ..contract import FP8_DTYPES
 from ..derived import refill_derived
 from ..dispatch import BackendUnavailable
@@ -48,6 +48,10 @@ from .cache_views import kv_cache_views
 from .compat import missing_internals, vllm_version
 
 logger = logging.getLogger("dflash_rocm")
+# vLLM prints its own "vllm" loggers at INFO (VLLM_LOGGING_LEVEL) and no other package's
+# INFO lines: the one line saying the plugin engaged goes through a child of vLLM's logger,
+# so a user sees it at vLLM's default level; the details stay on "dflash_rocm".
+engaged_logger = logging.getLogger("vllm.dflash_rocm")
 
 
 class ServedDraft:
@@ -87,6 +91,7 @@ class ServedDraft:
             # no get_draft_attn_causal (Laguna) and no attention of ours to scope.
             layer_causal = [layer.self_attn.causal for layer in self.model.layers] if attention_off is None else ()
             _configure_backends(vllm_config, layer_causal, _model_device(vllm_config))
+            _say_engaged(self, _model_device(vllm_config))
         except Exception as exc:  # noqa: BLE001 - never fail a load vLLM's own class completes
             self._step_aside(f"setting up failed ({type(exc).__name__}: {exc})")
 
@@ -294,6 +299,23 @@ def _layer_cache(attn_layer) -> torch.Tensor:
 def _model_device(vllm_config) -> torch.device:
     device = getattr(getattr(vllm_config, "device_config", None), "device", None)
     return torch.device(device) if device is not None else torch.device("cpu")
+
+
+def _say_engaged(draft, device: torch.device) -> None:
+    """One line at vLLM's default log level: which operations of this draft dflash_rocm
+    serves and on which backend (none served: the warnings already said why)."""
+    layers = len(draft._dflash_attention_layers)
+    served = [f"draft attention ({layers} layers)"] if layers else []
+    if draft._dflash_precompute_off is None:
+        served.append("context-KV precompute")
+    if not served:
+        return
+    name = dispatch.resolve_name(None)
+    if name == "auto":
+        candidates = registry.priority_for(platform_for(device), device.type)
+        name = f"auto, the first of {', '.join(candidates)} that serves a call"
+    engaged_logger.info("dflash_rocm serves this %s draft's %s on backend %s (DFLASH_ROCM_LOG_LEVEL=INFO: details)",
+                        draft._dflash_vllm_class.__name__, " and ".join(served), name)
 
 
 def _configure_backends(vllm_config, layer_causal, device: torch.device) -> None:
