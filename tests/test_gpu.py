@@ -172,7 +172,8 @@ def test_backend_serves_this_gpu(backend):
 def test_auto_serves_a_qwen3_step_with_this_gpus_first_choice(gpu):
     """What a serving engine gets without naming a backend: the first choice of this GPU
     (``first_choice``) serves both ops, and agrees with the reference (aiter's second call
-    of a signature, after its first-call check, runs aiter's own kernel alone)."""
+    of a signature, after its first-call check, runs aiter's own kernel alone). The same
+    step over vLLM ROCM_ATTN's packed pages goes to a backend that reads them (not aiter)."""
     device = torch.device("cuda")
     inputs = attention_inputs(QWEN3_8B, 4, 4096, torch.bfloat16, torch.bfloat16, device,
                               block_size=AITER_PAGE_MULTIPLE)
@@ -187,6 +188,7 @@ def test_auto_serves_a_qwen3_step_with_this_gpus_first_choice(gpu):
     assert counts == {("draft_attention", first_choice(ATTENTION)): 2,
                       ("precompute_and_store_context_kv", first_choice(PRECOMPUTE)): 1,
                       ("draft_attention", "reference"): 1, ("precompute_and_store_context_kv", "reference"): 1}
+    check_attention(attention_case(inputs, "qwen3-8b batch=4 context=4096", "rocm_attn"), "auto")
 
 
 @pytest.mark.parametrize("backend", PRECOMPUTE_BACKENDS, indirect=True)
@@ -276,11 +278,12 @@ def test_precompute_writes_rocm_attn_pages(backend, packing, fp8):
 
 
 @pytest.mark.parametrize("backend", KERNELS, indirect=True)  # the cuda backend dequantizes nothing: float rows
-@pytest.mark.parametrize("granularity", ["tensor", "channel"])
-@pytest.mark.parametrize("fp8_cache", [False, True], ids=["bf16-cache", "fp8-cache"])
+@pytest.mark.parametrize("granularity,fp8_cache", [("tensor", False), ("channel", True)],
+                         ids=["per-tensor-bf16-cache", "per-row-fp8-cache"])
 def test_precompute_reads_fp8_weight_rows(backend, granularity, fp8_cache):
     """A draft checkpoint with fp8 K/V projections (``kv_weight`` in this GPU's fp8 format,
-    a float32 per-tensor or per-row ``kv_weight_scale``) at Qwen3-8B, N = 256."""
+    a float32 per-tensor or per-row ``kv_weight_scale``) at Qwen3-8B, N = 256 (two pairs:
+    each compile costs GPU time; the graph test below holds per-row scales with a bf16 cache)."""
     device = torch.device("cuda")
     cache_dtype = fp8_dtype() if fp8_cache else torch.bfloat16
     weights = with_fp8_rows(random_weights(QWEN3_8B, torch.bfloat16, device), fp8_dtype(), granularity)
