@@ -134,14 +134,14 @@ def attention_case(inputs, description: str, packing: str = "plain") -> Attentio
                          description=f"{description} packing={packing}")
 
 
-def precompute_case(inputs, description: str, packing: str = "plain") -> PrecomputeCase:
+def precompute_case(inputs, description: str, packing: str = "plain", *, return_kv: bool = False) -> PrecomputeCase:
     """A workload's precompute inputs as a :class:`strategies.PrecomputeCase` (for
     :func:`checks.check_precompute`), per-layer float scales, caches packed as ``packing`` says."""
     packed = [pack_caches(k, v, packing) for k, v in zip(inputs.key_caches, inputs.value_caches)]
     scales = {name: None if s is None else s.tolist() for name, s in inputs.kwargs().items()}
     return PrecomputeCase(args=(inputs.states, inputs.positions, inputs.weights, [k for k, _ in packed],
                                 [v for _, v in packed], inputs.slot_mapping),
-                          kwargs=dict(scales, return_kv=False), description=f"{description} packing={packing}")
+                          kwargs=dict(scales, return_kv=return_kv), description=f"{description} packing={packing}")
 
 
 def with_fp8_rows(weights, dtype: torch.dtype, granularity: str):
@@ -218,7 +218,7 @@ def test_qwen3_8b_precompute(backend, num_tokens, fp8):
     cache_dtype = fp8_dtype() if fp8 else torch.bfloat16
     inputs = precompute_inputs(QWEN3_8B, num_tokens, torch.bfloat16, cache_dtype, torch.device("cuda"))
     require_served(backend, PRECOMPUTE, precompute_call(*inputs.args(), **inputs.kwargs()))
-    check_precompute(precompute_case(inputs, f"qwen3-8b N={num_tokens} cache={cache_dtype}"), backend)
+    check_precompute(precompute_case(inputs, f"qwen3-8b N={num_tokens} cache={cache_dtype}", return_kv=True), backend)
 
 
 def served_twice(case, backend: str) -> None:
