@@ -191,7 +191,7 @@ def test_auto_serves_a_qwen3_step_with_this_gpus_first_choice(gpu):
     check_attention(attention_case(inputs, "qwen3-8b batch=4 context=4096", "rocm_attn"), "auto")
 
 
-@pytest.mark.parametrize("backend", PRECOMPUTE_BACKENDS, indirect=True)
+@pytest.mark.parametrize("backend", PRECOMPUTE_BACKENDS, indirect=True)  # not aiter: no 128-row pages drawn
 @GPU_PROFILE
 @given(case=attention_cases(GPU_SIZES, dtypes=(torch.float16, torch.bfloat16),
                             cache_dtypes=("same", torch.float8_e4m3fn, torch.float8_e4m3fnuz)))
