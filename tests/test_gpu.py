@@ -301,8 +301,8 @@ def test_precompute_reads_fp8_weight_rows(backend, granularity, fp8_cache):
 def test_batch_64_at_32k_context(backend):
     """A full serving batch at long context: 64 requests of 32k tokens (each cache holds
     more than 2**31 elements, as a layer's view of vLLM's one KV buffer spans more). About
-    18 GiB at the peak (modelled: two 4.3 GiB bf16 caches and an fp32 draw or a copy of
-    both): a GPU with less than 24 GiB skips, for want of memory the kernels do not need."""
+    16 GiB at the peak (modelled: two 4.0 GiB bf16 caches beside an 8 GiB fp32 draw or a
+    copy of both): a GPU with less than 24 GiB skips, for want of memory the kernels do not need."""
     total = torch.cuda.get_device_properties(0).total_memory
     if total < 24 << 30:
         pytest.skip(f"needs 24 GiB of GPU memory for its inputs and their copies; this GPU has {total / 2**30:.1f}")
