@@ -250,10 +250,12 @@ def test_real_shape_attention(backend, context, shape, batch):
 @pytest.mark.parametrize("batch", [1, 8])
 def test_real_shape_attention_on_an_fp8_cache(backend, shape, batch):
     """This GPU's fp8 format at 8k context: the products in fp16 on NVIDIA (the query
-    pre-scaled), in the query's dtype on AMD."""
+    pre-scaled), in the query's dtype on AMD. Within bf16's bound, tighter than SPEC.md's
+    fp8 one: the reference reads the same fp8 values."""
     inputs = attention_inputs(shape, batch, 8192, torch.bfloat16, fp8_dtype(), torch.device("cuda"))
     require_served(backend, ATTENTION, attention_call(*inputs.args(), **inputs.kwargs))
-    check_attention(attention_case(inputs, f"{shape.name} batch={batch} context=8192 fp8"), backend)
+    err = check_attention(attention_case(inputs, f"{shape.name} batch={batch} context=8192 fp8"), backend)
+    assert err < dflash_rocm.contract.TOLERANCES[torch.bfloat16]
 
 
 @pytest.mark.parametrize("backend", KERNELS, indirect=True)
@@ -261,12 +263,13 @@ def test_real_shape_attention_on_an_fp8_cache(backend, shape, batch):
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
 def test_attention_reads_rocm_attn_pages(backend, packing, fp8):
     """vLLM's ROCM_ATTN (what a non-causal draft gets on MI300X) keeps K x-packed and V
-    transposed or interleaved (docs/vllm-backends.md): read in place at 8k context."""
+    transposed or interleaved (docs/vllm-backends.md): read in place at 8k context, within
+    bf16's bound for either cache (as on plain pages)."""
     cache_dtype = fp8_dtype() if fp8 else torch.bfloat16
     inputs = attention_inputs(QWEN3_8B, 4, 8192, torch.bfloat16, cache_dtype, torch.device("cuda"))
     case = attention_case(inputs, f"qwen3-8b batch=4 context=8192 cache={cache_dtype}", packing)
     require_served(backend, ATTENTION, attention_call(*case.args, **case.kwargs))
-    check_attention(case, backend)
+    assert check_attention(case, backend) < dflash_rocm.contract.TOLERANCES[torch.bfloat16]
 
 
 @pytest.mark.parametrize("backend", KERNELS, indirect=True)
