@@ -11,6 +11,7 @@ HAS_GPU = torch.cuda.is_available()
 HAS_ROCM_GPU = HAS_GPU and bool(getattr(torch.version, "hip", None))
 HAS_CUDA_GPU = HAS_GPU and not HAS_ROCM_GPU
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
+HAS_AITER = importlib.util.find_spec("aiter") is not None
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRETING = envs.TRITON_INTERPRET.value()
 

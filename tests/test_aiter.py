@@ -9,7 +9,7 @@ import torch
 
 import dflash_rocm
 from dflash_rocm.ops import ATTENTION, PRECOMPUTE
-from dflash_rocm.backends.aiter import AiterBackend
+from dflash_rocm.backends.aiter import AiterAttention, AiterBackend
 from dflash_rocm.backends.aiter import attention as aiter_attention
 from dflash_rocm.platform import platform_for_arch
 from dflash_rocm.ops.attention import reference as reference_attention
@@ -188,3 +188,19 @@ def test_no_first_call_check_runs_while_a_graph_is_captured(fake_aiter, monkeypa
         m.setattr(launches, "graph_capturing", lambda device: True)
         aiter_attention.run(call, fallback)
     assert len(module.calls) == 2 and len(fallbacks) == 3
+
+
+def test_packed_pages_are_refused_for_the_triton_kernel(fake_aiter, monkeypatch):
+    """vLLM ROCM_ATTN's packed pages (a ``PackedCache``, what the plugin hands over on
+    MI300X) are no tensor CK's paged kernel can read: aiter refuses them (on a GPU, here
+    pretended: no device reasons), so ``auto`` moves on to the rocm backend, which reads
+    them in place."""
+    from strategies import pack_caches
+
+    fake_aiter()
+    monkeypatch.setattr(AiterBackend, "device_not_supported_reasons", classmethod(lambda cls, device, platform: []))
+    query, key_cache, value_cache, *rest = paged([300, 150], [16, 16], Hk=2, G=4, D=64, block_size=128,
+                                                 dtype=torch.bfloat16)
+    call = attention_call(query, *pack_caches(key_cache, value_cache, "rocm_attn"), *rest)
+    reasons = AiterAttention.not_supported_reasons(call, platform_for_arch("gfx942"))
+    assert any("packed cache pages" in r for r in reasons), reasons

@@ -26,7 +26,8 @@ class AiterAttention(AttentionImplementation):
     def not_supported_reasons(cls, call: AttentionCall, platform: Platform) -> list[str]:
         if AiterBackend.device_not_supported_reasons(call.device, platform):
             return []  # aiter's own checks need aiter and a GPU: the backend's reasons say what is missing
-        return attention.call_reasons(call)
+        # the shared reasons first: CK's paged kernel reads plain pages, not ROCM_ATTN's packed ones
+        return super().not_supported_reasons(call, platform) + attention.call_reasons(call)
 
     @classmethod
     def plan(cls, record: PlanningRecord) -> Runner:
