@@ -19,7 +19,7 @@
 set -uo pipefail
 BUDGET=540  # seconds in all: the GPU machine allows 600 a command
 # seconds per step; they add up to BUDGET
-T_INSTALL=35 T_INFO=40 T_ASSUME=150 T_BENCH=100 T_HOST=60 T_TESTS=135 T_REPORT=20
+T_INSTALL=30 T_INFO=25 T_ASSUME=140 T_BENCH=100 T_HOST=50 T_TESTS=175 T_REPORT=20
 echo "budget $BUDGET s (install $T_INSTALL, info $T_INFO, assumptions $T_ASSUME, bench $T_BENCH, host $T_HOST," \
      "tests $T_TESTS, report $T_REPORT)"
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -37,13 +37,14 @@ STARTED=$SECONDS
 fail() { echo "gpu_check: $*"; exit 1; }
 
 # step NAME SECONDS COMMAND...: runs COMMAND under a timeout from a folder outside the checkout
+# (SIGINT first, so pytest cut short still writes what it ran, then SIGKILL 5 s later)
 # (so `python -m` cannot import the source tree); its output goes to $LOGS/NAME.out and
 # $LOGS/NAME.err, its status, time and limit to $LOGS/steps.tsv.
 step() {
     local name=$1 limit=$2 begin=$SECONDS status
     shift 2
     echo "== $name (at most $limit s)"
-    (cd "$RUN" && timeout "$limit" "$@") > "$LOGS/$name.out" 2> "$LOGS/$name.err"
+    (cd "$RUN" && timeout -s INT -k 5 "$((limit - 5))" "$@") > "$LOGS/$name.out" 2> "$LOGS/$name.err"
     status=$?
     printf '%s\t%s\t%s\t%s\n' "$name" "$status" "$((SECONDS - begin))" "$limit" >> "$LOGS/steps.tsv"
     [ "$status" = 0 ] || tail -n 15 "$LOGS/$name.out" "$LOGS/$name.err"
