@@ -25,7 +25,7 @@ PROMPTS = [[10, 20, 30], [500, 7, 999, 123, 321, 42, 17], [64, 65, 66, 67, 68, 6
 RUNNERS = ("v1", "v2")
 # Tokens per request: a few draft steps of 4 tokens each, with accepted and rejected proposals.
 MAX_TOKENS = 12
-_PLAIN: dict[str, "Run"] = {}
+_PLAIN: dict[tuple[str, str], "Run"] = {}
 
 
 @dataclass
@@ -221,12 +221,12 @@ def _digest(target: str) -> str:
     return digest.hexdigest()
 
 
-def plain(target: str) -> Run:
-    """Plain greedy decoding of ``target`` (V2 runner, :data:`MAX_TOKENS`), made once per
-    process for every target with the same content: the tiny writers all write one target."""
-    key = _digest(target)
+def plain(target: str, dtype: str = "float32") -> Run:
+    """Plain greedy decoding of ``target`` (V2 runner, :data:`MAX_TOKENS`) in ``dtype``, made
+    once per process for every target with the same content: the tiny writers all write one target."""
+    key = (_digest(target), dtype)
     if key not in _PLAIN:
-        _PLAIN[key] = generate(target, max_tokens=MAX_TOKENS)
+        _PLAIN[key] = generate(target, max_tokens=MAX_TOKENS, engine_extra={"dtype": dtype})
     return _PLAIN[key]
 
 

@@ -101,7 +101,7 @@ class ServedDraft:
         if self._dflash_weights is None:  # the first load (or the precompute is vLLM's for good)
             with self._own_buffers_guarded():
                 loaded = super().load_weights(weights)
-            if self._dflash_precompute_off is None and not self._dflash_loaded:
+            if self._dflash_precompute_off is None and not self._dflash_loaded and self._dflash_weights is None:
                 self._take_weights()
             self._dflash_loaded = True
             return loaded
@@ -122,13 +122,14 @@ class ServedDraft:
     def _own_buffers_guarded(self):
         """While the plugin serves a quantized draft's precompute, a failure of vLLM's own
         fused-buffer build (its class reads ``qkv_proj.weight`` unconditionally: Laguna,
-        Muse Spark DSpark and Beam-AMD in 0.34; GPTQ/AWQ layers have none, CPU int8 layers
-        lose it to oneDNN's prepack) is said once instead of failing the load: the plugin is
-        then the only path. A plain draft's failure is vLLM's and propagates."""
+        Muse Spark DSpark and Beam-AMD in 0.34; GPTQ/AWQ, compressed-tensors NVFP4 layers have
+        none, CPU int8 layers lose it to oneDNN's prepack) is said once instead of failing the
+        load: the plugin is then the only path. Where vLLM builds them at the end of the first
+        ``load_weights`` (0.32, 0.33), the loaded layers are read first. A plain draft's
+        failure, or one the plugin cannot serve, is vLLM's and propagates."""
         inner = self.model
-        methods = draft_weights.quantized_methods(inner)
         build = getattr(inner, "_build_fused_kv_buffers", None)
-        if not methods or self._dflash_weights is None or build is None:
+        if build is None or self._dflash_precompute_off is not None:
             yield
             return
 
@@ -136,6 +137,11 @@ class ServedDraft:
             try:
                 build()
             except Exception as exc:  # noqa: BLE001 - vLLM's own buffers only; the plugin's are held
+                if self._dflash_weights is None and not self._dflash_loaded:
+                    self._take_weights()  # the build is load_weights' last step: the layers are loaded
+                methods = draft_weights.quantized_methods(inner)
+                if not methods or self._dflash_weights is None:
+                    raise
                 attention.warn_once(f"own-buffers:{id(self)}", "%s cannot build its own context-KV "
                                     "buffers for this quantized draft (%s: %s); dflash_rocm serves its precompute "
                                     "(%s) and is the only path", type(self).__name__, type(exc).__name__, exc,
