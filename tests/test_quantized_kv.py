@@ -324,6 +324,34 @@ def test_a_reload_of_a_quantized_draft_under_tensor_parallelism_refills_this_ran
     assert held.kv_weight.data_ptr() == address
 
 
+@pytest.mark.parametrize("layout", ["modelopt", "compressed-tensors"])
+def test_a_reload_of_an_nvfp4_shards_global_scale_rescales_its_rows_in_place(layout):
+    """A weight update streaming only K's global scale: the tee replaces that shard's scale,
+    dequantizes K again by the closed form and leaves V as it was."""
+    from types import SimpleNamespace
+
+    from dflash_rocm.vllm_plugin import draft_weights
+
+    codes, packed, scales, globals_ = _nvfp4_case(g())
+    name = "weight_scale_2" if layout == "modelopt" else "weight_global_scale"
+    linear = Linear(method("ModelOptLinearMethod" if layout == "modelopt" else "CompressedTensorsLinearMethod"),
+                    **{"weight" if layout == "modelopt" else "weight_packed": param(packed, 0),
+                       "weight_scale": param(scales, 0), name: param(globals_)})
+    attn = SimpleNamespace(qkv_proj=linear, q_size=Q, num_kv_heads=1, head_dim=KV)
+    inner = type("Inner", (), {"hf_to_vllm_mapper": _Mapper})()
+    inner.layers = [SimpleNamespace(self_attn=attn)]
+    setattr(inner, draft_weights.QUANTIZED_KV, source := draft_weights.QuantizedKV([attn]))
+    held = SimpleNamespace(kv_weight=source.kv_weight(torch.float64), num_layers=1, num_kv_heads=1, head_dim=KV,
+                           per_layer_hidden_norm=False, quantized=False)
+    before, address = held.kv_weight.clone(), held.kv_weight.data_ptr()
+    tee = draft_weights.ReloadTee(inner)
+    list(tee.watch([(f"layers.0.self_attn.k_proj.{name}", torch.tensor([globals_[1].item() * 4]))]))
+    assert tee.refill(held) is None
+    factor = 4.0 if layout == "modelopt" else 0.25
+    assert torch.equal(held.kv_weight[:KV], before[:KV] * factor)
+    assert torch.equal(held.kv_weight[KV:], before[KV:]) and held.kv_weight.data_ptr() == address
+
+
 # --- fp8 rows kept as they are --------------------------------------------------------------------------
 
 def _fp8_attn(linear, heads=1):
