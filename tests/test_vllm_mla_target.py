@@ -48,6 +48,7 @@ def run(models):
         handler = logging.Handler(logging.INFO)
         handler.emit = records.append
         logger = logging.getLogger("dflash_rocm")
+        level = logger.level
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
         try:
@@ -57,6 +58,7 @@ def run(models):
                                              engine_extra={"block_size": BLOCK})
         finally:
             logger.removeHandler(handler)
+            logger.setLevel(level)
         return made, [r.getMessage() for r in records]
     yield cached
     vllm_plugin.register()

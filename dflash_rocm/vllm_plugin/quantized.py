@@ -89,7 +89,8 @@ SERVED = {
     "gptq": _GPTQ, "auto_gptq": _GPTQ, "gptq_marlin": _GPTQ, "awq": _AWQ, "auto_awq": _AWQ, "awq_marlin": _AWQ,
     "moe_wna16": "dequantized: its linear layers are GPTQ's (symmetric) or AWQ's",
     "experts_int8": _PLAIN, "nvfp4_per_token": _PLAIN, "lut_b_moe": _PLAIN,
-    "mxfp4": "MXFP4 checkpoints: " + _PLAIN + "; the online shorthand dequantized: e2m1 x 2^(e8m0-127)",
+    "mxfp4": _PLAIN + "; as an online --quantization (quantized while loading) its rows are read as MXFP4 "
+                      "codes and scales (not checked here)",
     "gpt_oss_mxfp4": _PLAIN,
 }
 # The methods whose K/V rows the plugin does not read, and why: vLLM's per-layer path serves them.
