@@ -89,17 +89,21 @@ STRUCTURES = {"dflash2_moe": (write_dflash2_moe, BLOCK - 1, DFLASH2_LAYERS),
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("structures")
+    return {name: write(root / name) for name, (write, _, _) in STRUCTURES.items()}
+
+
+@pytest.fixture(scope="module")
+def run(models):
     """``run(structure, path)``: "plain", "vllm" (vLLM's own class) or "cpu" (the plugin), made once."""
     import vllm_harness
 
     from dflash_rocm import vllm_plugin
-    root = tmp_path_factory.mktemp("structures")
-    models = functools.lru_cache(maxsize=None)(lambda name: STRUCTURES[name][0](root / name))
 
     @functools.lru_cache(maxsize=None)
     def cached(name, path):
-        target, draft = models(name)
+        target, draft = models[name]
         if path == "plain":
             return vllm_harness.plain(target)
         return vllm_harness.generate(target, draft, plugin=path == "cpu", backend="cpu" if path == "cpu" else None,

@@ -152,7 +152,8 @@ class ServedDraft:
         try:
             yield
         finally:
-            del inner._build_fused_kv_buffers
+            if vars(inner).get("_build_fused_kv_buffers") is guarded:  # the class may have set its own meanwhile
+                del inner._build_fused_kv_buffers
 
     def _take_weights(self, skeleton: bool = False) -> None:
         variants = family.precompute_variants(self)
