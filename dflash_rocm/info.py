@@ -13,7 +13,7 @@ from .ops import OPS
 from .platform import platform_for
 from .report import WIDTH, Style, format_table, join_blocks, wrap
 from .version import __version__
-from .vllm_plugin import family, plugin_status, quantized
+from .vllm_plugin import family, pairing, plugin_status, quantized
 from .vllm_plugin.cache_views import vllm_order
 
 # (what, distributions that provide it, import name)
@@ -54,6 +54,7 @@ def collect_info() -> dict:
         # read from vLLM's classes, nothing built; a failure is a reason, never an error
         "vllm_family": family.family_support() if plugin["vllm"] else [],
         "vllm_quantization": _quantization_support() if plugin["vllm"] else [],
+        "vllm_pairings": {"MLA target": pairing.MLA_TARGET_NEEDS} if plugin["vllm"] else {},
         "vllm_attention": [{"backend": b.name, "layout": b.layout, "dflash_rocm": b.served}
                            for b in vllm_order(p.vendor, p.arch)],
         "backend_status": backend_status(dispatch.device_reasons(device)),
@@ -122,6 +123,8 @@ def format_info(info: dict, width: int | None = WIDTH, style: Style = Style()) -
                                       width) + "\n" + format_table(
             ["method", "dflash_rocm's precompute"], [(q["method"], q["served"]) for q in info["vllm_quantization"]],
             width=width, wrap_columns=["dflash_rocm's precompute"])
+    for target, needs in info.get("vllm_pairings", {}).items():
+        integration += "\n\n" + wrap(f"Beside an {target}: {needs}", width)
     environment = format_table(["environment variable", "value", "meaning"],
                                [(n, _env_value(v, style), v["help"]) for n, v in info["environment"].items()],
                                width=width, wrap_columns=["value", "meaning"])

