@@ -76,6 +76,8 @@ def bound_precompute_call(model: ModelArguments, context_states, positions, slot
     """:func:`precompute_call` with the model's arguments taken once (a plan's run)."""
     weights, key_caches, value_caches = model.weights, model.key_caches, model.value_caches
     k_scales, v_scales = model.k_scales, model.v_scales
+    if isinstance(weights, ContextKVWeights):  # (anything else is refused below, by type)
+        weights.check_shapes()  # tensors resized in place since the weights were built: refused by name
     key = _STRUCTURES.structure((signature(context_states), signature(positions), _sequence(slot_mapping),
                                  signature(return_kv), model.key))
     known = _STRUCTURES.get(key)
