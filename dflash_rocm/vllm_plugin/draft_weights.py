@@ -424,18 +424,19 @@ class ReloadTee:
         name = f"layers.{layer}.self_attn.{'qkv' if shard is None else shard}_proj.{kind}"
         if _number_kind(tensor.dtype) != "float":
             return f"the reload's {name} is {tensor.dtype}; the loaded draft holds float K/V rows"
+        given = tensor.shape[0] if tensor.dim() else 0
         if shard is None:
             if getattr(qkv, "tp_size", 1) != 1:
                 return "the reload brings a fused qkv_proj under tensor parallelism"
-            if tensor.dim() < 1 or tensor.shape[0] != attn.q_size + 2 * rows:
-                return (f"the reload's {name} has {list(tensor.shape)[:1]} rows; expected its layer's Q, K and V "
-                        f"rows ({attn.q_size + 2 * rows})")
+            if given != attn.q_size + 2 * rows:
+                return (f"the reload's {name} has {given} rows; expected its layer's {attn.q_size} Q rows and "
+                        f"{2 * rows} K and V rows")
             return [(target[start:start + 2 * rows], tensor.narrow(0, attn.q_size, 2 * rows))]
         start += (shard == "v") * rows
         sharded = getattr(getattr(qkv, kind, None), "is_sharded_weight", False)  # this rank's rows already
         expected = rows if sharded else rows * _ranks_of_heads(qkv)
-        if tensor.dim() < 1 or tensor.shape[0] != expected:
-            return (f"the reload's {name} has {list(tensor.shape)[:1]} rows; expected {expected} "
+        if given != expected:
+            return (f"the reload's {name} has {given} rows; expected {expected} "
                     f"({'this rank' if sharded else 'the checkpoint'}'s K/V heads x head size)")
         if sharded:
             return [(target[start:start + rows], tensor)]
