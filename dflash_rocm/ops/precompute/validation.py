@@ -34,7 +34,7 @@ class _Derived:
     # The written caches' bytes (exact spans, merged: the structure holds their addresses,
     # shapes and strides): a read tensor whose storage meets none of them needs no overlap test.
     written_memory: tuple
-    shared_rows: tuple  # written caches over common blocks: their layers' slots are checked apart per call
+    shared_rows: tuple  # written caches over common rows (SharedRows): their slots are checked apart per call
     k_scales: torch.Tensor | None  # fp8 scales as a device tensor when given as floats (or defaulted)
     v_scales: torch.Tensor | None
 
@@ -246,12 +246,12 @@ def _check_structure(context_states, positions, weights, key_caches, value_cache
     shared_rows = check_caches_apart([kcs[i] for i in written], [vcs[i] for i in written], written, slots)
     memory = merged_ranges(byte_span(memory_of(c)) for c in [kcs[i] for i in written] + [vcs[i] for i in written])
     if cache_dtype not in FP8_DTYPES:
-        return _Derived(False, memory, shared_rows, None, None)
+        return _Derived(fp8=False, written_memory=memory, shared_rows=shared_rows, k_scales=None, v_scales=None)
     scales = []
     for name, given in (("k_scales", k_scales), ("v_scales", v_scales)):
         t = scale_tensor(name, [1.0] * L if given is None else given, L, device)  # checks the form of a tensor too
         scales.append(None if holds_tensor(given) else t)
-    return _Derived(True, memory, shared_rows, *scales)
+    return _Derived(fp8=True, written_memory=memory, shared_rows=shared_rows, k_scales=scales[0], v_scales=scales[1])
 
 
 def _check_indices(checks: IndexChecks, positions, max_position, slots, caches) -> None:
