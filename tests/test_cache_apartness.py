@@ -13,10 +13,9 @@ from hypothesis import strategies as st
 
 import dflash_rocm
 from checks import bits
-from support import needs_interpreter
+from dflash_rocm.platform import simulate_platform
+from support import SERVING_HERE
 from test_validation import precompute_args
-
-BACKENDS = ["reference", "cpu", pytest.param("triton", marks=needs_interpreter)]
 BLOCKS, ROWS, HK, D = 3, 4, 2, 16  # precompute_args' caches: [3, 4, 2, 16] float32, 5 tokens
 
 
@@ -29,12 +28,12 @@ def shared_cache_args():
 
 def refused_unwritten(args, backend, match="key_caches"):
     before = [bits(c).clone() for c in args["key_caches"] + args["value_caches"]]
-    with pytest.raises(ValueError, match=match):
+    with simulate_platform("gfx942"), pytest.raises(ValueError, match=match):  # (rocm: a simulated MI300)
         dflash_rocm.precompute_and_store_context_kv(**args, backend=backend)
     assert all(torch.equal(b, bits(c)) for b, c in zip(before, args["key_caches"] + args["value_caches"]))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SERVING_HERE)
 def test_equal_views_of_one_mapping_over_one_cache_are_refused_then_and_later(backend):
     """Two views of one slot mapping are one mapping: layers sharing it and a cache would
     write every slot twice. Refused; and a later call with the mapping object itself is
@@ -45,13 +44,14 @@ def test_equal_views_of_one_mapping_over_one_cache_are_refused_then_and_later(ba
     refused_unwritten({**args, "slot_mapping": [m, m]}, backend)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SERVING_HERE)
 def test_a_copy_of_one_mapping_over_one_cache_is_refused_by_its_values(backend):
     args = shared_cache_args()
     m = torch.tensor([0, 5, -1, 11, 2])
     refused_unwritten({**args, "slot_mapping": [m, m.clone()]}, backend, match="slot 0 at \\[0\\]")
-    plan = dflash_rocm.plan_context_kv(args["weights"], args["key_caches"], args["value_caches"], backend=backend)
-    with pytest.raises(ValueError, match="slot_mapping"):
+    with simulate_platform("gfx942"):
+        plan = dflash_rocm.plan_context_kv(args["weights"], args["key_caches"], args["value_caches"], backend=backend)
+    with simulate_platform("gfx942"), pytest.raises(ValueError, match="slot_mapping"):
         plan.run(args["context_states"], args["positions"], [m, torch.tensor([1, 5, -1, -1, -1])])
 
 

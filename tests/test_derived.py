@@ -7,7 +7,8 @@ import dflash_rocm
 from checks import rel_err
 from dflash_rocm.derived import DerivedCache
 from strategies import make_generator, make_weights
-from support import needs_interpreter
+from dflash_rocm.platform import simulate_platform
+from support import SERVING_HERE, needs_interpreter
 
 
 def test_a_cached_value_is_rebuilt_when_a_source_changes_in_place():
@@ -129,12 +130,17 @@ def test_triton_fused_weights_keep_their_addresses_across_an_in_place_update():
     assert torch.equal(after.weight, fresh.weight) and torch.equal(after.bias, fresh.bias)
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu", pytest.param("triton", marks=needs_interpreter)])
+@pytest.mark.parametrize("backend", SERVING_HERE)
 @pytest.mark.parametrize("source", ["kv_weight", "k_norm_weight", "cos_sin_cache"])
 def test_weights_resized_in_place_are_refused_by_name_and_never_stop_another_models_refill(backend, source, caplog):
     """Calls with weights whose tensor was resized after they were built are refused naming
     it, before any write (a plan too); refill_derived() drops their derived layouts with a
-    warning and still refills another model's in-place update."""
+    warning and still refills another model's in-place update (rocm: a simulated MI300)."""
+    with simulate_platform("gfx942"):
+        resized_weights_case(backend, source, caplog)
+
+
+def resized_weights_case(backend, source, caplog):
     g = make_generator(3, "cpu")
     resized, other = (make_weights(g, "cpu", L=2, Hk=2, D=16, H=24, R=16, is_neox=True, bias=False, v_scale=None,
                                    dtype=torch.float32, max_position=64) for _ in range(2))
