@@ -136,8 +136,17 @@ def run_check(plan: CheckPlan, backends=None, weights=None) -> list[CheckRow]:
     return check_precompute(plan, backends, weights) + check_attention(plan, backends)
 
 
-def format_report(plan: CheckPlan, rows: list[CheckRow], width: int | None = WIDTH, style: Style = Style()) -> str:
-    """The plan, one row per (op, backend) that ran or could have, and the verdict.
+def not_run(rows: list[CheckRow], asked) -> dict[str, str]:
+    """The backends of ``asked`` (named by the user) that ran no operation here, each with
+    why (its first skip's note): a check that was asked for and not made is a failed one."""
+    return {name: next((r.note for r in rows if r.backend == name), "not checked")
+            for name in asked if name != "reference" and all(r.status == "SKIP" for r in rows if r.backend == name)}
+
+
+def format_report(plan: CheckPlan, rows: list[CheckRow], width: int | None = WIDTH, style: Style = Style(),
+                  asked=()) -> str:
+    """The plan, one row per (op, backend) that ran or could have, and the verdict (failed
+    where a backend of ``asked``, the ones the user named, could not run here).
 
     Within ``width`` columns a backend that runs nowhere here is named once under the
     table and long notes (errors, partial skips) become footnotes; ``width=None`` keeps
@@ -151,8 +160,9 @@ def format_report(plan: CheckPlan, rows: list[CheckRow], width: int | None = WID
           "" if r.ms_per_call is None else f"{r.ms_per_call:.3f}", r.note if width is None else notes.cite(r.note))
          for r in rows if r.backend not in absent], width=width, omit_empty=["note"])
     cpu = "(CPU: Triton kernels run through the interpreter; times say nothing about GPU speed)"
-    failed = [r for r in rows if r.status in ("FAIL", "ERROR")]
-    verdict = (style.paint("FAILED: " + ", ".join(f"{r.op}/{r.backend}" for r in failed), "red") if failed
+    failed = [f"{r.op}/{r.backend}" for r in rows if r.status in ("FAIL", "ERROR")]
+    failed += [f"{name} cannot run here ({why})" for name, why in not_run(rows, asked).items()]
+    verdict = (style.paint("FAILED: " + ", ".join(failed), "red") if failed
                else style.paint("all backends that can run here agree with the reference", "green"))
     return join_blocks("\n".join([wrap(plan.describe(), width)] + ([cpu] if plan.device.type == "cpu" else [])),
                        "\n".join(filter(None, [table, not_run_here(absent, width), notes.render(width)])),

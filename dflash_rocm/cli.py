@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from . import envs
 from .contract import DTYPE_NAMES
 from .ops import OPS
 
@@ -120,8 +121,9 @@ def cmd_info(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from .check import default_plan, format_report, run_check
+    from .check import default_plan, format_report, not_run, run_check
 
+    envs.check_deciding()
     device = _device(args.device)
     dtype = DTYPES[args.dtype]
     cache_dtype = CACHE_DTYPES[args.kv_cache_dtype] or dtype
@@ -135,12 +137,13 @@ def cmd_check(args) -> int:
     plan = default_plan(shape, dtype, cache_dtype, device, scale_shape=weights is None)
     rows = run_check(plan, args.backend, weights)
     failed = [r for r in rows if r.status in ("FAIL", "ERROR")]
+    unchecked = not_run(rows, args.backend or ())  # a backend asked for that cannot run here fails the check
     if args.json:
-        print(json.dumps({"plan": plan.describe(), "rows": [r.as_dict() for r in rows],
-                          "ok": not failed}, indent=2))
+        print(json.dumps({"plan": plan.describe(), "rows": [r.as_dict() for r in rows], "not_run": unchecked,
+                          "ok": not failed and not unchecked}, indent=2))
     else:
-        print(format_report(plan, rows, *_layout(args)))
-    return 1 if failed else 0
+        print(format_report(plan, rows, *_layout(args), asked=args.backend or ()))
+    return 1 if failed or unchecked else 0
 
 
 def _check_outputs(outputs: dict[str, str | None], plot: str | None = None) -> None:
@@ -189,6 +192,7 @@ def _emit(table: Callable[[], str], outputs) -> None:
 def cmd_bench(args) -> int:
     from . import bench
 
+    envs.check_deciding()
     if args.vllm:
         return _bench_vllm(args)
     device = _device(args.device)

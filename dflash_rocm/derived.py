@@ -44,6 +44,7 @@ from typing import Any, Callable, Hashable, Sequence
 import torch
 
 from . import launches
+from .weights import ContextKVWeights
 
 logger = logging.getLogger("dflash_rocm")
 
@@ -157,7 +158,10 @@ class DerivedCache:
         it was built; returns how many. A value whose structure changed is replaced (one
         warning: launches recorded with the old one read stale values); one whose sources
         or owner died is dropped. Refuses (:class:`DerivedNotReady`) while a CUDA graph is
-        captured on a source's device, before anything is written."""
+        captured on a source's device, before anything is written. A value whose owner
+        refuses to be derived again (weights resized in place: a ``ValueError`` naming them)
+        is dropped with a warning, and the others are refilled: one model's weights never
+        stop another's refill."""
         with self._lock:
             entries = list(self._entries.items())
         stale = []
@@ -173,8 +177,14 @@ class DerivedCache:
         if any(t is not None and launches.graph_capturing(t.device) for _, sources, *_ in stale for t in sources):
             raise DerivedNotReady("refill_derived() was called while a CUDA graph is captured")
         for key, sources, value, rebuild in stale:
-            with torch.no_grad():
-                new = rebuild()
+            try:
+                with torch.no_grad():
+                    new = rebuild()
+            except ValueError as refusal:  # this owner's sources cannot be derived again: the others still are
+                with self._lock:
+                    self._entries.pop(key, None)
+                logger.warning("refill_derived: dropped a derived weight layout: %s", refusal)
+                continue
             if refill_in_place(value, new):
                 new = value
             else:
@@ -226,6 +236,8 @@ class _Rebuild:
         owner = self.owner()
         if owner is None:
             raise RuntimeError("the object a derived value was built from is gone")
+        if isinstance(owner, ContextKVWeights):
+            owner.check_shapes()  # resized in place since built: refused by name, not by torch mid-build
         return self.build(owner)
 
 

@@ -93,7 +93,7 @@ def resolve_name(backend: str | None) -> str:
 def _resolve_name(backend: str | None) -> str:
     source = "backend="
     if backend is None:
-        backend, source = envs.BACKEND.get(), envs.BACKEND.name
+        backend, source = envs.BACKEND.value(), envs.BACKEND.name  # (a bad value: the variable's ValueError)
     if not isinstance(backend, str):
         raise TypeError(f"backend: expected a str or None, got {type(backend).__name__}")
     name = backend.strip().lower()

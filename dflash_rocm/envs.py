@@ -7,7 +7,10 @@ in effect and whether each is valid.
 Switches share one spelling: ``0/1``, ``false/true``, ``off/on``, ``no/yes``, any case,
 surrounding blanks ignored; some also take a mode word (``auto``). A value outside that
 set is refused where it is used, with a ``ValueError`` that names the variable and the
-accepted values: a typo must not silently mean "off". Where an operation reads a knob
+accepted values: a typo must not silently mean "off". The variables that decide what runs
+(:data:`DECIDING`: which backend, whether the vLLM plugin serves) are refused with that
+``ValueError`` wherever they are read (:func:`check_deciding`: the CLI's commands print it
+as one line, the vLLM plugin raises it when vLLM loads it). Where an operation reads a knob
 (:meth:`EnvVar.setting`), the refusal is a warning and the default applies: no
 environment fault fails a call. ``TRITON_INTERPRET`` is the one
 exception: Triton itself decides whether kernels are interpreted, so we read it exactly
@@ -125,6 +128,19 @@ class LogLevel(EnvVar):
                          "(any case) or a number >= 0")
 
 
+@dataclass(frozen=True)
+class BackendName(EnvVar):
+    """``value()`` is ``auto`` or a registered backend's name (any case, blanks stripped)."""
+
+    def parse(self, raw: str) -> str:
+        from .registry import NAMES  # (the registry imports no backend until one is used)
+
+        name = raw.strip().lower()
+        if name != "auto" and name not in NAMES:
+            raise ValueError(f"{self.name}={raw!r}: not a backend; valid names: auto, {', '.join(NAMES)} (any case)")
+        return name
+
+
 # What Triton 3.9 reads as "on" (its C++ ``getenv_bool``, behind ``triton.knobs``):
 # the value lower-cased, *not* stripped, compared with these words; anything else is
 # "off" without a word of complaint. Tested against Triton's own function.
@@ -149,7 +165,7 @@ class TritonSwitch(EnvVar):
                 "as on, any case, blanks not stripped)")
 
 
-BACKEND = EnvVar(
+BACKEND = BackendName(
     "DFLASH_ROCM_BACKEND", "auto",
     "backend for both operations: auto, reference, triton, rocm, aiter, cuda or cpu "
     "(the backend= argument of a call wins)")
@@ -190,6 +206,16 @@ NO_COLOR = EnvVar(
 FORCE_COLOR = EnvVar(
     "FORCE_COLOR", "",
     "any value but 0: the command line colours results even when stdout is not a terminal")
+
+DECIDING: tuple[EnvVar, ...] = (BACKEND, VLLM)  # a bad value is a ValueError, never a default
+
+
+def check_deciding() -> None:
+    """Refuse (``ValueError`` naming the variable and what it accepts) a bad value of a
+    variable that decides what runs."""
+    for var in DECIDING:
+        var.value()
+
 
 ALL: tuple[EnvVar, ...] = (BACKEND, LOG_LEVEL, QUERY_LIMIT, TUNE, CACHE_DIR, AITER, TAIL_MERGE, VLLM,
                            TRITON_INTERPRET, NO_COLOR, FORCE_COLOR)

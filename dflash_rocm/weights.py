@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Sequence
 
 import torch
@@ -61,6 +61,8 @@ class ContextKVWeights:
     rope_layers: tuple[bool, ...] | None = None
     round_k_before_rope: bool = False
     kv_weight_scale: torch.Tensor | None = None
+    # every tensor's shape as built: in-place updates may change values only (check_shapes)
+    built_shapes: tuple = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         """Checks every field, and keeps its scalars as Python numbers (numpy scalars are
@@ -125,6 +127,26 @@ class ContextKVWeights:
         if not isinstance(self.round_k_before_rope, bool):
             raise TypeError(f"ContextKVWeights.round_k_before_rope: expected bool, got "
                             f"{type(self.round_k_before_rope).__name__}")
+        object.__setattr__(self, "built_shapes", self._shapes())
+
+    def _shapes(self) -> tuple:
+        return tuple(None if t is None else t.shape for t in (self.hidden_norm_weight, self.kv_weight,
+                                                               self.k_norm_weight, self.cos_sin_cache, self.kv_bias,
+                                                               self.kv_weight_scale))
+
+    def check_shapes(self) -> None:
+        """Refuse (``ValueError``, naming the tensor) weights whose tensors were resized in
+        place after they were built: every check and every backend's derived layout read
+        the shapes they were built with. Updates in place may change values only; build new
+        weights for new shapes."""
+        if self._shapes() == self.built_shapes:
+            return
+        names = ("hidden_norm_weight", "kv_weight", "k_norm_weight", "cos_sin_cache", "kv_bias", "kv_weight_scale")
+        for name, now, built in zip(names, self._shapes(), self.built_shapes):
+            if now != built:
+                raise ValueError(f"ContextKVWeights.{name}: resized in place to {list(now)} after these weights were "
+                                 f"built with {list(built)}; in-place updates may change values only (build new "
+                                 "ContextKVWeights for new shapes)")
 
     def _check_weight_scale(self) -> None:
         """``kv_weight_scale``: given iff ``kv_weight`` is fp8; float32, per-tensor (``[]``
@@ -256,7 +278,7 @@ class ContextKVWeights:
             if t is None:
                 return None
             return t.to(device=device, dtype=None if keep_dtype else dtype)
-        kwargs = {f.name: getattr(self, f.name) for f in fields(self)}
+        kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
         for name in ("hidden_norm_weight", "kv_weight", "k_norm_weight", "kv_bias"):
             kwargs[name] = move(kwargs[name], keep_dtype=name == "kv_weight" and self.quantized)
         kwargs["cos_sin_cache"] = move(self.cos_sin_cache, keep_dtype=True)
@@ -304,6 +326,12 @@ class ContextKVWeights:
                 raise ValueError(f"from_layers: expected {n} {name} (one per layer), got {len(tensors)}")
             for layer, t in enumerate(tensors):
                 _check_layer(name, layer, t, dims, first.device)
+        for name in ("k_proj_weights", "v_proj_weights"):  # one format for every row: torch.cat would promote
+            for layer, t in enumerate(per_layer[name][0]):
+                if t.dtype != first.dtype:
+                    raise ValueError(f"from_layers: {name}[{layer}] is {dtype_name(t.dtype)}, k_proj_weights[0] "
+                                     f"is {dtype_name(first.dtype)}: every layer's K/V projection must hold one "
+                                     "format")
         bias = None
         if k_proj_biases is not None:
             bias = torch.cat([b for pair in zip(k_proj_biases, v_proj_biases) for b in pair])

@@ -39,7 +39,8 @@ def test_info_table(capsys):
 
 
 @pytest.mark.parametrize("name,value", [("DFLASH_ROCM_TUNE", "sometimes"), ("DFLASH_ROCM_QUERY_LIMIT", "-3"),
-                                        ("DFLASH_ROCM_QUERY_LIMIT", "16x")])
+                                        ("DFLASH_ROCM_QUERY_LIMIT", "16x"), ("DFLASH_ROCM_BACKEND", "tritn"),
+                                        ("DFLASH_ROCM_VLLM", "maybe")])
 def test_info_marks_a_bad_environment_value_not_valid_and_exits_1(capsys, monkeypatch, name, value):
     """The report is printed whole (info shows a bad value, it does not fail on it), the
     variable's row says the value is not valid, a line under the table says why, and the
@@ -148,6 +149,28 @@ def test_check_exits_1_when_a_backend_disagrees(capsys, monkeypatch):
     assert "FAILED: draft_attention/triton" in out
     lines = [line for line in out.splitlines() if line.startswith("draft_attention") and " triton " in line]
     assert lines and "FAIL" in lines[0]
+
+
+@pytest.mark.parametrize("command", [("check",), ("bench", "--quick")])
+@pytest.mark.parametrize("name,value", [("DFLASH_ROCM_BACKEND", "rocmm"), ("DFLASH_ROCM_VLLM", "maybe")])
+def test_check_and_bench_refuse_a_bad_value_of_a_variable_that_decides_what_runs_in_one_line(
+        capsys, monkeypatch, command, name, value):
+    """As the README states for the variables that decide what runs: a ValueError naming
+    the variable, printed as one line (no traceback), exit status 2; nothing runs."""
+    monkeypatch.setenv(name, value)
+    rc, out, err = run_cli(capsys, *command)
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith(f"dflash-rocm {command[0]}: {name}={value!r}: "), err
+
+
+def test_check_of_a_backend_that_cannot_run_here_fails_saying_why(capsys):
+    """check --backend cuda on a CPU never ran the one backend asked for: exit 1, and the
+    verdict (and --json's not_run) says why, instead of 'all backends ... agree'."""
+    rc, out, _ = run_cli(capsys, "check", "--backend", "cuda")
+    assert rc == 1 and "FAILED: cuda cannot run here (needs an NVIDIA GPU" in out and "agree" not in out
+    rc, out, _ = run_cli(capsys, "check", "--backend", "cuda", "--json")
+    report = json.loads(out)
+    assert rc == 1 and not report["ok"] and "NVIDIA" in report["not_run"]["cuda"]
 
 
 def test_check_on_a_checkpoint(tmp_path, capsys):

@@ -7,7 +7,8 @@ import dflash_rocm
 from checks import rel_err
 from dflash_rocm.derived import DerivedCache
 from strategies import make_generator, make_weights
-from support import needs_interpreter
+from dflash_rocm.platform import simulate_platform
+from support import SERVING_HERE, needs_interpreter
 
 
 def test_a_cached_value_is_rebuilt_when_a_source_changes_in_place():
@@ -127,3 +128,41 @@ def test_triton_fused_weights_keep_their_addresses_across_an_in_place_update():
     assert (after.weight.data_ptr(), after.bias.data_ptr(), after.k_norm.data_ptr()) == addresses
     fresh = _fuse(w)
     assert torch.equal(after.weight, fresh.weight) and torch.equal(after.bias, fresh.bias)
+
+
+@pytest.mark.parametrize("backend", SERVING_HERE)
+@pytest.mark.parametrize("source", ["kv_weight", "k_norm_weight", "cos_sin_cache"])
+def test_weights_resized_in_place_are_refused_by_name_and_never_stop_another_models_refill(backend, source, caplog):
+    """Calls with weights whose tensor was resized after they were built are refused naming
+    it, before any write (a plan too); refill_derived() drops their derived layouts with a
+    warning and still refills another model's in-place update (rocm: a simulated MI300)."""
+    with simulate_platform("gfx942"):
+        resized_weights_case(backend, source, caplog)
+
+
+def resized_weights_case(backend, source, caplog):
+    g = make_generator(3, "cpu")
+    resized, other = (make_weights(g, "cpu", L=2, Hk=2, D=16, H=24, R=16, is_neox=True, bias=False, v_scale=None,
+                                   dtype=torch.float32, max_position=64) for _ in range(2))
+    states, positions, slots = torch.randn(5, 24, generator=g), torch.arange(5), torch.tensor([0, 5, -1, 11, 2])
+    caches = [[torch.zeros(3, 4, 2, 16) for _ in range(2)] for _ in range(2)]
+    plans = [dflash_rocm.plan_context_kv(w, *caches, backend=backend) for w in (resized, other)]
+    for plan in plans:
+        plan.run(states, positions, slots)
+    tensor = getattr(resized, source)
+    tensor.resize_(tensor.shape[0] - 1, *tensor.shape[1:])
+    other.kv_weight.mul_(2)
+    with caplog.at_level("WARNING", logger="dflash_rocm"):
+        dflash_rocm.refill_derived()
+    if backend != "reference":  # (the reference derives nothing)
+        assert f"ContextKVWeights.{source}: resized in place" in caplog.text
+    want = dflash_rocm.precompute_and_store_context_kv(states, positions, other, None, None, None, return_kv=True,
+                                                       backend="reference")
+    got = plans[1].run(states, positions, None, return_kv=True)
+    assert rel_err(got[0], want[0]) < 1e-5 and rel_err(got[1], want[1]) < 1e-5
+    before = [c.clone() for c in caches[0]]
+    with pytest.raises(ValueError, match=f"ContextKVWeights.{source}: resized in place"):
+        dflash_rocm.precompute_and_store_context_kv(states, positions, resized, *caches[0], slots, backend=backend)
+    with pytest.raises(ValueError, match=f"ContextKVWeights.{source}: resized in place"):
+        plans[0].run(states, positions, slots)
+    assert all(torch.equal(b, c) for b, c in zip(before, caches[0]))

@@ -89,6 +89,24 @@ def test_vllm_off_in_any_spelling_leaves_vllm_untouched(word, monkeypatch):
     assert f"DFLASH_ROCM_VLLM={word}" in vllm_plugin.plugin_status()["reasons"]
 
 
+@pytest.mark.parametrize("name,value", [("DFLASH_ROCM_VLLM", "maybe"), ("DFLASH_ROCM_BACKEND", "cdua")])
+def test_the_plugin_refuses_a_bad_value_of_either_variable_that_decides_what_runs(name, value, monkeypatch):
+    """One rule for both (README): a ValueError naming the variable when vLLM loads the
+    plugin, before anything is registered; plugin_status gives the same reason."""
+    from dflash_rocm import vllm_plugin
+
+    registered = []
+    fake = types.ModuleType("vllm")
+    fake.ModelRegistry = types.SimpleNamespace(register_model=lambda *a: registered.append(a))
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setenv(name, value)
+    monkeypatch.setattr(vllm_plugin, "_originals", {})
+    with pytest.raises(ValueError, match=f"^{name}={value!r}: "):
+        vllm_plugin.register()
+    assert registered == [] and not vllm_plugin._originals
+    assert any(r.startswith(f"{name}={value!r}") for r in vllm_plugin.plugin_status()["reasons"])
+
+
 @pytest.mark.parametrize("word,rdna_auto", [("true", True), ("on", True), ("off", False), ("no", False)])
 def test_tune_takes_every_switch_spelling(word, rdna_auto, monkeypatch):
     from dflash_rocm.backends.rocm import settings

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dflash_rocm
-from dflash_rocm.contract import TOLERANCES, relative_error
+from dflash_rocm.contract import TOLERANCES, dtype_name, relative_error
 from dflash_rocm.platform import simulate_platform
 from dflash_rocm.rope import build_cos_sin_cache
 from support import SERVING_HERE
@@ -139,3 +139,18 @@ def test_fp8_projection_scales_are_checked_by_name():
         from_layers(bad)
     with pytest.raises(ValueError, match=r"kv_weight_scale: kv_weight is .*expected a float32 scale"):
         from_layers({k: v for k, v in quantized.items() if not k.endswith("_scales")})
+
+
+@pytest.mark.parametrize("first,second", [(torch.float8_e4m3fn, torch.bfloat16),
+                                          (torch.float8_e4m3fn, torch.float8_e4m3fnuz),
+                                          (torch.float32, torch.float16)])
+def test_layers_of_mixed_k_v_formats_are_refused_naming_the_layer_and_both_formats(first, second):
+    """torch.cat promoted float rows silently and refused fp8 ones with its own error."""
+    tensors = layer_tensors()
+    tensors["k_proj_weights"] = [t.to(first) for t in tensors["k_proj_weights"]]
+    tensors["v_proj_weights"] = [tensors["v_proj_weights"][0].to(first), tensors["v_proj_weights"][1].to(second)]
+    if first in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        tensors.update(k_proj_scales=[torch.ones(1)] * L, v_proj_scales=[torch.ones(1)] * L)
+    with pytest.raises(ValueError, match=re.escape(f"from_layers: v_proj_weights[1] is {dtype_name(second)}, "
+                                                   f"k_proj_weights[0] is {dtype_name(first)}")):
+        from_layers(tensors)

@@ -304,7 +304,7 @@ def test_a_reload_of_a_quantized_draft_under_tensor_parallelism_refills_this_ran
     s = torch.rand(G, N, generator=gen) + 0.5
     linear = Linear(method("AutoGPTQLinearMethod", weight_bits=4, is_sym=True),
                     qweight=param(pack(codes.T, 0), 1), scales=param(s, 1))
-    linear.tp_rank, linear.num_kv_head_replicas = 1, 1
+    linear.tp_rank, linear.tp_size, linear.num_kv_head_replicas = 1, 2, 1
     attn = SimpleNamespace(qkv_proj=linear, q_size=Q, num_kv_heads=1, head_dim=KV)
     inner = type("Inner", (), {"hf_to_vllm_mapper": _Mapper})()
     inner.layers = [SimpleNamespace(self_attn=attn)]

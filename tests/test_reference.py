@@ -101,25 +101,47 @@ def test_reference_context_kv_matches_naive_loops(case):
     assert rel_err(k, nk) < 1e-5 and rel_err(v, nv) < 1e-5, case.description
 
 
-@settings(max_examples=10)
-@given(precompute_cases(CPU_SIZES, packings=PACKINGS))
-def test_reference_writes_exactly_the_mapped_slots(case):
-    """Slot s lands in block s // block_size, row s % block_size; -1 and None layers skip
-    (packed caches read back through their logical view)."""
-    kcs = case.key_caches
-    before = [logical(c).clone() for c in kcs]
-    k, _ = dflash_rocm.precompute_and_store_context_kv(*case.args, backend="reference",
+def stored_codes(values: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """SPEC's stored value: a float cache holds the values in its dtype (the states'); an
+    fp8 cache holds ``(x / scale).to(fp8)``, saturated at the format's largest finite value."""
+    if cache_dtype not in FP8_DTYPES:
+        return values.to(cache_dtype)
+    limit = torch.finfo(cache_dtype).max
+    return (values.float() / scale).clamp(-limit, limit).to(cache_dtype)
+
+
+def check_mapped_slots(case):
+    """Slot s lands in block s // block_size, row s % block_size, holding exactly SPEC's
+    stored value of that token's K and V (the bits of a float cache, the codes of an fp8
+    one); -1 and None layers skip (packed caches read back through their logical view)."""
+    kcs, vcs = case.key_caches, case.value_caches
+    before = [logical(c).clone() for c in kcs + vcs]
+    k, v = dflash_rocm.precompute_and_store_context_kv(*case.args, backend="reference",
                                                        **{**case.kwargs, "return_kv": True})
-    scales = case.kwargs.get("k_scales") or [1.0] * len(kcs)
-    for layer, slots in enumerate(case.slot_mappings):
-        bs = kcs[layer].shape[1]
-        written = {s: n for n, s in enumerate(slots.tolist()) if s >= 0} if slots is not None else {}
-        for slot in range(kcs[layer].shape[0] * bs):
-            got = logical(kcs[layer])[slot // bs, slot % bs]
-            if slot not in written:
-                assert torch.equal(bits(got), bits(before[layer][slot // bs, slot % bs]))
-                continue
-            stored = got.float() * (scales[layer] if kcs[layer].dtype in FP8_DTYPES else 1.0)
-            # fp8 rounds to within one step (1/8 relative) of the value; other dtypes are exact-ish
-            assert torch.allclose(stored, k[layer, written[slot]].float(), rtol=0.13, atol=2e-2), (
-                f"layer {layer} slot {slot}: {case.description}")
+    L = len(kcs)
+    for caches, values, scales, shift in ((kcs, k, case.kwargs.get("k_scales"), 0),
+                                          (vcs, v, case.kwargs.get("v_scales"), L)):
+        for layer, slots in enumerate(case.slot_mappings):
+            cache = logical(caches[layer])
+            bs = cache.shape[1]
+            written = {s: n for n, s in enumerate(slots.tolist()) if s >= 0} if slots is not None else {}
+            for slot in range(cache.shape[0] * bs):
+                got = cache[slot // bs, slot % bs]
+                if slot not in written:
+                    want = before[shift + layer][slot // bs, slot % bs]
+                else:
+                    want = stored_codes(values[layer, written[slot]], cache.dtype, (scales or [1.0] * L)[layer])
+                assert torch.equal(bits(got), bits(want)), f"layer {layer} slot {slot}: {case.description}"
+
+
+@settings(max_examples=10)
+@given(precompute_cases(CPU_SIZES, cache_dtypes=("same",), packings=PACKINGS))
+def test_reference_writes_exactly_the_mapped_slots_of_float_caches(case):
+    check_mapped_slots(case)
+
+
+@settings(max_examples=10)
+@given(precompute_cases(CPU_SIZES, dtypes=(torch.float32,), cache_dtypes=tuple(FP8_DTYPES), packings=PACKINGS))
+def test_reference_writes_exactly_the_mapped_slots_of_fp8_caches(case):
+    """float32 states: the K/V returned are the very values SPEC quantizes."""
+    check_mapped_slots(case)

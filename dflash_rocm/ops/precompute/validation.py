@@ -8,7 +8,7 @@ for CPU tensors, as device-side asserts for GPU tensors, skipped by ``validate=F
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Hashable, NamedTuple
 
 import torch
 
@@ -16,8 +16,8 @@ from ...contract import FP8_DTYPES, QUERY_DTYPES
 from ... import launches
 from ...validation import (IndexChecks, StructureMemo, Structure, byte_span, cache_arg, check_device, check_disjoint,
                            check_dtype, check_layout_once, check_scale_values, check_shape, check_writable,
-                           holds_tensor, index_tensor, merged_ranges, per_layer, scale_tensor, signature, storages_meet,
-                           tensor_arg)
+                           holds_tensor, index_tensor, merged_ranges, per_layer, provably_disjoint, scale_tensor,
+                           signature, storages_meet, tensor_arg)
 from ...paged import PackedCache, cache_packing, memory_of
 from ...weights import ContextKVWeights
 from .call import PrecomputeCall
@@ -34,6 +34,7 @@ class _Derived:
     # The written caches' bytes (exact spans, merged: the structure holds their addresses,
     # shapes and strides): a read tensor whose storage meets none of them needs no overlap test.
     written_memory: tuple
+    shared_rows: tuple  # written caches over common rows (SharedRows): their slots are checked apart per call
     k_scales: torch.Tensor | None  # fp8 scales as a device tensor when given as floats (or defaulted)
     v_scales: torch.Tensor | None
 
@@ -75,6 +76,8 @@ def bound_precompute_call(model: ModelArguments, context_states, positions, slot
     """:func:`precompute_call` with the model's arguments taken once (a plan's run)."""
     weights, key_caches, value_caches = model.weights, model.key_caches, model.value_caches
     k_scales, v_scales = model.k_scales, model.v_scales
+    if isinstance(weights, ContextKVWeights):  # (anything else is refused below, by type)
+        weights.check_shapes()  # tensors resized in place since the weights were built: refused by name
     key = _STRUCTURES.structure((signature(context_states), signature(positions), _sequence(slot_mapping),
                                  signature(return_kv), model.key))
     known = _STRUCTURES.get(key)
@@ -114,6 +117,7 @@ def bound_precompute_call(model: ModelArguments, context_states, positions, slot
     if validate:
         checks = IndexChecks(device)
         _check_indices(checks, positions, weights.max_position, slots, kcs)
+        check_rows_apart(checks, derived.shared_rows, slots)
         if ks is not None:
             check_scale_values("k_scales", ks, checks)
             check_scale_values("v_scales", vs, checks)
@@ -239,15 +243,15 @@ def _check_structure(context_states, positions, weights, key_caches, value_cache
     if len(packings) > 1:
         raise ValueError(f"key_caches/value_caches: every written layer must use one page layout; got "
                          f"(row pack, dim pack) of (K, V) per layer {[cache_packing(kcs[i], vcs[i]) for i in written]}")
-    _check_caches_apart([kcs[i] for i in written], [vcs[i] for i in written], written, slots)
+    shared_rows = check_caches_apart([kcs[i] for i in written], [vcs[i] for i in written], written, slots)
     memory = merged_ranges(byte_span(memory_of(c)) for c in [kcs[i] for i in written] + [vcs[i] for i in written])
     if cache_dtype not in FP8_DTYPES:
-        return _Derived(False, memory, None, None)
+        return _Derived(fp8=False, written_memory=memory, shared_rows=shared_rows, k_scales=None, v_scales=None)
     scales = []
     for name, given in (("k_scales", k_scales), ("v_scales", v_scales)):
         t = scale_tensor(name, [1.0] * L if given is None else given, L, device)  # checks the form of a tensor too
         scales.append(None if holds_tensor(given) else t)
-    return _Derived(True, memory, *scales)
+    return _Derived(fp8=True, written_memory=memory, shared_rows=shared_rows, k_scales=scales[0], v_scales=scales[1])
 
 
 def _check_indices(checks: IndexChecks, positions, max_position, slots, caches) -> None:
@@ -272,29 +276,85 @@ def _check_indices(checks: IndexChecks, positions, max_position, slots, caches) 
                                  f"num_blocks*block_size={capacity}) (-1 skips a token); got {int(s[i])} at [{i[0]}]"))
 
 
-def _check_caches_apart(key_caches: list, value_caches: list, layers: list[int], slots) -> None:
-    """No written cache aliases itself or another, except that layers with their own slot
-    mappings may share one K cache and one V cache (the very same views): vLLM's hybrid
-    KV-cache groups give layers of different groups one pool, each layer writing the slots
-    of its own group's blocks. Layers sharing one mapping and one cache would write every
-    slot twice: refused."""
+class SharedRows(NamedTuple):
+    """Two written caches over common rows of one page layout (:func:`row_offset`): their
+    layers may write them only at different rows, checked on the slots' values at every
+    call. Slot ``s`` of the first is the layout's row ``s + first_shift``."""
+
+    first: int  # the layers whose slot mappings write them
+    second: int
+    first_shift: int
+    second_shift: int
+    names: str  # the two caches, as messages name them
+
+
+def _reach(t: torch.Tensor, first_dim: int) -> int:
+    """Elements from the first to the last of one index of dims ``< first_dim``, plus one."""
+    return sum((s - 1) * st for s, st in zip(t.shape[first_dim:], t.stride()[first_dim:])) + 1
+
+
+def row_offset(a, b) -> int | None:
+    """How many rows after ``a``'s slot 0 ``b``'s slot 0 lies, when both are views of one
+    page layout (the same dtype, page shape and strides; each page, or each row where a
+    page's rows follow one another, clear of the next) starting whole pages (or rows) apart:
+    then a row of one is either a row of the other or shares no byte with it. None for any
+    other pair."""
+    rows = a.shape[1]  # a packed cache's logical block size
+    a, b = memory_of(a), memory_of(b)
+    if (a.dtype != b.dtype or a.shape[1:] != b.shape[1:] or a.stride() != b.stride() or a.device != b.device
+            or any(st < 0 for st in a.stride())):
+        return None
+    if a.dim() == 4 and a.stride(0) == rows * a.stride(1) and a.stride(1) >= _reach(a, 2):
+        unit, rows_per_unit = a.stride(1), 1  # rows follow one another across pages
+    elif a.stride(0) >= _reach(a, 1):
+        unit, rows_per_unit = a.stride(0), rows
+    else:
+        return None
+    units, rest = divmod(b.data_ptr() - a.data_ptr(), unit * a.element_size())
+    return None if rest else units * rows_per_unit
+
+
+def check_caches_apart(key_caches: list, value_caches: list, layers: list[int], slots) -> tuple[SharedRows, ...]:
+    """The apartness rule of written caches, decided by memory (addresses, strides and byte
+    ranges; never by which Python objects were passed): no written cache aliases itself,
+    and two written caches share no byte unless they are views of one page layout over
+    common rows (:func:`row_offset`; vLLM's hybrid KV-cache groups give layers of different
+    groups one pool, each layer writing its own group's slots). Those are allowed where
+    their layers' writes cannot meet: refused here when one slot mapping (the same memory,
+    shape and strides) writes both at the same rows, every slot then written twice; the
+    other pairs are returned for :func:`check_rows_apart`, which checks the slots' values at
+    every call."""
     caches = key_caches + value_caches
     names = [f"key_caches[{i}]" for i in layers] + [f"value_caches[{i}]" for i in layers]
     owners = layers + layers
-    kinds = [0] * len(key_caches) + [1] * len(value_caches)
     for name, c in zip(names, caches):
         check_writable(name, c)
+    shared = []
     for i in range(len(caches)):
         for j in range(i + 1, len(caches)):
-            if (kinds[i] == kinds[j] and slots[owners[i]] is not slots[owners[j]]
-                    and _same_view(caches[i], caches[j])):
+            if provably_disjoint(memory_of(caches[i]), memory_of(caches[j])):
                 continue
-            check_disjoint(names[i], caches[i], names[j], caches[j])
+            shift = row_offset(caches[i], caches[j])
+            one_mapping = _mapping_identity(slots[owners[i]]) == _mapping_identity(slots[owners[j]])
+            if shift is None or (shift == 0 and one_mapping):
+                raise ValueError(f"{names[i]}: shares memory with {names[j]}; "
+                                 + ("both are written through one slot mapping at the same rows (give each layer "
+                                    "its own cache, or its own slots)" if shift is not None else
+                                    "written caches may share memory only as views of one page layout over "
+                                    "whole rows (pass separate tensors)"))
+            shared.append(SharedRows(first=owners[i], second=owners[j], first_shift=max(-shift, 0),
+                                     second_shift=max(shift, 0), names=f"{names[i]} and {names[j]}"))
+    return tuple(shared)
 
 
-def _same_view(a, b) -> bool:
-    a, b = memory_of(a), memory_of(b)
-    return a.data_ptr() == b.data_ptr() and signature(a) == signature(b)
+def check_rows_apart(checks: IndexChecks, shared: tuple[SharedRows, ...], slots: tuple) -> None:
+    """Layers writing common blocks (:func:`check_caches_apart`) name no common row."""
+    for p in shared:
+        a, b = slots[p.first], slots[p.second]
+        met = torch.isin(torch.where(a >= 0, a + p.first_shift, -1), torch.where(b >= 0, b + p.second_shift, -2))
+        message = (f"slot_mapping[{p.first}], slot_mapping[{p.second}]: both name a row of {p.names} (one memory); "
+                   "layers that write one cache must write different slots")
+        checks.require(~met, message, lambda i, a=a, message=message: f"{message}; got slot {int(a[i])} at [{i[0]}]")
 
 
 def _check_reads_apart(reads: list, caches: list) -> None:
