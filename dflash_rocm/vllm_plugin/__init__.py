@@ -33,8 +33,14 @@ def register() -> None:
     """The entry point: idempotent; a no-op when ``DFLASH_ROCM_VLLM=0`` or when this vLLM's
     internals are not known (then vLLM's own classes serve, and one warning says why). A
     bad value of ``DFLASH_ROCM_VLLM`` or ``DFLASH_ROCM_BACKEND`` (they decide what runs) is
-    a ``ValueError`` naming the variable, here, before vLLM builds anything (README)."""
-    envs.check_deciding()
+    refused as everywhere (README), before vLLM builds anything: the plugin steps aside with
+    one error line naming the variable and what it accepts (vLLM calls this without catching,
+    so raising would stop ``LLM(...)`` with a traceback of vLLM's frames)."""
+    try:
+        envs.check_deciding()
+    except ValueError as exc:
+        logger.error("dflash_rocm steps aside, vLLM's own DFlash path serves: %s", exc)
+        return
     if not envs.VLLM.value():
         logger.info("%s=%s: vLLM's own DFlash path stays in place", envs.VLLM.name, envs.VLLM.get())
         return
