@@ -169,3 +169,45 @@ def test_step_and_plot_refuse_what_they_cannot_do(argv, message, capsys, tmp_pat
     monkeypatch.chdir(tmp_path)
     assert cli.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def _unified_launch(grid, *, segments=1, window=0, tile=32):
+    """A recorded ``kernel_unified_attention`` launch of vLLM's parameters the traffic model
+    reads (a stand-in kernel with the same parameter names)."""
+    import torch
+
+    from dflash_rocm.launches import Launch
+
+    def kernel_unified_attention(key_cache_ptr, TILE_SIZE, BLOCK_Q, BLOCK_M, num_queries_per_kv, SLIDING_WINDOW,
+                                 USE_CAUSAL, IS_3D, NUM_SEGMENTS_PER_SEQ, HEAD_SIZE, HEAD_SIZE_PADDED):
+        """stand-in"""
+
+    kernel = type("Kernel", (), {"fn": staticmethod(kernel_unified_attention), "__name__": "kernel_unified_attention"})
+    cache = torch.empty(1, 16, 8, 128, dtype=torch.bfloat16, device="meta")
+    args = (cache, tile, 4, 16, 4, window, False, segments > 1, segments, 128, 128)
+    return Launch(kernel, grid, args, {}, {})
+
+
+@pytest.mark.parametrize("batch, context, segments", [(1, 8192, 128), (8, 1000, 128), (2, 131072, 16), (3, 100, 1)])
+def test_vllms_programs_read_the_whole_context_once_per_query_block(batch, context, segments):
+    """vLLM's q blocks (4 query rows x 4 heads) each read every key of a non-causal request
+    once, split over the segments of a 3D launch without overlap; the fifth block slot of a
+    16-row request exits at once."""
+    from dflash_rocm.peer import traffic as peer_traffic
+
+    case = compare.PeerCase("gfx942", "bf16", batch, context).case(SHAPE)
+    grid = (5 * batch, 8, segments) if segments > 1 else (5 * batch, 8)
+    programs = peer_traffic.unified_programs(case, _unified_launch(grid, segments=segments))
+    kv = sum(size for p in programs for chunk, size in p.reads if chunk[0] == "kv")
+    assert kv == batch * 8 * 4 * 2 * case.seq_len * 128 * 2  # per request, KV head and q block: K and V once
+    assert sum(not p.active for p in programs) >= batch * 8 * (segments if segments > 1 else 1)
+    assert sum(p.iterations for p in programs) == batch * 8 * 4 * -(-case.seq_len // 32)
+
+
+def test_a_sliding_window_prunes_vllms_key_tiles():
+    from dflash_rocm.peer import traffic as peer_traffic
+
+    case = compare.PeerCase("gfx942", "swa", 1, 131072).case(SHAPE)
+    programs = peer_traffic.unified_programs(case, _unified_launch((5, 8), window=compare.SWA_WINDOW))
+    trips = [p.iterations for p in programs if p.active]
+    assert trips and max(trips) <= -(-(2 * compare.SWA_WINDOW + 16) // 32) + 1  # both sides of a non-causal window
