@@ -54,7 +54,7 @@ DRAFTS = {"qwen3-8b": (SHAPES["qwen3-8b-dflash-b16"], 12288)}  # the DFlash draf
 ACCEPTANCE = 6.0  # tokens a step accepts (with the bonus token): stated, not measured
 STEP_BATCHES = (1, 8, 64)
 STEP_CONTEXTS = (8192, 32768, 131072)
-PLOT_CONTEXTS = (1024, 4096, 8192, 16384, 32768, 65536, 131072)
+PLOT_CONTEXTS = (1024, 8192, 32768, 131072)
 
 
 @dataclass(frozen=True)
