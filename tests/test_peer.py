@@ -4,6 +4,7 @@ precompute's launches and the step model's arithmetic."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -150,7 +151,7 @@ def test_the_unfused_precompute_has_one_launch_per_step_and_per_layer_write():
 def test_the_step_models_ratio_is_the_inverse_ratio_of_step_times():
     deployment = step.Deployment(target_model="qwen3-8b", gpu="gfx942", tp=1, batch=8, context=8192, k=15)
     row = step.StepRow(deployment=deployment, verify_us=3000.0, draft_other_us=600.0, ours_us=400.0,
-                       vllm_us={"triton_2d": 1400.0, "rocm_attn": None}, notes=[])
+                       vllm_us={"triton_2d": 1400.0, "rocm_attn": None}, notes=[], resident_bytes=30e9)
     assert row.share(row.ours_us) == pytest.approx(0.1)
     assert row.speedup("triton_2d") == pytest.approx(5000.0 / 4000.0)
     assert row.speedup("rocm_attn") is None
@@ -158,6 +159,12 @@ def test_the_step_models_ratio_is_the_inverse_ratio_of_step_times():
     target = TARGETS["gfx942"]
     longer = step.Deployment(target_model="qwen3-8b", gpu="gfx942", tp=1, batch=8, context=131072, k=15)
     assert step.verify_us(model, longer, target) > step.verify_us(model, deployment, target)  # more KV to read
+    draft, intermediate = step.DRAFTS["qwen3-8b"]
+    assert 16e9 < step.resident_bytes(model, draft, intermediate, deployment) < 40e9  # 8B + 1B weights, 1.3 GB KV
+    assert row.fits
+    crowded = step.Deployment(target_model="qwen3-8b", gpu="gfx942", tp=1, batch=64, context=131072, k=15)
+    assert not dataclasses.replace(row, deployment=crowded,
+                                   resident_bytes=step.resident_bytes(model, draft, intermediate, crowded)).fits
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -52,6 +52,8 @@ class TargetModel:
 TARGET_MODELS = {"qwen3-8b": TargetModel("Qwen/Qwen3-8B", 36, 4096, 32, 8, 128, 12288, 151936)}
 DRAFTS = {"qwen3-8b": (SHAPES["qwen3-8b-dflash-b16"], 12288)}  # the DFlash draft and its MLP width
 ACCEPTANCE = 6.0  # tokens a step accepts (with the bonus token): stated, not measured
+MEMORY_BYTES = {"MI300X": 192e9, "MI325X": 256e9, "MI355X": 288e9, "Radeon AI PRO R9700": 32e9, "H200": 141e9,
+                "H100 SXM": 80e9, "RX 7900 XTX": 24e9}  # vendor figures, per GPU
 STEP_BATCHES = (1, 8, 64)
 STEP_CONTEXTS = (8192, 32768, 131072)
 PLOT_CONTEXTS = (1024, 8192, 32768, 131072)
@@ -76,6 +78,12 @@ class StepRow:
     ours_us: float | None  # precompute + every draft layer's attention, ours
     vllm_us: dict[str, float | None]  # the same, per vLLM attention path (vLLM's precompute sequence for all)
     notes: list[str]
+    resident_bytes: float = 0.0  # per rank: both models' weights and the KV of the batch's contexts
+
+    @property
+    def fits(self) -> bool:
+        """Whether the weights and KV fit the modelled part's memory (else no such step runs)."""
+        return self.resident_bytes <= MEMORY_BYTES.get(TARGETS[self.deployment.gpu].peak.name, float("inf"))
 
     def step_us(self, ops_us: float | None) -> float | None:
         return None if ops_us is None else self.verify_us + self.draft_other_us + ops_us
@@ -108,17 +116,30 @@ def draft_other_us(model: TargetModel, draft: DraftShape, intermediate: int, d: 
     MLPs over the block, ``fc`` over the step's context states, the shared ``lm_head`` over
     the ``k`` drafted rows) at its roofline (per rank)."""
     rows = d.batch * (d.k + 1)
-    layer = draft.hidden * draft.head_dim * (2 * draft.q_heads + 2 * draft.kv_heads) + 3 * draft.hidden * intermediate
-    layers, fc, head = draft.layers * layer / d.tp, fc_params(model, draft), model.vocab * draft.hidden / d.tp
+    layers = draft.layers * draft_layer_params(draft, intermediate) / d.tp
+    fc, head = fc_params(model, draft), model.vocab * draft.hidden / d.tp
     new = d.batch * d.acceptance
     flops = 2 * layers * rows + 2 * fc * new + 2 * head * d.batch * d.k
     return _roofline_us(target, (layers + fc + head) * ELEMENT, flops)
+
+
+def draft_layer_params(draft: DraftShape, intermediate: int) -> int:
+    """One draft layer's projections (q, k, v, o) and MLP (gate, up, down)."""
+    return draft.hidden * draft.head_dim * (2 * draft.q_heads + 2 * draft.kv_heads) + 3 * draft.hidden * intermediate
 
 
 def fc_params(model: TargetModel, draft: DraftShape) -> int:
     """``fc``'s weights: the taps' concatenated hidden states (one per draft layer) to the
     draft's width; replicated on every rank (vLLM's ``ReplicatedLinear``)."""
     return draft.layers * model.hidden * draft.hidden
+
+
+def resident_bytes(model: TargetModel, draft: DraftShape, intermediate: int, d: Deployment) -> float:
+    """Per rank: the target's and the draft's weights and both models' KV for the batch."""
+    target = (model.layers * model.layer_params() + 2 * model.vocab * model.hidden) / d.tp
+    weights = target + draft.layers * draft_layer_params(draft, intermediate) / d.tp + fc_params(model, draft)
+    kv_per_token = (model.layers * model.kv_heads + draft.layers * draft.kv_heads) * 2 * model.head_dim / d.tp
+    return (weights + d.batch * (d.context + d.k + 1) * kv_per_token) * ELEMENT
 
 
 def step_row(root: Path, d: Deployment, cache: FactsCache) -> StepRow:
@@ -142,7 +163,7 @@ def step_row(root: Path, d: Deployment, cache: FactsCache) -> StepRow:
     notes += [f"{compare.PATH_NAMES[p]}: {r.note}" for p, r in paths.items() if r.note and r.us is None]
     return StepRow(deployment=d, verify_us=verify_us(model, d, target),
                    draft_other_us=draft_other_us(model, draft, intermediate, d, target), ours_us=ours, vllm_us=vllm,
-                   notes=notes)
+                   notes=notes, resident_bytes=resident_bytes(model, draft, intermediate, d))
 
 
 def step_rows(root: Path, cache: FactsCache, gpus=("gfx942",), batches=STEP_BATCHES, contexts=STEP_CONTEXTS,
@@ -176,18 +197,20 @@ def format_steps(rows: list[StepRow]) -> str:
 
     paths = compare.PATHS
     lines = ["== decode step model (per rank; us)", *("  - " + a for a in assumptions(rows))]
-    head = (f"{'gpu':<7} {'batch':>5} {'ctx':>5} {'verify':>7} {'draft':>6} {'ours ops':>8} {'share':>6} "
+    head = (f"{'gpu':<7} {'batch':>5} {'ctx':>5} {'GB':>5} {'verify':>7} {'draft':>6} {'ours ops':>8} {'share':>6} "
             + " ".join(f"{compare.PATH_NAMES[p][:14] + ' ops/share/tok-s':>31}" for p in paths))
     lines.append(head)
     for r in rows:
         d = r.deployment
-        cells = [f"{d.gpu:<7} {d.batch:>5} {sweep.kilo(d.context):>5} {_us(r.verify_us):>7} {_us(r.draft_other_us):>6} "
-                 f"{_us(r.ours_us):>8} {_share(r.share(r.ours_us)):>6}"]
+        memory = f"{r.resident_bytes / 1e9:.0f}" + ("" if r.fits else "!")
+        cells = [f"{d.gpu:<7} {d.batch:>5} {sweep.kilo(d.context):>5} {memory:>5} {_us(r.verify_us):>7} "
+                 f"{_us(r.draft_other_us):>6} {_us(r.ours_us):>8} {_share(r.share(r.ours_us)):>6}"]
         for p in paths:
             theirs = r.vllm_us[p]
             cells.append(f"{_us(theirs) + ' ' + _share(r.share(theirs)) + ' ' + _ratio(r.speedup(p)):>31}")
         lines.append(" ".join(cells))
-    lines.append("tok-s = modelled tokens/s with the plugin over tokens/s with vLLM's kernels on that path")
+    lines.append("GB = weights + KV per rank (! = more than the part's memory: no such step runs on one rank); "
+                 "tok-s = modelled tokens/s with the plugin over tokens/s with vLLM's kernels on that path")
     return "\n".join(lines)
 
 
@@ -199,7 +222,8 @@ def steps_as_dicts(rows: list[StepRow]) -> dict:
     out = []
     for r in rows:
         out.append({**r.deployment.__dict__, "verify_us": r.verify_us, "draft_other_us": r.draft_other_us,
-                    "ours_ops_us": r.ours_us, "ours_share": r.share(r.ours_us),
+                    "resident_gb": r.resident_bytes / 1e9, "fits": r.fits, "ours_ops_us": r.ours_us,
+                    "ours_share": r.share(r.ours_us),
                     "vllm_ops_us": r.vllm_us, "vllm_share": {p: r.share(v) for p, v in r.vllm_us.items()},
                     "tokens_per_s_ratio": {p: r.speedup(p) for p in r.vllm_us}, "notes": r.notes})
     return {"measured": False, "assumptions": assumptions(rows) if rows else [], "steps": out}
@@ -217,7 +241,7 @@ def plot_steps(rows: list[StepRow], path: str) -> list[str]:
     gpus = sorted({r.deployment.gpu for r in rows})
     written = []
     for gpu in gpus:
-        mine = [r for r in rows if r.deployment.gpu == gpu]
+        mine = [r for r in rows if r.deployment.gpu == gpu and r.fits]  # no step runs where the KV does not fit
         fig, ax = plt.subplots(figsize=(8, 5))
         for batch in sorted({r.deployment.batch for r in mine}):
             series = sorted((r for r in mine if r.deployment.batch == batch), key=lambda r: r.deployment.context)
