@@ -243,12 +243,13 @@ def plot_steps(rows: list[StepRow], path: str) -> list[str]:
     for gpu in gpus:
         mine = [r for r in rows if r.deployment.gpu == gpu and r.fits]  # no step runs where the KV does not fit
         fig, ax = plt.subplots(figsize=(8, 5))
-        for batch in sorted({r.deployment.batch for r in mine}):
+        for batch, style in zip(sorted({r.deployment.batch for r in mine}), ("-", "--", ":", "-.")):
             series = sorted((r for r in mine if r.deployment.batch == batch), key=lambda r: r.deployment.context)
             x = [r.deployment.context for r in series]
-            ax.plot(x, [100 * (r.share(r.ours_us) or 0) for r in series], marker="o", label=f"plugin, batch {batch}")
-            for p, style in zip(compare.PATHS, ("--", ":", "-.")):
-                ax.plot(x, [100 * (r.share(r.vllm_us[p]) or 0) for r in series], style,
+            ax.plot(x, [100 * (r.share(r.ours_us) or 0) for r in series], style, color="C0", marker="o",
+                    label=f"plugin, batch {batch}")
+            for color, p in zip(("C1", "C2", "C3"), compare.PATHS):
+                ax.plot(x, [100 * (r.share(r.vllm_us[p]) or 0) for r in series], style, color=color,
                         label=f"vLLM {compare.PATH_NAMES[p]}, batch {batch}")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context tokens")
