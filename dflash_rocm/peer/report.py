@@ -45,7 +45,9 @@ def legend(version: str) -> list[str]:
             "us = modelled microseconds of every launch of the call; ratio = ours / vLLM's (below 1: ours is "
             f"faster). swa = a {SWA_WINDOW}-key sliding window, bf16 KV. 3D (#57409) = the split-KV launch where "
             "vLLM#57409's rule would send the call (not in 0.34; applied here from the PR's description); where "
-            "the rule keeps 2D the row says why and carries the 2D time. ROCM_ATTN is ROCm only.")
+            "the rule keeps 2D the row says why and carries the 2D time. ROCM_ATTN is ROCm only; its "
+            "decode launch (every program skips these 16-row requests) is vLLM's Triton fallback, standing for "
+            "its HIP paged-attention kernel there.")
     return textwrap.wrap(text, WIDTH) + [NOTICE]
 
 
