@@ -43,4 +43,4 @@ def run(args, emit: Callable, progress: Callable | None) -> int:
           (args.csv, lambda: report.to_csv(attention, precompute))))
     failed = [r for r in attention if r.ours_us is None or any(
         p.note.startswith("compile error") for p in r.paths.values())]
-    return 1 if failed else 0
+    return 1 if failed or any(r.ours_us is None for r in precompute) else 0

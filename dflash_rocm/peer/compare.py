@@ -103,7 +103,7 @@ class PeerRow:
         return None if theirs is None or self.ours_us is None else self.ours_us / theirs
 
 
-def _caches(case: sweep.Case, target: Target, dtype: torch.dtype, packed: bool):
+def _caches(case: sweep.Case, dtype: torch.dtype, packed: bool):
     """K and V as vLLM's backend hands them to its kernel: TRITON_ATTN's
     ``[blocks, Hk, bs, 2D]`` tensor transposed and split; ROCM_ATTN's ``[blocks, 2, bs, Hk*D]``
     reread as x-packed K ``[blocks, Hk, D/x, bs, x]`` and V ``[blocks, Hk, D, bs]``."""
@@ -167,7 +167,7 @@ def triton_attn_launches(root: Path, case: sweep.Case, target: Target, split: bo
     module = source.load(root, "unified", target)
     s = case.shape
     dtype = target.fp8_dtype if case.fp8 else torch.bfloat16
-    key, value = _caches(case, target, dtype, packed=False)
+    key, value = _caches(case, dtype, packed=False)
     t = _common(case)
     threshold = MIN_LAUNCH_GRID_SIZE_2D // s.kv_heads
     refusal = split_kv_refusal(case) if split else ""
@@ -207,7 +207,7 @@ def rocm_attn_launches(root: Path, case: sweep.Case, target: Target) -> tuple[li
     prefix = source.load(root, "prefix", target)
     s = case.shape
     dtype = target.fp8_dtype if case.fp8 else torch.bfloat16
-    key_cache, value_cache = _caches(case, target, dtype, packed=True)
+    key_cache, value_cache = _caches(case, dtype, packed=True)
     t = _common(case)
     new = torch.empty(t["q"].shape[0], s.kv_heads, s.head_dim, dtype=torch.bfloat16, device=META)
     scale = torch.empty(1, dtype=torch.float32, device=META)
@@ -275,7 +275,9 @@ def ours_us(case: sweep.Case, target: Target, cache: FactsCache) -> tuple[float 
 
 
 def peer_cases(targets=PEER_TARGETS, batches=BATCHES, contexts=CONTEXTS, variants=VARIANTS) -> list[PeerCase]:
-    return [PeerCase(t, v, b, c) for t in targets for v in variants for b in batches for c in contexts]
+    """Every case of the grid; fp8 only on targets that convert fp8 (gfx1100 does not)."""
+    return [PeerCase(t, v, b, c) for t in targets for v in variants for b in batches for c in contexts
+            if v != "fp8" or TARGETS[t].fp8_dtype is not None]
 
 
 def compare(root: Path, cases: list[PeerCase], cache: FactsCache, shape: DraftShape = SHAPE,
@@ -313,11 +315,12 @@ class PrecomputeRow:
 def precompute_rows(cache: FactsCache, targets=PEER_TARGETS, tokens=PRECOMPUTE_TOKENS, kv=("bf16", "fp8"),
                     shape: DraftShape = SHAPE) -> list[PrecomputeRow]:
     """The package's precompute (modelled by the audit) beside vLLM's unfused sequence
-    (:mod:`.unfused`) for each target, token count and cache dtype."""
+    (:mod:`.unfused`) for each target, token count and cache dtype (fp8 where the target
+    converts it)."""
     rows = []
     for arch in targets:
         target = TARGETS[arch]
-        for fp8 in (k == "fp8" for k in kv):
+        for fp8 in (k == "fp8" for k in kv if k != "fp8" or target.fp8_dtype is not None):
             for n in tokens:
                 ours, note = ours_us(sweep.Case("precompute", shape, fp8, tokens=n), target, cache)
                 cache_bytes = 1 if fp8 else 2
