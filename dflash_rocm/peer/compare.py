@@ -243,7 +243,7 @@ def model_peer_launches(case: sweep.Case, target: Target, launches: list[Launch]
     return total, rows, ""
 
 
-def _path(case: sweep.Case, target: Target, cache: FactsCache, make) -> PathResult:
+def path_result(case: sweep.Case, target: Target, cache: FactsCache, make) -> PathResult:
     """One vLLM path: ``make()`` captures its launches; vLLM host code this tool cannot run
     (another vLLM's signature) is the row's finding, not the report's end."""
     try:
@@ -258,10 +258,10 @@ def _path(case: sweep.Case, target: Target, cache: FactsCache, make) -> PathResu
 
 
 def peer_paths(root: Path, case: sweep.Case, target: Target, cache: FactsCache) -> dict[str, PathResult]:
-    paths = {"triton_2d": _path(case, target, cache, lambda: triton_attn_launches(root, case, target, split=False)),
-             "triton_3d": _path(case, target, cache, lambda: triton_attn_launches(root, case, target, split=True))}
+    paths = {name: path_result(case, target, cache, lambda split=split: triton_attn_launches(root, case, target, split))
+             for name, split in (("triton_2d", False), ("triton_3d", True))}
     if target.amd:
-        paths["rocm_attn"] = _path(case, target, cache, lambda: rocm_attn_launches(root, case, target))
+        paths["rocm_attn"] = path_result(case, target, cache, lambda: rocm_attn_launches(root, case, target))
     else:
         paths["rocm_attn"] = PathResult(None, "FLASH_ATTN", "ROCm only: on sm_90 vLLM runs FLASH_ATTN (CUDA C++, "
                                                            "not Triton: not modelled here)")
