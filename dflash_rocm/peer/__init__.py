@@ -7,7 +7,8 @@ launches it makes (:mod:`.capture`), compiles each for the audit's GPU targets w
 specialisation a real launch gets and models it with the audit's model (:mod:`.traffic`,
 :mod:`.compare`). The sequence vLLM runs for the precompute is mostly not Triton (a BLAS
 GEMM and C++ norm, RoPE and cache-write kernels): each of its launches is costed at its
-roofline plus the launch gap (:mod:`.unfused`), a lower bound of vLLM's time. The step
-model (:mod:`.step`) puts both operations into one decode step of a deployment.
+roofline plus the launch gap (:mod:`.unfused`), a lower bound of vLLM's time, beside our
+precompute (:mod:`.precompute`). The step model (:mod:`.step`) puts both operations into
+one decode step of a deployment.
 Everything here is modelled; nothing ran on a GPU.
 """

@@ -7,7 +7,7 @@ from typing import Callable
 
 from dflash_rocm.audit.compiler import FactsCache, default_cache_dir
 
-from . import compare, report, source, step
+from . import compare, precompute, report, source, step
 
 
 def run(args, emit: Callable, progress: Callable | None) -> int:
@@ -36,11 +36,12 @@ def run(args, emit: Callable, progress: Callable | None) -> int:
                                contexts=tuple(args.context or compare.CONTEXTS),
                                variants=tuple(args.kv or compare.VARIANTS))
     attention = compare.compare(root, cases, cache, progress=progress)
-    precompute = compare.precompute_rows(cache, targets=targets, tokens=tuple(args.tokens or compare.PRECOMPUTE_TOKENS),
-                                         kv=tuple(args.kv or ("bf16", "fp8")))
-    emit(lambda: report.format_report(attention, precompute, version),
-         ((args.json, lambda: report.to_json(attention, precompute, version)),
-          (args.csv, lambda: report.to_csv(attention, precompute))))
+    pre = precompute.precompute_rows(cache, targets=targets,
+                                     tokens=tuple(args.tokens or precompute.PRECOMPUTE_TOKENS),
+                                     kv=tuple(args.kv or ("bf16", "fp8")))
+    emit(lambda: report.format_report(attention, pre, version),
+         ((args.json, lambda: report.to_json(attention, pre, version)),
+          (args.csv, lambda: report.to_csv(attention, pre))))
     failed = [r for r in attention if r.ours_us is None or any(
         p.note.startswith("compile error") for p in r.paths.values())]
-    return 1 if failed or any(r.ours_us is None for r in precompute) else 0
+    return 1 if failed or any(r.ours_us is None for r in pre) else 0

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from dflash_rocm.audit.targets import TARGETS
 
-from .compare import PATH_NAMES, PATHS, SWA_WINDOW, PeerRow, PrecomputeRow
+from .compare import PATH_NAMES, PATHS, SWA_WINDOW, PeerRow
+from .precompute import PrecomputeRow
 
 WIDTH = 100
 NOTICE = "MODELLED, NOT MEASURED: no figure here ran on a GPU."
