@@ -372,7 +372,15 @@ def cmd_inspect(args) -> int:
     from .report import join_blocks
     from .workloads import SHAPES
 
-    _check_outputs({"--json": args.json, "--csv": args.csv})
+    _check_outputs({"--json": args.json, "--csv": args.csv}, plot=args.plot)
+    if args.peer or args.step or args.plot:
+        if not args.peer:
+            raise ValueError("--step and --plot need --peer PATH (vLLM's own kernels, for its side)")
+        if args.plot and not args.step:
+            raise ValueError("--plot draws the step model: give --step too")
+        from .peer import command
+
+        return command.run(args, _emit, None if args.quiet else _progress_bar)
     shapes = [SHAPES[s] for s in (args.shape or ["qwen3-8b-dflash-b16"])]
     shapes = [s.per_rank(tp) for tp in (args.tp or [1]) for s in shapes]
     plan = run.AuditPlan(shapes=tuple(shapes),
@@ -545,6 +553,19 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", metavar="PATH", help="also write JSON ('-' for stdout instead of the table)")
     inspect.add_argument("--csv", metavar="PATH", help="also write CSV ('-' for stdout instead of the table)")
     inspect.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+    inspect.add_argument("--peer", metavar="PATH",
+                         help="also compile and model vLLM's own kernels for the same draft-attention calls and the "
+                              "precompute, loaded at run time from PATH (an unpacked vLLM tree, the folder holding "
+                              "vllm/; or 'installed'), beside ours: times and ratios per case (targets gfx942, gfx950, "
+                              "gfx1201, sm_90; batch 1/8/64; context 1k-128k; bf16, fp8 KV, sliding window)")
+    inspect.add_argument("--step", action="store_true",
+                         help="with --peer: the decode-step model (Qwen3-8B + its DFlash draft; default MI300X, batch "
+                              "1/8/64, context 8k/32k/128k): verify, the draft's other layers, the two operations "
+                              "with ours and with vLLM's kernels, the tokens/s ratio; assumptions listed")
+    inspect.add_argument("--acceptance", type=float,
+                         help="--step: tokens accepted per step, bonus included (default 6; stated, not measured)")
+    inspect.add_argument("--plot", metavar="PATH", help="--step: draw the operations' share of the step over "
+                                                        "context length to PATH (one figure per GPU target)")
     inspect.set_defaults(func=cmd_inspect)
     return parser
 

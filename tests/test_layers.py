@@ -25,9 +25,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("dflash_rocm.backends",),
     ("dflash_rocm.api", "dflash_rocm.plan", "dflash_rocm", "dflash_rocm.workloads"),
     ("dflash_rocm.check", "dflash_rocm.bench", "dflash_rocm.info", "dflash_rocm.cli", "dflash_rocm.__main__",
-     "dflash_rocm.vllm_plugin", "dflash_rocm.audit", "dflash_rocm.host_bench", "dflash_rocm.vllm_bench",
-     "dflash_rocm.vllm_cpu_attention", "dflash_rocm.tiny_models", "dflash_rocm.assumptions_bench",
-     "dflash_rocm.probe_kernels", "dflash_rocm.gpu_report"),
+     "dflash_rocm.vllm_plugin", "dflash_rocm.audit", "dflash_rocm.peer", "dflash_rocm.host_bench",
+     "dflash_rocm.vllm_bench", "dflash_rocm.vllm_cpu_attention", "dflash_rocm.tiny_models",
+     "dflash_rocm.assumptions_bench", "dflash_rocm.probe_kernels", "dflash_rocm.gpu_report"),
 ]
 # Tools above the backends that may read backend internals: the compiled-kernel audit
 # exists to look inside the Triton kernels, and bench --assumptions times the Triton

@@ -286,9 +286,13 @@ def _merger_launch(launch: Launch) -> Launch:
                   {n: constexprs[n] for n in names if n in constexprs}, launch.options)
 
 
-def programs_of(case: Case, launch: Launch) -> list[Program]:
+def programs_of(case: Case, launch: Launch, models: dict | None = None) -> list[Program]:
+    """The programs of ``launch`` by its kernel's traffic model in ``models`` (default:
+    this package's kernels, :data:`PROGRAMS`; ``dflash_rocm.peer.traffic`` has vLLM's)."""
+    models = PROGRAMS if models is None else models
     try:
-        model = PROGRAMS[launch.name]
+        model = models[launch.name]
     except KeyError:
-        raise KeyError(f"no traffic model for kernel {launch.name}: add one to dflash_rocm.audit.traffic") from None
+        raise KeyError(f"no traffic model for kernel {launch.name}: add one beside the others "
+                       f"({', '.join(sorted(models))})") from None
     return model(case, launch)
