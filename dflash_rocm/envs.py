@@ -24,6 +24,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from . import backend_names
+
 TRUE_WORDS = ("1", "true", "on", "yes")
 _warned: set[str] = set()
 FALSE_WORDS = ("0", "false", "off", "no")
@@ -133,11 +135,10 @@ class BackendName(EnvVar):
     """``value()`` is ``auto`` or a registered backend's name (any case, blanks stripped)."""
 
     def parse(self, raw: str) -> str:
-        from .registry import NAMES  # (the registry imports no backend until one is used)
-
         name = raw.strip().lower()
-        if name != "auto" and name not in NAMES:
-            raise ValueError(f"{self.name}={raw!r}: not a backend; valid names: auto, {', '.join(NAMES)} (any case)")
+        if name != "auto" and name not in backend_names.NAMES:
+            raise ValueError(f"{self.name}={raw!r}: not a backend; valid names: auto, "
+                             f"{', '.join(backend_names.NAMES)} (any case)")
         return name
 
 

@@ -13,6 +13,7 @@ import importlib
 import threading
 from dataclasses import dataclass
 
+from . import backend_names
 from .backend import Backend
 from .platform import Platform
 
@@ -23,14 +24,9 @@ class BackendRecord:
     class_path: str  # "module:Class"
 
 
-RECORDS: tuple[BackendRecord, ...] = (
-    BackendRecord("reference", "dflash_rocm.backends.reference:ReferenceBackend"),
-    BackendRecord("triton", "dflash_rocm.backends.triton:TritonBackend"),
-    BackendRecord("rocm", "dflash_rocm.backends.rocm:RocmBackend"),
-    BackendRecord("aiter", "dflash_rocm.backends.aiter:AiterBackend"),
-    BackendRecord("cuda", "dflash_rocm.backends.cuda:CudaBackend"),
-    BackendRecord("cpu", "dflash_rocm.backends.cpu:CpuBackend"),
-)
+# Each backend's folder holds its Backend class, named after it: backends/rocm -> RocmBackend.
+RECORDS: tuple[BackendRecord, ...] = tuple(
+    BackendRecord(name, f"dflash_rocm.backends.{name}:{name.capitalize()}Backend") for name in backend_names.NAMES)
 BY_NAME: dict[str, BackendRecord] = {r.name: r for r in RECORDS}
 NAMES: tuple[str, ...] = tuple(BY_NAME)
 
