@@ -392,7 +392,8 @@ def test_the_changelog_keeps_its_form():
     assert len(lines) < 150 and sections[0] == "## [Unreleased]"
     assert [line for line in lines if line.startswith("### ") and line[4:] not in CHANGE_KINDS] == []
     entries = [i for i, line in enumerate(lines) if line.startswith("- ")]
-    assert entries and [lines[i + 1] for i in entries if lines[i + 1].startswith(" ")] == []  # no wrapped entries
+    continued = [lines[i + 1] for i in entries if i + 1 < len(lines) and lines[i + 1].startswith(" ")]
+    assert entries and continued == []  # no wrapped entries
     assert re.findall(r"(?i)issue \d+|(?<![\w/])#\d+", CHANGELOG.read_text()) == []
 
 

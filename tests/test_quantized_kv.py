@@ -291,6 +291,20 @@ class _Mapper:
         return name, None
 
 
+def _one_layer_model(attn):
+    """(a draft model of one layer holding ``attn``, the plugin's quantized K/V source on it):
+    what a reload tee reads."""
+    from types import SimpleNamespace
+
+    from dflash_rocm.vllm_plugin import draft_weights
+
+    inner = type("Inner", (), {"hf_to_vllm_mapper": _Mapper})()
+    inner.layers = [SimpleNamespace(self_attn=attn)]
+    source = draft_weights.QuantizedKV([attn])
+    setattr(inner, draft_weights.QUANTIZED_KV, source)
+    return inner, source
+
+
 def test_a_reload_of_a_quantized_draft_under_tensor_parallelism_refills_this_ranks_rows():
     """Rank 1 of 2 holds one KV head's rows per shard; the reload streams the whole
     checkpoint shard (both ranks' heads): the tee narrows each tensor to rank 1's columns
@@ -306,9 +320,7 @@ def test_a_reload_of_a_quantized_draft_under_tensor_parallelism_refills_this_ran
                     qweight=param(pack(codes.T, 0), 1), scales=param(s, 1))
     linear.tp_rank, linear.tp_size, linear.num_kv_head_replicas = 1, 2, 1
     attn = SimpleNamespace(qkv_proj=linear, q_size=Q, num_kv_heads=1, head_dim=KV)
-    inner = type("Inner", (), {"hf_to_vllm_mapper": _Mapper})()
-    inner.layers = [SimpleNamespace(self_attn=attn)]
-    setattr(inner, draft_weights.QUANTIZED_KV, source := draft_weights.QuantizedKV([attn]))
+    inner, source = _one_layer_model(attn)
     held = SimpleNamespace(kv_weight=source.kv_weight(torch.float32), num_layers=1, num_kv_heads=1, head_dim=KV,
                            per_layer_hidden_norm=False, quantized=False)
     address = held.kv_weight.data_ptr()
@@ -338,9 +350,7 @@ def test_a_reload_of_an_nvfp4_shards_global_scale_rescales_its_rows_in_place(lay
                     **{"weight" if layout == "modelopt" else "weight_packed": param(packed, 0),
                        "weight_scale": param(scales, 0), name: param(globals_)})
     attn = SimpleNamespace(qkv_proj=linear, q_size=Q, num_kv_heads=1, head_dim=KV)
-    inner = type("Inner", (), {"hf_to_vllm_mapper": _Mapper})()
-    inner.layers = [SimpleNamespace(self_attn=attn)]
-    setattr(inner, draft_weights.QUANTIZED_KV, source := draft_weights.QuantizedKV([attn]))
+    inner, source = _one_layer_model(attn)
     held = SimpleNamespace(kv_weight=source.kv_weight(torch.float64), num_layers=1, num_kv_heads=1, head_dim=KV,
                            per_layer_hidden_norm=False, quantized=False)
     before, address = held.kv_weight.clone(), held.kv_weight.data_ptr()
@@ -503,9 +513,7 @@ def test_a_reload_of_fp8_rows_held_as_they_are_writes_the_new_codes_and_scales_i
     gen = g()
     linear = _per_channel_fp8(gen)
     attn = _fp8_attn(linear)
-    inner = type("Inner", (), {"hf_to_vllm_mapper": _Mapper})()
-    inner.layers = [SimpleNamespace(self_attn=attn)]
-    setattr(inner, draft_weights.QUANTIZED_KV, source := draft_weights.QuantizedKV([attn]))
+    inner, source = _one_layer_model(attn)
     codes, scale = source.fp8_kv(KV, torch.device("cpu"))
     held = SimpleNamespace(kv_weight=codes, kv_weight_scale=scale, dtype=codes.dtype, quantized=True, num_layers=1,
                            num_kv_heads=1, head_dim=KV, per_layer_hidden_norm=False)
