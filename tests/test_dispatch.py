@@ -28,7 +28,7 @@ class Refuses(Backend):
     implementations = ReferenceBackend.implementations
 
     @classmethod
-    def device_not_supported_reasons(cls, device, platform):
+    def device_not_supported_reasons(cls, device, platform, switches):
         return ["no NVIDIA GPU here (test double)"]
 
 
@@ -260,10 +260,11 @@ def test_a_call_structure_is_planned_once(monkeypatch):
     """The plan cache is behind both the function and the plan: one walk over the reasons
     and one plan per (op, requested name, plan key)."""
     walks, plans = [], []
-    original = dispatch.reasons_for
-    monkeypatch.setattr(dispatch, "reasons_for", lambda *a, **k: (walks.append(a[0]), original(*a, **k))[1])
+    original = dispatch.planned_reasons
+    monkeypatch.setattr(dispatch, "planned_reasons", lambda *a, **k: (walks.append(a[0]), original(*a, **k))[1])
     plan = ReferenceAttention.plan
-    monkeypatch.setattr(ReferenceAttention, "plan", classmethod(lambda cls, call: (plans.append(call), plan(call))[1]))
+    monkeypatch.setattr(ReferenceAttention, "plan", classmethod(
+        lambda cls, record, facts: (plans.append(facts), plan(record, facts))[1]))
     monkeypatch.setenv("DFLASH_ROCM_BACKEND", "reference")
     args = attention_args()
     for _ in range(3):

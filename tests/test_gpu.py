@@ -146,7 +146,7 @@ def test_startup_tuning_end_to_end_on_the_gpu(tmp_path, monkeypatch):
         table = tuner.tune_attention(platform_for("cuda"), call.spec, torch.device("cuda"))
         assert table.entries and all(e.speedup >= 1.0 for e in table.entries)
         assert list(tmp_path.glob("attention-*.json"))
-        source, _ = rocm.attention_choice(record_for("draft_attention", "rocm", call))
+        source, _ = rocm.attention_choice(*record_for("draft_attention", "rocm", call))
         out = dflash_rocm.draft_attention(*inputs.args(), **inputs.kwargs, backend="rocm").clone()
         ref = dflash_rocm.draft_attention(*inputs.args(), **inputs.kwargs, backend="reference")
         assert source in ("tuned",) + tuple(r.name for r in rocm.tables.rules_for(platform_for("cuda").arch))

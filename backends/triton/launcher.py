@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 
 from dflash_rocm import launches
+from dflash_rocm.process import HIP
 from dflash_rocm.timing import host_median_seconds
 
 from .common import INTERPRETING
@@ -134,7 +135,7 @@ class Launcher:
         if any(p.is_constexpr for p in params[:num_runtime]):
             raise TypeError(f"{kernel.__name__}: declare constexpr parameters after the runtime ones")
         self.tail: tuple = ()  # set by keep() from the first compiled kernel (one Triton serves them all)
-        self.amd = bool(getattr(torch.version, "hip", None))
+        self.amd = HIP
         self.current_device = torch.cuda.current_device  # compiled kernels are loaded per device
         self.compiled: dict[tuple, Any] = {}
         self._lock = threading.Lock()
@@ -282,7 +283,7 @@ class LaunchPlan:
         self._pick_dynamic = _picker(dynamic_at)
         self._kept_spec: tuple = ((), ())  # (the kept tensors last seen, their specialisation)
         self.requested = dict(options)
-        self.amd = bool(getattr(torch.version, "hip", None)) if amd is None else amd
+        self.amd = HIP if amd is None else amd
         self.options = options_for(self.requested, amd=self.amd)
         self.constexprs = dict(constexprs)
         self.static_spec = specialization(self.static_args, self.amd)
