@@ -30,7 +30,7 @@ import torch
 from . import envs, launches, planning, registry
 from .backend import SETTINGS, Backend, Runner
 from .ops import Op
-from .planning import PlanningRecord, Switches, call_facts, configure_engine, planning_record
+from .planning import PlanningRecord, Switches, backend_variable, call_facts, configure_engine, planning_record
 from .platform import Platform, platform_for
 
 logger = logging.getLogger("dflash_rocm")
@@ -73,28 +73,16 @@ PLANS_KEPT = 1024
 _plans: dict[tuple, Planned] = {}
 
 
-_resolved: dict = {}
-
-
 def resolve_name(backend: str | None) -> str:
-    """``backend=`` wins, else ``DFLASH_ROCM_BACKEND``, else ``auto``; unknown names are refused.
-    Every call asks: a name (or the variable's raw value) seen before is answered from a memo."""
-    key = (backend, os.environ.get(envs.BACKEND.name)) if backend is None else backend
-    try:
-        found = _resolved.get(key)
-    except TypeError:  # an unhashable backend= (refused below)
-        found = None
-    if found is None:
-        found = _resolve_name(backend)
-        if len(_resolved) < 64 and isinstance(backend, (str, type(None))):
-            _resolved[key] = found
-    return found
+    """``backend=`` wins, else ``DFLASH_ROCM_BACKEND``, else ``auto``; unknown names are refused."""
+    return named_backend(backend, os.environ.get(envs.BACKEND.name))
 
 
-def _resolve_name(backend: str | None) -> str:
+def named_backend(backend: str | None, from_env: str | None) -> str:
+    """:func:`resolve_name` with ``from_env``, ``DFLASH_ROCM_BACKEND`` as read (None: unset)."""
     source = "backend="
     if backend is None:
-        backend, source = envs.BACKEND.get(), envs.BACKEND.name
+        backend, source = envs.BACKEND.text(from_env), envs.BACKEND.name
     if not isinstance(backend, str):
         raise TypeError(f"backend: expected a str or None, got {type(backend).__name__}")
     name = backend.strip().lower()
@@ -121,13 +109,15 @@ def planned_reasons(name: str, op: Op, call, platform: Platform, switches: Switc
 def planned(op: Op, call, backend: str | None) -> Planned:
     """The plan of ``call`` for the requested ``backend`` (``None``: the environment's
     choice, else ``auto``): kept per planning record, made on first use."""
-    record = planning_record(op.name, resolve_name(backend), call)
+    if backend is not None and type(backend) is not str:
+        named_backend(backend, None)  # refused before it reaches the key (unhashable, a TypeError naming it)
+    record = planning_record(op.name, backend, call)
     if record.keepable:
         found = _plans.get(record)
         if found is not None:
             return found
     facts = call_facts(call)
-    chosen = choose(op, record, facts)
+    chosen = choose(op, record, facts, named_backend(record.backend, backend_variable(record.environment)))
     impl = chosen.implementation(op)
     runner = impl.plan(record, facts)
     if not isinstance(runner, Runner):
@@ -149,11 +139,11 @@ def forget_plans() -> None:
         _plans.clear()
 
 
-def choose(op: Op, record: PlanningRecord, call) -> type[Backend]:
-    """The backend ``record.backend`` (or ``auto``'s first that can) for ``call`` (the
-    call's facts), with the reasons of every backend that cannot: part of planning, so it
-    reads the record (platform, switches) and nothing else."""
-    name, platform, switches = record.backend, record.platform, record.switches
+def choose(op: Op, record: PlanningRecord, call, name: str) -> type[Backend]:
+    """The backend ``name`` (or ``auto``'s first that can) for ``call`` (the call's facts),
+    with the reasons of every backend that cannot: part of planning, so it reads the
+    record (platform, switches) and nothing else."""
+    platform, switches = record.platform, record.switches
     if name != "auto":
         reasons = planned_reasons(name, op, call, platform, switches)
         if reasons:

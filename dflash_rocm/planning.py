@@ -13,9 +13,9 @@ of the tuned tables (:mod:`dflash_rocm.tuning`) and whether torch asks for deter
 algorithms.
 
 :func:`planning_record` builds the record on every call (a tuple of values already at
-hand: the structure is hashed once per call structure, the switches are parsed once per
-raw value); it is a NamedTuple, so it is immutable and hashes as a tuple. When dispatch
-has no plan for it, the plan receives the record and, beside it, the call's facts
+hand: the structure is hashed once per call structure; the environment variables are
+held raw and parsed only when a plan is made); it is a NamedTuple, so it is immutable
+and hashes as a tuple. When dispatch has no plan for it, the plan receives the record and, beside it, the call's facts
 (:func:`call_facts`: the call with every tensor replaced by its :class:`TensorFacts`:
 shape, strides, dtype, device, and the address, alignment or storage size only where the
 record holds them), never the tensors. Besides those two a plan may read only what
@@ -42,8 +42,11 @@ from . import envs, tuning
 from .paged import PackedCache
 from .platform import Platform, platform_for
 
-# Every environment switch a plan may depend on, read into the record (in this order).
+# Every environment switch a plan may depend on (in this order) and, first, the backend's
+# name for calls that name none: what a record holds of the environment, raw.
 PLANNING_SWITCHES = (envs.TAIL_MERGE, envs.QUERY_LIMIT, envs.TUNE, envs.AITER, envs.CACHE_DIR)
+PLANNING_VARIABLES = (envs.BACKEND, *PLANNING_SWITCHES)
+_VARIABLE_NAMES = tuple(var.name for var in PLANNING_VARIABLES)
 
 
 class Switches(NamedTuple):
@@ -56,19 +59,45 @@ class Switches(NamedTuple):
     cache_dir: str  # DFLASH_ROCM_CACHE_DIR ("": the default location): where tuned tables are kept
 
 
-_switches: dict[tuple, Switches] = {}
+# os.environ's own mapping and the variables' keys as it stores them (bytes on POSIX): the
+# one private attribute of the standard library the package reads. os.environ.get encodes
+# the key and, for an unset variable (the usual case), raises and catches a KeyError inside
+# Mapping.get: six such reads cost 4.5 to 6 us more per call than these lookups (bench
+# --host, draft_attention call without validation 30.5 -> 25.6 us total, precompute call
+# 38.8 -> 34.2 us; measured on the 2-core CPU development machine, busy).
+_ENVIRON = os.environ._data
+_KEYS = tuple(os.environ.encodekey(name) for name in _VARIABLE_NAMES)
+
+
+def environment() -> tuple[bytes | str | None, ...]:
+    """The raw values of :data:`PLANNING_VARIABLES` now, as os.environ stores them (None:
+    unset): read on every call (a lookup each), parsed only when a plan is made
+    (:func:`parse_switches`)."""
+    return tuple(map(_ENVIRON.get, _KEYS))
+
+
+def parse_switches(raw: tuple[str | None, ...]) -> Switches:
+    """The switches of ``raw`` (:func:`environment`'s values); a bad value is refused with
+    one warning and its default applies (:meth:`dflash_rocm.envs.EnvVar.setting_of`)."""
+    _, tail_merge, query_limit, tune, aiter, cache_dir = map(_decoded, raw)
+    return Switches(tail_merge=envs.TAIL_MERGE.setting_of(tail_merge),
+                    query_limit=envs.QUERY_LIMIT.setting_of(query_limit), tune=envs.TUNE.setting_of(tune),
+                    aiter=envs.AITER.setting_of(aiter), cache_dir=envs.CACHE_DIR.setting_of(cache_dir))
+
+
+def _decoded(raw: bytes | str | None) -> str | None:
+    """A raw value of :func:`environment` as ``os.environ.get`` gives it."""
+    return None if raw is None else os.environ.decodevalue(raw)
+
+
+def backend_variable(raw: tuple) -> str | None:
+    """``DFLASH_ROCM_BACKEND`` as :func:`environment`'s ``raw`` holds it (None: unset)."""
+    return _decoded(raw[0])
 
 
 def switches() -> Switches:
-    """The planning switches now: the raw values read on every call, parsed once each."""
-    raw = tuple([os.environ.get(var.name) for var in PLANNING_SWITCHES])
-    found = _switches.get(raw)
-    if found is None:
-        found = Switches(tail_merge=envs.TAIL_MERGE.setting(), query_limit=envs.QUERY_LIMIT.setting(),
-                         tune=envs.TUNE.setting(), aiter=envs.AITER.setting(), cache_dir=envs.CACHE_DIR.setting())
-        if len(_switches) < 64:  # environments do not churn; bound it anyway
-            _switches[raw] = found
-    return found
+    """The planning switches now (tools, and hooks that act now: warm-up, tuning, ``info``)."""
+    return parse_switches(environment())
 
 
 @dataclass(frozen=True)
@@ -170,7 +199,8 @@ def _facts(value: Any, address: str | None, seen: dict[int, Any]) -> Any:
         return packed
     if type(value) is tuple:
         return tuple(_facts(v, address, seen) for v in value)
-    if dataclasses.is_dataclass(value) and any(isinstance(v, torch.Tensor) for v in vars(value).values()):
+    if dataclasses.is_dataclass(value) and any(isinstance(getattr(value, f.name), torch.Tensor)
+                                               for f in dataclasses.fields(value)):
         return _with_facts(value, {}, seen)  # a dataclass of tensors (the weights): the same fields, as facts
     return value
 
@@ -198,15 +228,20 @@ class PlanningRecord(NamedTuple):
     attribute can be set on one), hashed as a tuple."""
 
     op: str  # the op's name
-    backend: str  # the backend asked for: "auto" or a name
+    backend: str | None  # the backend= argument as given (None: DFLASH_ROCM_BACKEND's, in environment)
     structure: Any  # the call's structure (validation's Structure; None: built outside validation)
     bounds: tuple  # host bounds that size launches
     memory: tuple  # of the tensors plans specialise on: 16-byte alignment residues, storage sizes
     platform: Platform
-    switches: Switches
+    environment: tuple  # the raw values of PLANNING_VARIABLES (None: unset)
     settings: EngineSettings
     tuning: int  # generation of the tuned tables (dflash_rocm.tuning)
     deterministic: bool  # torch.are_deterministic_algorithms_enabled()
+
+    @property
+    def switches(self) -> Switches:
+        """The planning switches this record holds, parsed (when a plan is made)."""
+        return parse_switches(self.environment)
 
     @property
     def keepable(self) -> bool:
@@ -215,11 +250,11 @@ class PlanningRecord(NamedTuple):
         return self.structure is not None
 
 
-def planning_record(op: str, backend: str, call) -> PlanningRecord:
+def planning_record(op: str, backend: str | None, call) -> PlanningRecord:
     """The record of ``call`` (of ``op``, for the backend asked for): see the module."""
     structure, bounds, memory = call.planning_parts()
     return PlanningRecord(op=op, backend=backend, structure=structure, bounds=bounds, memory=memory,
-                          platform=platform_for(call.device), switches=switches(), settings=_settings,
+                          platform=platform_for(call.device), environment=environment(), settings=_settings,
                           tuning=tuning.generation(), deterministic=torch.are_deterministic_algorithms_enabled())
 
 

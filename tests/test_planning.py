@@ -13,6 +13,7 @@ dispatch's plan cache.
 """
 
 import ast
+import dataclasses
 import contextlib
 import inspect
 import os
@@ -84,7 +85,7 @@ CHANGES = {
     "bounds": lambda: (ATTENTION, attention(max_seq_len=16, validate=False), "triton", contextlib.nullcontext()),
     "memory": lambda: (ATTENTION, attention(**misaligned_caches()), "triton", contextlib.nullcontext()),
     "platform": lambda: (ATTENTION, attention(), "triton", platform.simulate_platform("gfx942")),
-    "switches": lambda: (ATTENTION, attention(), "triton", env(envs.TAIL_MERGE.name, "off")),
+    "environment": lambda: (ATTENTION, attention(), "triton", env(envs.TAIL_MERGE.name, "off")),
     "settings": lambda: (ATTENTION, attention(), "triton", engine(query_limit=7)),
     "tuning": lambda: (ATTENTION, attention(), "triton", _tables_changed()),
     "deterministic": lambda: (ATTENTION, attention(), "triton", deterministic()),
@@ -134,7 +135,8 @@ FORBIDDEN = {
     id(os.environ): "os.environ", id(os.getenv): "os.getenv", id(os.environ.get): "os.environ.get",
     id(torch.are_deterministic_algorithms_enabled): "torch.are_deterministic_algorithms_enabled",
     id(platform.platform_for): "platform_for", id(platform.simulated_platform): "simulated_platform",
-    id(planning.switches): "planning.switches", id(planning.engine_settings): "the engine settings",
+    id(planning.switches): "planning.switches", id(planning.environment): "planning.environment",
+    id(planning.engine_settings): "the engine settings",
     id(planning.planning_record): "planning_record", id(planning.record_for): "record_for",
     id(torch.cuda.get_device_capability): "the device's capability",
 }
@@ -290,7 +292,7 @@ def test_a_plan_receives_facts_not_tensors():
     call = attention()
     record, facts = record_for(ATTENTION.name, "triton", call)
     assert isinstance(record, PlanningRecord) and isinstance(record, tuple)
-    for name, value in vars(facts).items():
+    for name, value in ((f.name, getattr(facts, f.name)) for f in dataclasses.fields(facts)):
         assert not isinstance(value, torch.Tensor), name
     assert isinstance(facts.query, TensorFacts) and facts.query.stride() == call.query.stride()
     assert facts.num_tokens == call.num_tokens and facts.key_cache.data_ptr() == call.key_cache.data_ptr() & 15
