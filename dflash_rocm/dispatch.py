@@ -86,7 +86,7 @@ def named_backend(backend: str | None, from_env: str | None) -> str:
     if not isinstance(backend, str):
         raise TypeError(f"backend: expected a str or None, got {type(backend).__name__}")
     name = backend.strip().lower()
-    if name != "auto" and name not in registry.BY_NAME:
+    if name != "auto" and name not in registry.MODULES:
         raise ValueError(f"{source} {backend!r} is not a backend; valid names: auto, {', '.join(registry.NAMES)}")
     return name
 
