@@ -113,7 +113,8 @@ def table_precompute_config(call, platform: Platform):
     if platform.vendor == "rocm":
         from .backends import rocm
 
-        return rocm.precompute_choice(record_for(PRECOMPUTE.name, "rocm", call).replace(platform=platform))
+        record, facts = record_for(PRECOMPUTE.name, "rocm", call)
+        return rocm.precompute_choice(record._replace(platform=platform), facts)
     from .backends.triton.precompute import precompute_config_for
 
     return precompute_config_for(call, platform)
@@ -144,11 +145,11 @@ def _precompute_runs(call, configs: dict) -> dict:
     and warm), or the error that stopped it."""
     from .backends.triton.precompute import precompute_runner
 
-    record = record_for(PRECOMPUTE.name, "triton", call)
+    record, facts = record_for(PRECOMPUTE.name, "triton", call)
     runs = {}
     for name, config in configs.items():
         try:
-            runner = precompute_runner(record, config)
+            runner = precompute_runner(record, facts, config)
             runner.run(call)
             runs[name] = lambda runner=runner: runner.run(call)
         except Exception as exc:  # this launch's row says why; the others run

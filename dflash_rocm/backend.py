@@ -28,8 +28,8 @@ from .contract import FP8_DTYPES, QUERY_DTYPES, dtype_name
 from .ops import ATTENTION, PRECOMPUTE, Op
 from .ops.attention import AttentionCall
 from .ops.precompute import PrecomputeCall
-from .planning import SETTINGS, PlanningRecord
-from .platform import Platform, platform_for
+from .planning import SETTINGS, PlanningRecord, Switches
+from .platform import Platform
 
 __all__ = ["SETTINGS", "Runner", "CallRunner", "Implementation", "AttentionImplementation",
            "PrecomputeImplementation", "Backend"]
@@ -79,12 +79,14 @@ class Implementation:
         raise NotImplementedError
 
     @classmethod
-    def plan(cls, record: PlanningRecord) -> Runner:
+    def plan(cls, record: PlanningRecord, facts: Any) -> Runner:
         """The host work for every call with this planning record, done once: returns the
         :class:`Runner` dispatch then hands every call with an equal record. ``record``
-        holds everything a plan may read (:mod:`dflash_rocm.planning`; ``record.call``: the
-        call's facts, no tensors); read nothing else (no environment, settings or global
-        flags: put what a plan needs in the record). The default keeps nothing but :meth:`run`."""
+        holds everything a plan may read (:mod:`dflash_rocm.planning`), ``facts`` the
+        call's facts (the call with every tensor replaced by what the record holds of it);
+        read nothing else (no environment, settings or global flags: put what a plan needs
+        in the record; :mod:`dflash_rocm.process` declares the only exceptions). The
+        default keeps nothing but :meth:`run`."""
         return CallRunner(cls.run)
 
     @classmethod
@@ -204,17 +206,18 @@ class Backend:
         return None
 
     @classmethod
-    def device_not_supported_reasons(cls, device: torch.device, platform: Platform) -> list[str]:
+    def device_not_supported_reasons(cls, device: torch.device, platform: Platform,
+                                     switches: Switches) -> list[str]:
         """Reasons that hold for every call on ``device`` (no GPU, library missing)."""
         return []
 
     @classmethod
-    def not_supported_reasons(cls, op: Op, call) -> list[str]:
-        """Why this backend cannot serve ``call`` of ``op`` (empty: it can): the device's
-        reasons first (what a user can act on), then the implementation's (every one, so
-        that ``explain`` says all a user would have to change)."""
-        platform = platform_for(call.device)
-        reasons = cls.device_not_supported_reasons(call.device, platform)
+    def not_supported_reasons(cls, op: Op, call, platform: Platform, switches: Switches) -> list[str]:
+        """Why this backend cannot serve ``call`` of ``op`` on ``platform`` under the planning
+        ``switches`` (empty: it can): the device's reasons first (what a user can act on),
+        then the implementation's (every one, so that ``explain`` says all a user would have
+        to change)."""
+        reasons = cls.device_not_supported_reasons(call.device, platform, switches)
         impl = cls.implementation(op)
         if impl is None:
             return reasons + [f"does not implement {op.name}"]

@@ -21,16 +21,17 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 from typing import Any, Callable, Mapping
 
 import torch
 
-from . import envs, launches, registry
+from . import envs, launches, planning, registry
 from .backend import SETTINGS, Backend, Runner
 from .ops import Op
-from .planning import configure_engine, environ_value, planning_record
-from .platform import platform_for
+from .planning import PlanningRecord, Switches, backend_variable, call_facts, configure_engine, planning_record
+from .platform import Platform, platform_for
 
 logger = logging.getLogger("dflash_rocm")
 
@@ -72,65 +73,57 @@ PLANS_KEPT = 1024
 _plans: dict[tuple, Planned] = {}
 
 
-_resolved: dict = {}
-
-
 def resolve_name(backend: str | None) -> str:
-    """``backend=`` wins, else ``DFLASH_ROCM_BACKEND``, else ``auto``; unknown names are refused.
-    Every call asks: a name (or the variable's raw value) seen before is answered from a memo."""
-    key = (backend, environ_value(envs.BACKEND.name)) if backend is None else backend
-    try:
-        found = _resolved.get(key)
-    except TypeError:  # an unhashable backend= (refused below)
-        found = None
-    if found is None:
-        found = _resolve_name(backend)
-        if len(_resolved) < 64 and isinstance(backend, (str, type(None))):
-            _resolved[key] = found
-    return found
+    """``backend=`` wins, else ``DFLASH_ROCM_BACKEND``, else ``auto``; unknown names are refused."""
+    return named_backend(backend, os.environ.get(envs.BACKEND.name))
 
 
-def _resolve_name(backend: str | None) -> str:
-    source = "backend="
+def named_backend(backend: str | None, from_env: str | None) -> str:
+    """:func:`resolve_name` with ``from_env``, ``DFLASH_ROCM_BACKEND`` as read (None: unset)."""
     if backend is None:
-        backend, source = envs.BACKEND.value(), envs.BACKEND.name  # (a bad value: the variable's ValueError)
+        return envs.BACKEND.parse(envs.BACKEND.text(from_env))  # a bad value: the variable's ValueError
     if not isinstance(backend, str):
         raise TypeError(f"backend: expected a str or None, got {type(backend).__name__}")
     name = backend.strip().lower()
-    if name != "auto" and name not in registry.BY_NAME:
-        raise ValueError(f"{source} {backend!r} is not a backend; valid names: auto, {', '.join(registry.NAMES)}")
+    if name != "auto" and name not in registry.MODULES:
+        raise ValueError(f"backend= {backend!r} is not a backend; valid names: auto, {', '.join(registry.NAMES)}")
     return name
 
 
 def reasons_for(name: str, op: Op, call) -> list[str]:
-    """Why backend ``name`` cannot serve ``call`` of ``op`` (empty: it can)."""
+    """Why backend ``name`` cannot serve ``call`` of ``op`` here, under the planning switches
+    now (empty: it can)."""
+    return planned_reasons(name, op, call, platform_for(call.device), planning.switches())
+
+
+def planned_reasons(name: str, op: Op, call, platform: Platform, switches: Switches) -> list[str]:
+    """Why backend ``name`` cannot serve ``call`` of ``op`` on ``platform`` under the
+    planning ``switches`` (empty: it can)."""
     cls = registry.load(name)
     if cls is None:
         return [registry.import_error(name) or "cannot import"]
-    return cls.not_supported_reasons(op, call)
-
-
-def priority(call) -> tuple[str, ...]:
-    return registry.priority_for(platform_for(call.device), call.device.type)
+    return cls.not_supported_reasons(op, call, platform, switches)
 
 
 def planned(op: Op, call, backend: str | None) -> Planned:
     """The plan of ``call`` for the requested ``backend`` (``None``: the environment's
     choice, else ``auto``): kept per planning record, made on first use."""
-    record = planning_record(op.name, resolve_name(backend), call)
-    keep = record.structure is not None  # (record.keepable, without a property's frame)
-    if keep:
+    if backend is not None and type(backend) is not str:
+        named_backend(backend, None)  # refused before it reaches the key (unhashable, a TypeError naming it)
+    record = planning_record(op.name, backend, call)
+    if record.keepable:
         found = _plans.get(record)
         if found is not None:
             return found
-    chosen = choose(op, call, record.backend)
+    facts = call_facts(call)
+    chosen = choose(op, record, facts, named_backend(record.backend, backend_variable(record.environment)))
     impl = chosen.implementation(op)
-    runner = impl.plan(record.with_facts(call))
+    runner = impl.plan(record, facts)
     if not isinstance(runner, Runner):
         raise TypeError(f"{impl.__qualname__}.plan returned {type(runner).__name__}; a plan is a "
                         "dflash_rocm.backend.Runner")
     made = Planned(chosen.name, op, runner.run)
-    if keep and not launches.graph_capturing(call.device):  # a capture's plan may hold its own memory
+    if record.keepable and not launches.graph_capturing(call.device):  # a capture's plan may hold its own memory
         with _lock:
             if len(_plans) >= PLANS_KEPT:
                 _plans.clear()
@@ -145,18 +138,20 @@ def forget_plans() -> None:
         _plans.clear()
 
 
-def choose(op: Op, call, name: str) -> type[Backend]:
-    """The backend ``name`` (or ``auto``'s first that can) for ``call``, with the reasons of
-    every backend that cannot."""
+def choose(op: Op, record: PlanningRecord, call, name: str) -> type[Backend]:
+    """The backend ``name`` (or ``auto``'s first that can) for ``call`` (the call's facts),
+    with the reasons of every backend that cannot: part of planning, so it reads the
+    record (platform, switches) and nothing else."""
+    platform, switches = record.platform, record.switches
     if name != "auto":
-        reasons = reasons_for(name, op, call)
+        reasons = planned_reasons(name, op, call, platform, switches)
         if reasons:
             raise BackendUnavailable(name, op.name, {name: reasons}, call.describe())
         _log_choice(op, name, call, {}, explicit=True)
         return registry.load(name)
     passed_over: dict[str, list[str]] = {}
-    for candidate in priority(call):
-        reasons = reasons_for(candidate, op, call)
+    for candidate in registry.priority_for(platform, call.device.type):
+        reasons = planned_reasons(candidate, op, call, platform, switches)
         if not reasons:
             _log_choice(op, candidate, call, passed_over, explicit=False)
             return registry.load(candidate)
@@ -178,11 +173,12 @@ def _log_choice(op: Op, name: str, call, passed_over: dict[str, list[str]], expl
 def explain_call(op: Op, call) -> dict[str, list[str]]:
     """Every backend's reasons for ``call``: auto's candidates first, in its order, then
     the backends only a caller can name (empty list: would serve)."""
-    order = priority(call)
-    result = {name: reasons_for(name, op, call) for name in order}
+    platform, now = platform_for(call.device), planning.switches()
+    order = registry.priority_for(platform, call.device.type)
+    result = {name: planned_reasons(name, op, call, platform, now) for name in order}
     for name in registry.NAMES:
         if name not in result:
-            reasons = reasons_for(name, op, call)
+            reasons = planned_reasons(name, op, call, platform, now)
             result[name] = reasons + ([] if reasons else ["not in auto's order for these tensors; "
                                                          "serves when named"])
     return result
@@ -192,12 +188,12 @@ def device_reasons(device: torch.device | str | None = None) -> dict[str, list[s
     """Every backend's device-level reasons (no call needed): what ``info`` prints."""
     device = torch.device(device) if device is not None else (
         torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
-    platform = platform_for(device)
+    platform, now = platform_for(device), planning.switches()
     result = {}
     for name in registry.NAMES:
         cls = registry.load(name)
         result[name] = ([registry.import_error(name) or "cannot import"] if cls is None
-                        else cls.device_not_supported_reasons(device, platform))
+                        else cls.device_not_supported_reasons(device, platform, now))
     return result
 
 

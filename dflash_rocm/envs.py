@@ -53,8 +53,11 @@ class EnvVar:
     help: str
 
     def get(self) -> str:
-        value = os.environ.get(self.name)
-        return self.default if value is None or value.strip() == "" else value.strip()
+        return self.text(os.environ.get(self.name))
+
+    def text(self, raw: str | None) -> str:
+        """``raw`` (the variable's value as read; None: unset) stripped, or the default."""
+        return self.default if raw is None or raw.strip() == "" else raw.strip()
 
     def is_set(self) -> bool:
         return bool(os.environ.get(self.name, "").strip())
@@ -73,10 +76,21 @@ class EnvVar:
         try:
             return self.value()
         except ValueError as exc:
-            if self.name not in _warned:
-                _warned.add(self.name)
-                logging.getLogger("dflash_rocm").warning("%s; using the default %r", exc, self.default)
-            return self.parse(self.default)
+            return self._refused(exc)
+
+    def setting_of(self, raw: str | None) -> Any:
+        """:meth:`setting` of ``raw``, the variable's value as read before (None: unset):
+        what a planning record holds is parsed when a plan is made."""
+        try:
+            return self.parse(self.text(raw))
+        except ValueError as exc:
+            return self._refused(exc)
+
+    def _refused(self, exc: ValueError) -> Any:
+        if self.name not in _warned:
+            _warned.add(self.name)
+            logging.getLogger("dflash_rocm").warning("%s; using the default %r", exc, self.default)
+        return self.parse(self.default)
 
     def problem(self) -> str | None:
         """Why the current value is not valid (None: it is), for ``dflash-rocm info``."""

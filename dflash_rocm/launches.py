@@ -31,11 +31,13 @@ _local = threading.local()
 _capture: contextvars.ContextVar[list | None] = contextvars.ContextVar("dflash_rocm_capture", default=None)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Launch:
     """One launch as the host code made it: the kernel, its grid, the positional
     arguments (tensors as given), the constexpr keywords and every compiler option the
-    configuration asks for."""
+    configuration asks for. Read-only by convention, not frozen: ``bench --host`` times
+    the host path with launches recorded, and a frozen dataclass's ``__init__`` (each
+    field through ``object.__setattr__``) would cost it more than the launch it stands for."""
 
     kernel: Any
     grid: tuple[int, ...]
@@ -44,17 +46,6 @@ class Launch:
     options: dict
     per_call: int | None = None  # how many leading arguments change from call to call (None: all)
     kept: tuple[str, ...] = ()  # the per-call parameters whose tensors the plan keeps (see LaunchPlan)
-
-    @classmethod
-    def recorded(cls, kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, options: dict,
-                 per_call: int | None, kept: tuple[str, ...] = ()) -> "Launch":
-        """A launch recorded in place of running it (:func:`capture`), built without the
-        frozen dataclass's ``__init__`` (``bench --host`` times the host path with launches
-        recorded: the record should cost it as little as the launch it stands for)."""
-        launch = object.__new__(cls)
-        launch.__dict__.update(kernel=kernel, grid=grid, args=args, constexprs=constexprs, options=options,
-                               per_call=per_call, kept=kept)
-        return launch
 
     @property
     def name(self) -> str:

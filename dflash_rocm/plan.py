@@ -99,7 +99,8 @@ class DraftAttentionPlan(_BoundToMemory):
                 self._same("out", out)
         else:
             out = self._same("out", out)
-        tensors = dict(query=query, key_cache=key_cache, value_cache=value_cache, out=out)
+        tensors = dict(query=query, key_cache=key_cache, value_cache=value_cache, out=out, sinks=call.sinks,
+                       k_scale=call.k_scale, v_scale=call.v_scale)
         if sinks is not None:
             tensors["sinks"] = self._same("sinks", sinks if sinks.is_contiguous() else sinks.contiguous())
         if call.k_scale is not None:  # an fp8 cache
@@ -113,7 +114,7 @@ class DraftAttentionPlan(_BoundToMemory):
         if not fresh_out:
             check_out_apart(call, self._batch_memory)
         for name, source, copy in self._refresh:  # strided views the caller may have written since
-            if name not in tensors:
+            if name != "sinks" or sinks is None:  # (a run's own sinks replace the planned copy)
                 copy.copy_(source)
         self._plan(call)
         return out

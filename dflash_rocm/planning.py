@@ -7,23 +7,30 @@ dispatch hands later calls with an equal record to that runner. So the record mu
 everything a plan may read, and a plan must read nothing else: the call's structure
 (every argument's shape, strides, dtype and device, and the scalars), its host bounds,
 the alignment and storage sizes (or addresses) of the tensors plans specialise on, the platform, the
-environment switches planning reads (:data:`PLANNING_SWITCHES`), what the serving engine
-configured (:class:`EngineSettings`), the generation of the tuned tables
-(:mod:`dflash_rocm.tuning`) and whether torch asks for deterministic algorithms.
+environment switches planning reads (:data:`PLANNING_SWITCHES`, the tuning cache directory
+among them), what the serving engine configured (:class:`EngineSettings`), the generation
+of the tuned tables (:mod:`dflash_rocm.tuning`) and whether torch asks for deterministic
+algorithms.
 
 :func:`planning_record` builds the record on every call (a tuple of values already at
-hand: the structure is hashed once per call structure, the switches are parsed once per
-raw value). When dispatch has no plan for it, :meth:`PlanningRecord.with_facts` adds the
-call's facts, :attr:`PlanningRecord.call`: the call with every tensor replaced by its
-:class:`TensorFacts` (shape, strides, dtype, device, and the address, alignment or storage size only
-where the record holds them), derived from the fields and so not part of equality. A plan
-receives that record, never the tensors; ``tests/test_planning.py`` walks every
-implementation's ``plan()`` (and what it calls) and refuses a direct read of the
-environment, the settings or torch's global flags.
+hand: the structure is hashed once per call structure; the environment variables are
+held raw and parsed only when a plan is made); it is a NamedTuple, so it is immutable
+and hashes as a tuple. When dispatch has no plan for it, the plan receives the record and, beside it, the call's facts
+(:func:`call_facts`: the call with every tensor replaced by its :class:`TensorFacts`:
+shape, strides, dtype, device, and the address, alignment or storage size only where the
+record holds them), never the tensors. Besides those two a plan may read only what
+:mod:`dflash_rocm.process` declares (facts fixed for the life of the process, and whether
+a graph is being captured: a plan made then is never kept); ``tests/test_planning.py``
+walks every implementation's ``plan()``, every backend's reasons and dispatch's choice
+(and what they call) and refuses any other read of the environment, the settings, the
+platform or torch's global flags.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import math
 import os
 import threading
 from dataclasses import dataclass, fields, replace
@@ -35,8 +42,11 @@ from . import envs, tuning
 from .paged import PackedCache
 from .platform import Platform, platform_for
 
-# Every environment switch a plan may depend on, read into the record (in this order).
-PLANNING_SWITCHES = (envs.TAIL_MERGE, envs.QUERY_LIMIT, envs.TUNE, envs.AITER)
+# Every environment switch a plan may depend on (in this order) and, first, the backend's
+# name for calls that name none: what a record holds of the environment, raw.
+PLANNING_SWITCHES = (envs.TAIL_MERGE, envs.QUERY_LIMIT, envs.TUNE, envs.AITER, envs.CACHE_DIR)
+PLANNING_VARIABLES = (envs.BACKEND, *PLANNING_SWITCHES)
+_VARIABLE_NAMES = tuple(var.name for var in PLANNING_VARIABLES)
 
 
 class Switches(NamedTuple):
@@ -45,31 +55,49 @@ class Switches(NamedTuple):
     tail_merge: bool  # DFLASH_ROCM_TAIL_MERGE
     query_limit: int | None  # DFLASH_ROCM_QUERY_LIMIT (None: unset)
     tune: bool | str  # DFLASH_ROCM_TUNE: True, False or "auto"
-    aiter: bool | str  # DFLASH_ROCM_AITER: True, False or "auto"
+    aiter: bool | str  # DFLASH_ROCM_AITER: True, False or "auto" (the aiter backend's reasons read it)
+    cache_dir: str  # DFLASH_ROCM_CACHE_DIR ("": the default location): where tuned tables are kept
 
 
-_switches: dict[tuple, Switches] = {}
-# os.environ's own mapping and its keys as it stores them: a read of the raw values costs a
-# dictionary lookup each (os.environ.get encodes the key and decodes the value every time).
+# os.environ's own mapping and the variables' keys as it stores them (bytes on POSIX): the
+# one private attribute of the standard library the package reads. os.environ.get encodes
+# the key and, for an unset variable (the usual case), raises and catches a KeyError inside
+# Mapping.get: six such reads cost 4.5 to 6 us more per call than these lookups (bench
+# --host, draft_attention call without validation 30.5 -> 25.6 us total, precompute call
+# 38.8 -> 34.2 us; measured on the 2-core CPU development machine, busy).
 _ENVIRON = os.environ._data
-_KEYS = tuple(os.environ.encodekey(var.name) for var in PLANNING_SWITCHES)
+_KEYS = tuple(os.environ.encodekey(name) for name in _VARIABLE_NAMES)
 
 
-def environ_value(name: str) -> str | None:
-    """``os.environ.get(name)`` as os.environ stores it (bytes on POSIX): a lookup, for
-    memo keys read on every call."""
-    return _ENVIRON.get(os.environ.encodekey(name))
+def environment() -> tuple[bytes | str | None, ...]:
+    """The raw values of :data:`PLANNING_VARIABLES` now, as os.environ stores them (None:
+    unset): read on every call (a lookup each), parsed only when a plan is made
+    (:func:`parse_switches`)."""
+    return tuple(map(_ENVIRON.get, _KEYS))
+
+
+def parse_switches(raw: tuple[str | None, ...]) -> Switches:
+    """The switches of ``raw`` (:func:`environment`'s values); a bad value is refused with
+    one warning and its default applies (:meth:`dflash_rocm.envs.EnvVar.setting_of`)."""
+    _, tail_merge, query_limit, tune, aiter, cache_dir = map(_decoded, raw)
+    return Switches(tail_merge=envs.TAIL_MERGE.setting_of(tail_merge),
+                    query_limit=envs.QUERY_LIMIT.setting_of(query_limit), tune=envs.TUNE.setting_of(tune),
+                    aiter=envs.AITER.setting_of(aiter), cache_dir=envs.CACHE_DIR.setting_of(cache_dir))
+
+
+def _decoded(raw: bytes | str | None) -> str | None:
+    """A raw value of :func:`environment` as ``os.environ.get`` gives it."""
+    return None if raw is None else os.environ.decodevalue(raw)
+
+
+def backend_variable(raw: tuple) -> str | None:
+    """``DFLASH_ROCM_BACKEND`` as :func:`environment`'s ``raw`` holds it (None: unset)."""
+    return _decoded(raw[0])
 
 
 def switches() -> Switches:
-    """The planning switches now: the raw values read on every call, parsed once each."""
-    raw = tuple(map(_ENVIRON.get, _KEYS))
-    found = _switches.get(raw)
-    if found is None:
-        found = Switches(*(var.setting() for var in PLANNING_SWITCHES))
-        if len(_switches) < 64:  # environments do not churn; bound it anyway
-            _switches[raw] = found
-    return found
+    """The planning switches now (tools, and hooks that act now: warm-up, tuning, ``info``)."""
+    return parse_switches(environment())
 
 
 @dataclass(frozen=True)
@@ -132,6 +160,9 @@ class TensorFacts:
     def element_size(self) -> int:
         return self.dtype.itemsize
 
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
     def data_ptr(self) -> int:
         if self._address is None:
             raise TypeError("the planning record holds no address for this tensor (only its shape, strides, dtype "
@@ -163,48 +194,54 @@ def _facts(value: Any, address: str | None, seen: dict[int, Any]) -> Any:
             found = seen[id(value)] = TensorFacts(value, address)
         return found
     if type(value) is PackedCache:
-        packed = object.__new__(PackedCache)
+        packed = copy.copy(value)
         packed.view = _facts(value.view, address, seen)
         return packed
     if type(value) is tuple:
         return tuple(_facts(v, address, seen) for v in value)
-    if hasattr(value, "__dataclass_fields__") and any(isinstance(v, torch.Tensor) for v in vars(value).values()):
-        copy = object.__new__(type(value))  # a frozen dataclass of tensors (the weights): the same fields, as facts
-        copy.__dict__.update({k: _facts(v, None, seen) for k, v in vars(value).items()})
-        return copy
+    if dataclasses.is_dataclass(value) and any(isinstance(getattr(value, f.name), torch.Tensor)
+                                               for f in dataclasses.fields(value)):
+        return _with_facts(value, {}, seen)  # a dataclass of tensors (the weights): the same fields, as facts
     return value
+
+
+def _with_facts(value: Any, addresses: dict[str, str], seen: dict[int, Any]) -> Any:
+    """A shallow copy of the frozen dataclass ``value`` (checked when it was built, on its
+    tensors) with every field replaced by its facts, set as a frozen dataclass's own
+    ``__init__`` sets fields (``object.__setattr__``)."""
+    facts = copy.copy(value)
+    for field in dataclasses.fields(value):
+        object.__setattr__(facts, field.name, _facts(getattr(value, field.name), addresses.get(field.name), seen))
+    return facts
 
 
 def call_facts(call) -> Any:
     """``call`` (an op's call type) with every tensor replaced by its :class:`TensorFacts`;
-    its fields named in ``PLANNED_ADDRESSES`` keep the memory facts named there."""
-    addresses = getattr(type(call), "PLANNED_ADDRESSES", {})
-    seen: dict[int, Any] = {}
-    facts = object.__new__(type(call))
-    facts.__dict__.update({k: _facts(v, addresses.get(k), seen) for k, v in vars(call).items()})
-    return facts
+    its fields named in ``PLANNED_ADDRESSES`` keep the memory facts named there: what a
+    plan receives beside its record."""
+    return _with_facts(call, getattr(type(call), "PLANNED_ADDRESSES", {}), {})
 
 
-class RecordFields(NamedTuple):
-    """The fields of a :class:`PlanningRecord`: every one is part of the cache key."""
+class PlanningRecord(NamedTuple):
+    """Everything planning may read (see the module), built by keyword: every field is part
+    of the cache key. Equal records get the same plan. A NamedTuple: immutable (no
+    attribute can be set on one), hashed as a tuple."""
 
     op: str  # the op's name
-    backend: str  # the backend asked for: "auto" or a name
+    backend: str | None  # the backend= argument as given (None: DFLASH_ROCM_BACKEND's, in environment)
     structure: Any  # the call's structure (validation's Structure; None: built outside validation)
     bounds: tuple  # host bounds that size launches
     memory: tuple  # of the tensors plans specialise on: 16-byte alignment residues, storage sizes
     platform: Platform
-    switches: Switches
+    environment: tuple  # the raw values of PLANNING_VARIABLES (None: unset)
     settings: EngineSettings
     tuning: int  # generation of the tuned tables (dflash_rocm.tuning)
     deterministic: bool  # torch.are_deterministic_algorithms_enabled()
 
-
-class PlanningRecord(RecordFields):
-    """Everything planning may read (see the module). Equal records get the same plan;
-    :attr:`call` (set by :meth:`with_facts`) is derived from the fields."""
-
-    call: Any
+    @property
+    def switches(self) -> Switches:
+        """The planning switches this record holds, parsed (when a plan is made)."""
+        return parse_switches(self.environment)
 
     @property
     def keepable(self) -> bool:
@@ -212,32 +249,24 @@ class PlanningRecord(RecordFields):
         carries no structure)."""
         return self.structure is not None
 
-    def replace(self, **fields: Any) -> "PlanningRecord":
-        """This record with ``fields`` changed (its facts kept: tests and tools that ask
-        what a plan would be under another platform or switch)."""
-        record = self._replace(**fields)
-        if "call" in vars(self):
-            record.call = self.call
-        return record
 
-    def with_facts(self, call) -> "PlanningRecord":
-        """This record with :attr:`call`: ``call``'s facts (what a plan reads)."""
-        record = PlanningRecord(*self)
-        record.call = call_facts(call)
-        return record
-
-
-def planning_record(op: str, backend: str, call) -> PlanningRecord:
+def planning_record(op: str, backend: str | None, call) -> PlanningRecord:
     """The record of ``call`` (of ``op``, for the backend asked for): see the module."""
     structure, bounds, memory = call.planning_parts()
-    return _new(PlanningRecord, (op, backend, structure, bounds, memory, platform_for(call.device), switches(),
-                                 _settings, tuning.generation(), torch.are_deterministic_algorithms_enabled()))
+    return PlanningRecord(op=op, backend=backend, structure=structure, bounds=bounds, memory=memory,
+                          platform=platform_for(call.device), environment=environment(), settings=_settings,
+                          tuning=tuning.generation(), deterministic=torch.are_deterministic_algorithms_enabled())
 
 
-_new = tuple.__new__  # a NamedTuple's own __new__ is a Python function in front of this
+class Planning(NamedTuple):
+    """A record and the call's facts: the two arguments of a plan, for a plan made
+    outside dispatch (``plan(*record_for(...))``)."""
+
+    record: PlanningRecord
+    facts: Any
 
 
-def record_for(op: str, backend: str, call) -> PlanningRecord:
-    """The record of ``call`` with its facts: what a plan made outside dispatch (a tool, a
+def record_for(op: str, backend: str, call) -> Planning:
+    """The record of ``call`` and its facts: what a plan made outside dispatch (a tool, a
     tuner, a test that picks a configuration) receives."""
-    return planning_record(op, backend, call).with_facts(call)
+    return Planning(record=planning_record(op, backend, call), facts=call_facts(call))

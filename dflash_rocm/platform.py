@@ -34,13 +34,14 @@ class Platform:
     # through the Triton interpreter and only an explicitly named backend uses it.
     simulated: bool = False
 
-    def __hash__(self) -> int:  # hashed with every planning record (dflash_rocm.planning): once
-        found = self.__dict__.get("_hash")
-        if found is None:
-            found = hash((self.vendor, self.arch, self.family, self.wave_size, self.compute_units, self.lds_bytes,
-                          self.name, self.simulated))
-            object.__setattr__(self, "_hash", found)
-        return found
+    def __post_init__(self) -> None:
+        # Hashed with every planning record (dflash_rocm.planning): worked out once, here,
+        # set as a frozen dataclass sets its own fields.
+        object.__setattr__(self, "_hash", hash((self.vendor, self.arch, self.family, self.wave_size,
+                                                self.compute_units, self.lds_bytes, self.name, self.simulated)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def arch_info(self) -> ArchInfo | None:

@@ -1,34 +1,34 @@
-"""Every backend, one record each, and the order ``auto`` tries them per platform.
+"""Every backend, found from its folder, and the order ``auto`` tries them per platform.
 
-Backend classes are imported on first use by dotted path (as vLLM's attention registry
-does), so a broken or absent vendor stack only costs that backend: its import error
-becomes its reason. Adding a backend is a folder under the top-level ``backends/``
-(installed as ``dflash_rocm.backends``) plus a record here (and its place in the priority
-lists where ``auto`` should consider it).
+A backend is a folder under the top-level ``backends/`` (the package
+``dflash_rocm.backends``) whose ``__init__.py`` defines its implementation classes (one per
+op) and one :class:`~dflash_rocm.backend.Backend` subclass named as the folder. The
+folders are listed without importing them (:func:`find_backends`), and a backend's module
+is imported on its first use (as vLLM's attention registry does), so a broken or absent
+vendor stack only costs that backend: its import error becomes its reason. Adding a
+backend is a folder (and its place in the priority lists where ``auto`` should consider
+it); the package list in ``pyproject.toml`` names it for the wheel (``tests/test_layout.py``
+checks that list against the folders).
 """
 
 from __future__ import annotations
 
 import importlib
 import threading
-from dataclasses import dataclass
+from types import ModuleType
 
-from . import backend_names
+from . import backend_names, backends
 from .backend import Backend
 from .platform import Platform
 
 
-@dataclass(frozen=True)
-class BackendRecord:
-    name: str
-    class_path: str  # "module:Class"
+def find_backends(package: ModuleType = backends) -> dict[str, str]:
+    """Backend name -> module name: every sub-package of ``package`` (not imported)."""
+    return {name: f"{package.__name__}.{name}" for name in backend_names.names_in(package.__path__)}
 
 
-# Each backend's folder holds its Backend class, named after it: backends/rocm -> RocmBackend.
-RECORDS: tuple[BackendRecord, ...] = tuple(
-    BackendRecord(name, f"dflash_rocm.backends.{name}:{name.capitalize()}Backend") for name in backend_names.NAMES)
-BY_NAME: dict[str, BackendRecord] = {r.name: r for r in RECORDS}
-NAMES: tuple[str, ...] = tuple(BY_NAME)
+MODULES: dict[str, str] = find_backends()
+NAMES: tuple[str, ...] = tuple(MODULES)
 
 # auto's order per platform vendor. Vendor kernels never appear for CPU tensors: on a
 # CPU (simulated architectures included) only a backend named explicitly runs them.
@@ -54,17 +54,16 @@ _import_errors: dict[str, str] = {}
 
 def load(name: str) -> type[Backend] | None:
     """The backend class, or None when its module cannot be imported (see :func:`import_error`)."""
-    record = BY_NAME.get(name)
-    if record is None:
+    module_name = MODULES.get(name)
+    if module_name is None:
         raise ValueError(f"unknown backend {name!r}; valid names: auto, {', '.join(NAMES)}")
     with _lock:
         if name in _classes:
             return _classes[name]
         if name in _import_errors:
             return None
-    module_name, _, attr = record.class_path.partition(":")
     try:
-        cls = getattr(importlib.import_module(module_name), attr)
+        cls = backend_class(importlib.import_module(module_name), name)
     except Exception as exc:  # a vendor stack can fail in many ways; it only costs this backend
         with _lock:
             _import_errors[name] = f"cannot import {module_name}: {type(exc).__name__}: {exc}"
@@ -72,6 +71,16 @@ def load(name: str) -> type[Backend] | None:
     with _lock:
         _classes[name] = cls
     return cls
+
+
+def backend_class(module: ModuleType, name: str) -> type[Backend]:
+    """The one :class:`Backend` subclass ``module`` defines, which must be named ``name``."""
+    defined = [value for value in vars(module).values() if isinstance(value, type) and issubclass(value, Backend)
+               and value.__module__ == module.__name__]
+    if len(defined) != 1 or defined[0].name != name:
+        raise TypeError(f"{module.__name__} must define one Backend subclass named {name!r} (found "
+                        f"{', '.join(f'{c.__name__} ({c.name!r})' for c in defined) or 'none'})")
+    return defined[0]
 
 
 def import_error(name: str) -> str | None:

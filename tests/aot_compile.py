@@ -78,7 +78,7 @@ def variants():
             if arch.startswith("gfx"):
                 with simulate_platform(arch):
                     from dflash_rocm.backends import rocm
-                    name, config = rocm.attention_choice(record_for("draft_attention", "rocm", call))
+                    name, config = rocm.attention_choice(*record_for("draft_attention", "rocm", call))
             else:
                 name, config = "portable", attention_config_for(call, platform_for(call.device))
             config = AttentionLaunchConfig(**{**config.as_dict(), "num_segments": max(2, config.num_segments),
@@ -146,7 +146,7 @@ def packed_variants(arch, fp8_dtype):
             args[1], args[2] = pack_caches(args[1].to(cache_dtype), args[2].to(cache_dtype), packing)
             call = attention_call(*args)
             with simulate_platform(arch):
-                _, config = rocm.attention_choice(record_for("draft_attention", "rocm", call))
+                _, config = rocm.attention_choice(*record_for("draft_attention", "rocm", call))
             config = AttentionLaunchConfig(**{**config.as_dict(), "num_segments": max(2, config.num_segments),
                                               "merge": "launch"})
             out.append((f"attention {packing} fp8={fp8}", arch, lambda c=call, cfg=config: run_draft_attention(c, cfg)))

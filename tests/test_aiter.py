@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import dflash_rocm
+from dflash_rocm import envs
 from dflash_rocm.ops import ATTENTION, PRECOMPUTE
 from dflash_rocm.backends.aiter import AiterAttention, AiterBackend
 from dflash_rocm.backends.aiter import attention as aiter_attention
@@ -70,7 +71,7 @@ def fake_aiter(tmp_path, monkeypatch):
         monkeypatch.syspath_prepend(str(pkg.parent))
         for name in [m for m in list(sys.modules) if m == "aiter" or m.startswith("aiter.")]:
             monkeypatch.delitem(sys.modules, name)
-        aiter_attention.probe.cache_clear()
+        aiter_attention.installed.cache_clear()
         aiter_attention._verified.clear()
         try:
             return __import__("aiter")
@@ -79,35 +80,35 @@ def fake_aiter(tmp_path, monkeypatch):
     yield make
     for name in [m for m in list(sys.modules) if m == "aiter" or m.startswith("aiter.")]:
         del sys.modules[name]  # an imported stand-in must not outlive its test
-    aiter_attention.probe.cache_clear()
+    aiter_attention.installed.cache_clear()
     aiter_attention._verified.clear()
 
 
 def test_probe_without_aiter_says_so(monkeypatch):
     monkeypatch.setattr(aiter_attention.importlib.util, "find_spec", lambda name: None)
-    aiter_attention.probe.cache_clear()
-    features, why = aiter_attention.probe()
-    aiter_attention.probe.cache_clear()
+    aiter_attention.installed.cache_clear()
+    features, why = aiter_attention.probe(envs.AITER.setting())
+    aiter_attention.installed.cache_clear()
     assert features is None and "not installed" in why and "amd-aiter" in why
 
 
 def test_probe_survives_an_aiter_that_raises_without_rocm(fake_aiter):
     fake_aiter(body="raise RuntimeError('no ROCm device found')\n")
-    features, why = aiter_attention.probe()
+    features, why = aiter_attention.probe(envs.AITER.setting())
     assert features is None and "RuntimeError" in why and "no ROCm device" in why
 
 
 def test_probe_reads_features_from_the_signature(fake_aiter):
     fake_aiter(sinks=False)
-    features, why = aiter_attention.probe()
+    features, why = aiter_attention.probe(envs.AITER.setting())
     assert why is None and features.block_table and not features.sinks
 
 
 def test_probe_can_be_switched_off(fake_aiter, monkeypatch):
     fake_aiter()
     monkeypatch.setenv("DFLASH_ROCM_AITER", "0")
-    aiter_attention.probe.cache_clear()
-    assert "disabled" in aiter_attention.probe()[1]
+    aiter_attention.installed.cache_clear()
+    assert "disabled" in aiter_attention.probe(envs.AITER.setting())[1]
 
 
 def paged_call(block_size=128, **kwargs):
@@ -118,10 +119,12 @@ def paged_call(block_size=128, **kwargs):
 def test_reasons_name_every_limit(fake_aiter):
     fake_aiter(sinks=False)
     cdna, rdna = platform_for_arch("gfx942"), platform_for_arch("gfx1100")
-    assert aiter_attention.platform_reasons(cdna) == [] and aiter_attention.call_reasons(paged_call()) == []
-    assert any("targets CDNA" in r for r in aiter_attention.platform_reasons(rdna))
-    assert any("multiple of 128" in r for r in aiter_attention.call_reasons(paged_call(block_size=16)))
-    assert any("no sinks" in r for r in aiter_attention.call_reasons(paged_call(sinks=torch.zeros(8))))
+    features, _ = aiter_attention.installed()
+    assert aiter_attention.platform_reasons(cdna, "auto") == [] and aiter_attention.call_reasons(paged_call(),
+                                                                                                 features) == []
+    assert any("targets CDNA" in r for r in aiter_attention.platform_reasons(rdna, "auto"))
+    assert any("multiple of 128" in r for r in aiter_attention.call_reasons(paged_call(block_size=16), features))
+    assert any("no sinks" in r for r in aiter_attention.call_reasons(paged_call(sinks=torch.zeros(8)), features))
 
 
 def test_the_backend_reports_the_probe_and_implements_attention_only(fake_aiter):
@@ -141,8 +144,8 @@ def test_argument_mapping_computes_the_spec(fake_aiter, kwargs):
     call = paged_call(**kwargs)
     ref_call = paged_call(**kwargs)
     reference_attention(ref_call)
-    aiter_attention.run(call, fallback=lambda c: reference_attention(c))
-    aiter_attention.run(call, fallback=lambda c: reference_attention(c))
+    aiter_attention.run(call, aiter_attention.installed()[0], fallback=lambda c: reference_attention(c))
+    aiter_attention.run(call, aiter_attention.installed()[0], fallback=lambda c: reference_attention(c))
     assert len(module.calls) == 2  # verified once, then trusted
     assert dflash_rocm.contract.relative_error(call.out, ref_call.out) < 2e-2
 
@@ -153,10 +156,10 @@ def test_a_disagreeing_aiter_is_disabled_for_that_signature(fake_aiter, caplog):
     call, ref_call = paged_call(), paged_call()
     reference_attention(ref_call)
     with caplog.at_level(logging.WARNING, logger="dflash_rocm"):
-        aiter_attention.run(call, fallback=lambda c: reference_attention(c))
+        aiter_attention.run(call, aiter_attention.installed()[0], fallback=lambda c: reference_attention(c))
     assert "disagrees" in caplog.text
     assert dflash_rocm.contract.relative_error(call.out, ref_call.out) < 2e-2  # the fallback's result stands
-    aiter_attention.run(call, fallback=lambda c: reference_attention(c))
+    aiter_attention.run(call, aiter_attention.installed()[0], fallback=lambda c: reference_attention(c))
     assert len(module.calls) == 1
 
 
@@ -178,15 +181,15 @@ def test_no_first_call_check_runs_while_a_graph_is_captured(fake_aiter, monkeypa
 
     with monkeypatch.context() as m, caplog.at_level(logging.INFO, logger="dflash_rocm"):
         m.setattr(launches, "graph_capturing", lambda device: True)
-        aiter_attention.run(call, fallback)
-        aiter_attention.run(call, fallback)
+        aiter_attention.run(call, aiter_attention.installed()[0], fallback)
+        aiter_attention.run(call, aiter_attention.installed()[0], fallback)
     assert module.calls == [] and len(fallbacks) == 2 and caplog.text.count("cannot run while a CUDA graph") == 1
     assert dflash_rocm.contract.relative_error(call.out, ref_call.out) < 2e-2
-    aiter_attention.run(call, fallback)  # eager: aiter, checked against the fallback
+    aiter_attention.run(call, aiter_attention.installed()[0], fallback)  # eager: aiter, checked against the fallback
     assert len(module.calls) == 1 and len(fallbacks) == 3
     with monkeypatch.context() as m:
         m.setattr(launches, "graph_capturing", lambda device: True)
-        aiter_attention.run(call, fallback)
+        aiter_attention.run(call, aiter_attention.installed()[0], fallback)
     assert len(module.calls) == 2 and len(fallbacks) == 3
 
 

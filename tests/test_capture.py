@@ -58,13 +58,13 @@ def test_split_work_captured_without_kept_scratch_merges_in_the_same_launch(monk
     pre_call = precompute_call(pre.states, pre.positions, pre.weights, None, None, None, return_kv=True)
     ref_k, ref_v = dflash_rocm.precompute_and_store_context_kv(pre.states, pre.positions, pre.weights, None, None,
                                                                None, return_kv=True, backend="reference")
-    launched, run_launch = [], launcher.LaunchPlan.launch_tensors
+    launched, run_launch = [], launcher.LaunchPlan.launch
 
-    def recording(plan, tensors):
+    def recording(plan, **tensors):
         launched.append((plan.name, plan.constexprs))
-        return run_launch(plan, tensors)
+        return run_launch(plan, **tensors)
 
-    monkeypatch.setattr(launcher.LaunchPlan, "launch_tensors", recording)
+    monkeypatch.setattr(launcher.LaunchPlan, "launch", recording)
     precompute.fused_weights(pre.weights)  # vLLM's eager run of each size before its capture
     with simulate_platform("gfx942"), graph_capture(monkeypatch):
         out = dflash_rocm.draft_attention(*inputs.args(), **inputs.kwargs, backend="rocm")

@@ -183,7 +183,7 @@ def test_check_on_a_checkpoint(tmp_path, capsys):
 
 def test_bad_backend_environment_is_refused(capsys, monkeypatch):
     monkeypatch.setenv("DFLASH_ROCM_BACKEND", "nonsense")
-    with pytest.raises(ValueError, match="valid names: auto, reference, triton, rocm, aiter, cuda"):
+    with pytest.raises(ValueError, match="valid names: auto, aiter, cpu, cuda, reference, rocm, triton"):
         import dflash_rocm
         from test_validation import attention_args
         dflash_rocm.draft_attention(**attention_args())

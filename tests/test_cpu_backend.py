@@ -10,6 +10,7 @@ from checks import check_attention, check_precompute
 from dflash_rocm import dispatch
 from dflash_rocm.contract import TOLERANCES, relative_error
 from dflash_rocm.ops import ATTENTION, PRECOMPUTE
+from dflash_rocm.planning import switches
 from dflash_rocm.vllm_plugin.cache_views import cpu_page_views
 from strategies import CPU_SIZES, WEIGHT_FORMATS, attention_cases, make_generator, make_weights, precompute_cases
 from test_validation import attention_args, precompute_args
@@ -41,7 +42,7 @@ def test_auto_picks_cpu_for_cpu_tensors_and_cpu_refuses_other_devices():
     assert dflash_rocm.dispatch_counts() == {(ATTENTION.name, "cpu"): 1, (PRECOMPUTE.name, "cpu"): 1}
     cpu = dispatch.backend("cpu")
     for device in ("cuda", "meta"):
-        assert "serves CPU tensors only" in cpu.device_not_supported_reasons(torch.device(device), None)[0]
+        assert "serves CPU tensors only" in cpu.device_not_supported_reasons(torch.device(device), None, switches())[0]
 
 
 def _vllm_cpu_pages(num_blocks, block_size, Hk, D, dtype, g):

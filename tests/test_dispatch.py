@@ -1,6 +1,7 @@
 """Backend choice: names, the environment variable, auto's order, reasons, logs, counts."""
 
 import logging
+import sys
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ class Refuses(Backend):
     implementations = ReferenceBackend.implementations
 
     @classmethod
-    def device_not_supported_reasons(cls, device, platform):
+    def device_not_supported_reasons(cls, device, platform, switches):
         return ["no NVIDIA GPU here (test double)"]
 
 
@@ -150,8 +151,7 @@ def test_auto_never_picks_vendor_kernels_for_cpu_tensors(fresh_registry):
 
 
 def test_import_failure_becomes_the_backends_reason(fresh_registry):
-    fresh_registry.setitem(registry.BY_NAME, "cuda",
-                           registry.BackendRecord("cuda", "dflash_rocm.no_such_module:Nothing"))
+    fresh_registry.setitem(registry.MODULES, "cuda", "dflash_rocm.no_such_module")
     reasons = dflash_rocm.explain("draft_attention", **attention_args())
     assert reasons["cuda"] and "cannot import dflash_rocm.no_such_module" in reasons["cuda"][0]
     assert dflash_rocm.available_backends("cpu")["cuda"] == [reasons["cuda"][0]]
@@ -189,10 +189,13 @@ def test_a_backend_that_does_not_implement_an_op_says_so_and_is_passed_over(fres
             *(precompute_args()[k] for k in ("context_states", "positions", "slot_mapping")))
 
 
-def test_a_new_attention_only_backend_is_one_folder_and_one_registry_line(fresh_registry, tmp_path, monkeypatch):
-    """What docs/adding-a-backend.md promises: a package with a Backend naming one
-    implementation, and one record; ``auto`` never gives it the op it does not implement."""
-    folder = tmp_path / "my_attention_backend"
+def test_a_new_attention_only_backend_is_one_folder(fresh_registry, tmp_path, monkeypatch):
+    """What backends/README.md promises: a folder beside the others whose ``__init__.py``
+    defines a Backend naming one implementation is found by the registry with no line
+    anywhere else; ``auto`` never gives it the op it does not implement."""
+    import dflash_rocm.backends
+
+    folder = tmp_path / "mine"
     folder.mkdir()
     (folder / "__init__.py").write_text(
         "from dflash_rocm.backend import AttentionImplementation, Backend\n"
@@ -204,11 +207,13 @@ def test_a_new_attention_only_backend_is_one_folder_and_one_registry_line(fresh_
         "class MyBackend(Backend):\n"
         "    name = 'mine'\n"
         "    implementations = (MyAttention,)\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    record = registry.BackendRecord("mine", "my_attention_backend:MyBackend")
-    fresh_registry.setattr(registry, "RECORDS", registry.RECORDS + (record,))
-    fresh_registry.setitem(registry.BY_NAME, "mine", record)
-    fresh_registry.setattr(registry, "NAMES", registry.NAMES + ("mine",))
+    monkeypatch.setattr(dflash_rocm.backends, "__path__", [*dflash_rocm.backends.__path__, str(tmp_path)])
+    monkeypatch.setitem(sys.modules, "dflash_rocm.backends.mine", None)
+    monkeypatch.delitem(sys.modules, "dflash_rocm.backends.mine")  # (imported below; gone after the test)
+    found = registry.find_backends()
+    assert found["mine"] == "dflash_rocm.backends.mine" and set(found) == {*registry.NAMES, "mine"}
+    fresh_registry.setattr(registry, "MODULES", found)
+    fresh_registry.setattr(registry, "NAMES", tuple(found))
     fresh_registry.setitem(registry.PRIORITIES, "cpu", ("mine", "reference"))
     dflash_rocm.reset_dispatch_counts()
     out = dflash_rocm.draft_attention(**attention_args())
@@ -217,6 +222,20 @@ def test_a_new_attention_only_backend_is_one_folder_and_one_registry_line(fresh_
     assert torch.isfinite(out).all()
     assert dflash_rocm.explain("precompute_and_store_context_kv", **precompute_args())["mine"] == [
         "does not implement precompute_and_store_context_kv"]
+
+
+def test_a_folder_without_its_backend_class_says_so(fresh_registry, tmp_path, monkeypatch):
+    import dflash_rocm.backends
+
+    (tmp_path / "stray").mkdir()
+    (tmp_path / "stray" / "__init__.py").write_text("from dflash_rocm.backends.reference import ReferenceBackend\n")
+    monkeypatch.setattr(dflash_rocm.backends, "__path__", [*dflash_rocm.backends.__path__, str(tmp_path)])
+    monkeypatch.setitem(sys.modules, "dflash_rocm.backends.stray", None)
+    monkeypatch.delitem(sys.modules, "dflash_rocm.backends.stray")
+    fresh_registry.setattr(registry, "MODULES", registry.find_backends())
+    fresh_registry.setattr(registry, "NAMES", tuple(registry.MODULES))
+    assert registry.load("stray") is None
+    assert "must define one Backend subclass named 'stray' (found none)" in registry.import_error("stray")
 
 
 def test_one_implementation_per_op():
@@ -260,10 +279,11 @@ def test_a_call_structure_is_planned_once(monkeypatch):
     """The plan cache is behind both the function and the plan: one walk over the reasons
     and one plan per (op, requested name, plan key)."""
     walks, plans = [], []
-    original = dispatch.reasons_for
-    monkeypatch.setattr(dispatch, "reasons_for", lambda *a, **k: (walks.append(a[0]), original(*a, **k))[1])
+    original = dispatch.planned_reasons
+    monkeypatch.setattr(dispatch, "planned_reasons", lambda *a, **k: (walks.append(a[0]), original(*a, **k))[1])
     plan = ReferenceAttention.plan
-    monkeypatch.setattr(ReferenceAttention, "plan", classmethod(lambda cls, call: (plans.append(call), plan(call))[1]))
+    monkeypatch.setattr(ReferenceAttention, "plan", classmethod(
+        lambda cls, record, facts: (plans.append(facts), plan(record, facts))[1]))
     monkeypatch.setenv("DFLASH_ROCM_BACKEND", "reference")
     args = attention_args()
     for _ in range(3):

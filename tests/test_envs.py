@@ -45,11 +45,11 @@ def test_aiter_off_in_any_spelling_disables_aiter(word, monkeypatch):
     from dflash_rocm.backends.aiter import attention as aiter_attention
 
     monkeypatch.setenv("DFLASH_ROCM_AITER", word)
-    aiter_attention.probe.cache_clear()
+    aiter_attention.installed.cache_clear()
     try:
-        features, why = aiter_attention.probe()
+        features, why = aiter_attention.probe(envs.AITER.setting())
     finally:
-        aiter_attention.probe.cache_clear()
+        aiter_attention.installed.cache_clear()
     assert features is None and "disabled" in why and "DFLASH_ROCM_AITER" in why
 
 
@@ -59,14 +59,14 @@ def test_a_bad_aiter_value_is_refused_with_one_warning_and_reported_by_info(monk
     from dflash_rocm.backends.aiter import attention as aiter_attention
 
     monkeypatch.setenv("DFLASH_ROCM_AITER", "sometimes")
-    aiter_attention.probe.cache_clear()
+    aiter_attention.installed.cache_clear()
     try:
         with caplog.at_level("WARNING", logger="dflash_rocm"):
-            features, why = aiter_attention.probe()
-            aiter_attention.probe.cache_clear()
-            aiter_attention.probe()
+            features, why = aiter_attention.probe(envs.AITER.setting())
+            aiter_attention.installed.cache_clear()
+            aiter_attention.probe(envs.AITER.setting())
     finally:
-        aiter_attention.probe.cache_clear()
+        aiter_attention.installed.cache_clear()
     assert "disabled" not in why  # the default, auto: here aiter is simply not installed
     warnings = [r.getMessage() for r in caplog.records if "DFLASH_ROCM_AITER" in r.getMessage()]
     assert len(warnings) == 1 and "expected one of auto, 1, true" in warnings[0] and "default 'auto'" in warnings[0]

@@ -497,13 +497,13 @@ def reloaded_tuned_table_serves(inputs, platform, device: torch.device) -> None:
 
     reloaded = tuner.tune_attention(platform, call.spec, device, runner_for=tune_again)
     assert [e.as_dict() for e in reloaded.entries] == [e.as_dict() for e in tuned.entries]
-    record = record_for("draft_attention", "rocm", call)
-    source, config = rocm.attention_choice(record)
+    record, facts = record_for("draft_attention", "rocm", call)
+    source, config = rocm.attention_choice(record, facts)
     w = rocm.attention_workload(call, platform)
     assert source == "tuned" and config.as_dict() == reloaded.lookup(w.batch, w.query_len, w.key_span)
     served_twice(attention_case(inputs, "tuned"), "rocm")
-    tuned_plan = plan_attention(record, config)
-    table_plan = plan_attention(record, rocm.table_choice(record)[1])
+    tuned_plan = plan_attention(record, facts, config)
+    table_plan = plan_attention(record, facts, rocm.table_choice(record, facts)[1])
     times = interleaved_median_seconds({"tuned": lambda _: tuned_plan.run(call),
                                         "table": lambda _: table_plan.run(call)}, device, warmup=3, repeats=30)
     assert times["tuned"] <= times["table"] * (1 + TUNED_MARGIN), times

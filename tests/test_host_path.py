@@ -161,35 +161,54 @@ def test_no_device_sync_on_the_gpu(gpu, op):
         torch.cuda.set_sync_debug_mode("default")
 
 
+class DirectStandIn:
+    """Stands in for a plan's direct launcher (:class:`~dflash_rocm.backends.triton.launcher.Launcher`,
+    the GPU path, absent under the interpreter): records the frames from the public entry
+    to it, where the real one calls the compiled kernel."""
+
+    def __init__(self, entry):
+        self.entry, self.stacks = entry, []
+
+    def run(self, grid, args, spec):
+        import inspect
+
+        frames = [f.frame for f in inspect.stack(0)[:30]]
+        self.stacks.append(frames[:next(i for i, f in enumerate(frames) if f.f_code is self.entry) + 1])
+
+
 @needs_interpreter
-@pytest.mark.parametrize("path", ["call", "plan.run"])
-def test_a_repeat_call_reaches_its_launch_through_the_plan_alone(monkeypatch, path):
+@pytest.mark.parametrize("path,most", [("call", 5), ("plan.run", 5), ("precompute", 6)])
+def test_a_repeat_call_reaches_its_launch_through_the_plan_alone(monkeypatch, path, most):
     """A call of a known structure is "get the kept plan, run it": from the public entry
-    to the launch it passes through at most 5 frames, and builds no plan."""
-    import inspect
-
+    to the launch on the GPU path (the direct launcher) it passes through at most 5 frames
+    for the attention, 6 for the precompute, each a function written in a file (no
+    generated code), and builds no plan."""
     from dflash_rocm import dispatch
-    from dflash_rocm.backends.triton import launcher as launch
 
-    args = {**attention_args(), "query": attention_args()["query"].half(),
-            "key_cache": attention_args()["key_cache"].half(), "value_cache": attention_args()["value_cache"].half(),
-            "out": None}
-    plan = dflash_rocm.plan_draft_attention(**args, backend="triton")
-    run = (lambda: dflash_rocm.draft_attention(**args, backend="triton")) if path == "call" else (
-        lambda: plan.run(args["query"], args["key_cache"], args["value_cache"]))
+    monkeypatch.setattr(dispatch, "_plans", {})
+    if path == "precompute":
+        args = precompute_args()
+        entry = dflash_rocm.api.precompute_and_store_context_kv
+        run = lambda: entry(**args, backend="triton")  # noqa: E731
+    else:
+        args = {**attention_args(), "query": attention_args()["query"].half(),
+                "key_cache": attention_args()["key_cache"].half(),
+                "value_cache": attention_args()["value_cache"].half(), "out": None}
+        plan = dflash_rocm.plan_draft_attention(**args, backend="triton")
+        entry = dflash_rocm.api.draft_attention if path == "call" else dflash_rocm.DraftAttentionPlan.run
+        run = (lambda: dflash_rocm.draft_attention(**args, backend="triton")) if path == "call" else (
+            lambda: plan.run(args["query"], args["key_cache"], args["value_cache"]))
     run()  # the first call of the structure makes its plan
-    depths, made = [], []
-    real_call = launch.LaunchPlan.launch_tensors
-
-    entry = (dflash_rocm.api.draft_attention if path == "call" else dflash_rocm.DraftAttentionPlan.run).__code__
-
-    def recording_call(self, tensors):  # frame 0: the launch; its depth below the public entry
-        depths.append(next(i for i, f in enumerate(inspect.stack()[:30]) if f.frame.f_code is entry))
-        return real_call(self, tensors)
-
-    monkeypatch.setattr(launch.LaunchPlan, "launch_tensors", recording_call)
+    (planned,) = dispatch._plans.values()
+    runner = planned.run.__self__
+    direct = DirectStandIn(entry.__code__)
+    for launch_plan in (runner.main, getattr(runner, "merge", None)):
+        if launch_plan is not None:
+            monkeypatch.setattr(launch_plan, "direct", direct)
+    made = []
     monkeypatch.setattr(dispatch, "choose", lambda *a: made.append(a))
-    with launches.capture() as launched:
-        run()
-    assert launched and not made
-    assert max(depths) + 1 <= 5, depths  # frames from the entry to the launch, both counted
+    run()
+    assert direct.stacks and not made
+    for stack in direct.stacks:
+        assert len(stack) <= most, [f.f_code.co_name for f in stack]  # the entry and the launcher counted
+        assert all(f.f_code.co_filename.endswith(".py") for f in stack), [f.f_code.co_filename for f in stack]

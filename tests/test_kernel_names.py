@@ -5,8 +5,10 @@ A constexpr tuple read by index (``MODE[6]``) or a group of runtime values unpac
 position (``a, b, c = group``) compiles whatever order its builder used: a swapped pair
 shows only in the numbers. The kernels build named tuples (``typing.NamedTuple``) and the
 helpers read them by attribute; per-call tensors are bound by parameter name
-(``tests/test_launch.py``). This walks every ``@triton.jit`` function's source with
-``ast``.
+(``tests/test_launch.py``). Named tuples are built by keyword, and helpers of more than
+4 parameters called by keyword, so that swapping two arguments of the same kind is a
+compile error, not a wrong number. This walks every ``@triton.jit`` function's source
+with ``ast``.
 """
 
 import ast
@@ -48,6 +50,30 @@ def positional_reads(fn: ast.FunctionDef) -> list[str]:
 FUNCTIONS = jit_functions()
 
 
+def named_tuples() -> set[str]:
+    """The names of the NamedTuple classes the backends define (the kernels' groups)."""
+    return {node.name for path in sorted(BACKENDS.rglob("*.py"))
+            for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)
+            and any(ast.unparse(base).endswith("NamedTuple") for base in node.bases)}
+
+
+def positional_calls(fn: ast.FunctionDef, groups: set[str], helpers: dict[str, int]) -> list[str]:
+    """Each call in ``fn`` that passes by position what should go by name: a named tuple of
+    ``groups`` built with any positional argument, a helper of ``helpers`` (name ->
+    parameter count) of more than 4 parameters called with any."""
+    found = []
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Call) and node.args:
+            name = ast.unparse(node.func).rsplit(".", 1)[-1]
+            if name in groups or helpers.get(name, 0) > 4:
+                found.append(f"line {node.lineno}: {ast.unparse(node)[:80]}")
+    return found
+
+
+GROUPS = named_tuples()
+HELPERS = {fn.name: len(fn.args.args) for _, fn in FUNCTIONS}
+
+
 def test_the_walk_finds_the_kernels():
     names = {name.split(":")[1] for name, _ in FUNCTIONS}
     assert {"draft_attention_kernel", "merge_segments_kernel", "context_kv_kernel", "_attend", "_epilogue",
@@ -57,6 +83,21 @@ def test_the_walk_finds_the_kernels():
 @pytest.mark.parametrize("name,fn", FUNCTIONS, ids=[name for name, _ in FUNCTIONS])
 def test_no_kernel_or_helper_reads_a_group_by_position(name, fn):
     assert positional_reads(fn) == [], f"{name} reads by position; build a NamedTuple and read it by attribute"
+
+
+@pytest.mark.parametrize("name,fn", FUNCTIONS, ids=[name for name, _ in FUNCTIONS])
+def test_groups_are_built_and_helpers_called_by_name(name, fn):
+    assert positional_calls(fn, GROUPS, HELPERS) == [], f"{name}: pass these by keyword"
+
+
+@pytest.mark.parametrize("source,found", [
+    ("def f(a):\n    AttendMode(True, False)\n", True),
+    ("def f(a):\n    _attend(a, a, a, a, a)\n", True),
+    ("def f(a):\n    AttendMode(CAUSAL=True)\n    _attend(acc=a, m_i=a, l_i=a, query=a, table=a)\n    _f(a, a)\n",
+     False),
+], ids=["group", "helper", "by-name"])
+def test_the_walk_sees_a_positional_call(source, found):
+    assert bool(positional_calls(ast.parse(source).body[0], {"AttendMode"}, {"_attend": 11, "_f": 2})) is found
 
 
 @pytest.mark.parametrize("source,found", [

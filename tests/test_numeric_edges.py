@@ -72,7 +72,7 @@ def test_the_folded_rows_scale_returns_in_every_epilogue(split_k, heads, determi
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(deterministic)
     try:
-        plan = plan_precompute(record_for("precompute_and_store_context_kv", "triton", call), config)
+        plan = plan_precompute(*record_for("precompute_and_store_context_kv", "triton", call), config)
     finally:
         torch.use_deterministic_algorithms(before)
     assert plan.atomic_sum == (split_k > 1 and not deterministic)

@@ -4,12 +4,16 @@ dispatch's plan cache.
 - Each field of the record, changed alone by what it stands for (the environment, the
   engine settings, torch's flag, the platform, ...), makes a new plan; the same call again
   makes none.
-- No implementation's ``plan()`` (nor what it calls, walked with ``ast``) reads the
-  environment, the settings, torch's global flags or the platform by itself.
-- A plan receives the call's facts, never its tensors, and returns a ``Runner``.
+- No implementation's ``plan()``, no backend's reasons and not dispatch's choice (nor what
+  they call, walked with ``ast``) reads the environment, the settings, torch's global
+  flags, the device or the platform by itself; the only reads beside the record are what
+  ``dflash_rocm.process`` declares (checked by identity, not by name).
+- A plan receives the record and the call's facts, never its tensors, and returns a
+  ``Runner``; a record cannot be changed once built.
 """
 
 import ast
+import dataclasses
 import contextlib
 import inspect
 import os
@@ -19,12 +23,12 @@ import types
 import pytest
 import torch
 
-from dflash_rocm import dispatch, envs, planning, platform, registry, tuning
+from dflash_rocm import dispatch, envs, planning, platform, process, registry, tuning
 from dflash_rocm.backend import Runner
 from dflash_rocm.ops import ATTENTION, PRECOMPUTE
 from dflash_rocm.ops.attention import attention_call
 from dflash_rocm.ops.precompute import precompute_call
-from dflash_rocm.planning import PlanningRecord, RecordFields, TensorFacts, record_for
+from dflash_rocm.planning import PlanningRecord, TensorFacts, record_for
 from test_validation import attention_args, precompute_args
 
 
@@ -81,7 +85,7 @@ CHANGES = {
     "bounds": lambda: (ATTENTION, attention(max_seq_len=16, validate=False), "triton", contextlib.nullcontext()),
     "memory": lambda: (ATTENTION, attention(**misaligned_caches()), "triton", contextlib.nullcontext()),
     "platform": lambda: (ATTENTION, attention(), "triton", platform.simulate_platform("gfx942")),
-    "switches": lambda: (ATTENTION, attention(), "triton", env(envs.TAIL_MERGE.name, "off")),
+    "environment": lambda: (ATTENTION, attention(), "triton", env(envs.TAIL_MERGE.name, "off")),
     "settings": lambda: (ATTENTION, attention(), "triton", engine(query_limit=7)),
     "tuning": lambda: (ATTENTION, attention(), "triton", _tables_changed()),
     "deterministic": lambda: (ATTENTION, attention(), "triton", deterministic()),
@@ -95,7 +99,7 @@ def _tables_changed():
 
 
 def test_every_field_of_the_record_is_covered_below():
-    assert set(CHANGES) == set(RecordFields._fields)
+    assert set(CHANGES) == set(PlanningRecord._fields)
 
 
 @pytest.mark.parametrize("field", sorted(CHANGES))
@@ -106,7 +110,8 @@ def test_changing_one_field_of_the_record_makes_a_new_plan(monkeypatch, field):
     op, call, backend, context = CHANGES[field]()
     with context:
         record = planning.planning_record(op.name, backend, call)
-        changed = [f for f in RecordFields._fields if getattr(record, f) != getattr(next(iter(dispatch._plans)), f)]
+        changed = [f for f in PlanningRecord._fields
+                   if getattr(record, f) != getattr(next(iter(dispatch._plans)), f)]
         made = dispatch.planned(op, call, backend)
     assert field in changed, f"{field} did not change the record ({changed})"
     assert made is not base and len(dispatch._plans) == 2
@@ -130,12 +135,11 @@ FORBIDDEN = {
     id(os.environ): "os.environ", id(os.getenv): "os.getenv", id(os.environ.get): "os.environ.get",
     id(torch.are_deterministic_algorithms_enabled): "torch.are_deterministic_algorithms_enabled",
     id(platform.platform_for): "platform_for", id(platform.simulated_platform): "simulated_platform",
-    id(planning.switches): "planning.switches", id(planning.engine_settings): "the engine settings",
+    id(planning.switches): "planning.switches", id(planning.environment): "planning.environment",
+    id(planning.engine_settings): "the engine settings",
     id(planning.planning_record): "planning_record", id(planning.record_for): "record_for",
+    id(torch.cuda.get_device_capability): "the device's capability",
 }
-# Reads the record stands for: the tuned tables (by their generation), whether a graph is
-# being captured (a capture's plan is never kept), libraries probed once per process.
-BOUNDARIES = {"tuned_config", "graph_capturing", "load_flash_attention", "vllm_ops", "probe"}
 
 
 def _resolve(node, scope: dict, owner):
@@ -181,7 +185,7 @@ def direct_reads(fn, owner=None, seen=None) -> list[str]:
             found.append(f"{where}: {ast.unparse(node)}")
         elif id(obj) in FORBIDDEN:
             found.append(f"{where}: {FORBIDDEN[id(obj)]}")
-        elif getattr(obj, "__name__", None) in BOUNDARIES:
+        elif process.read_beside_the_record(obj):
             continue
         elif isinstance(obj, type) and obj.__module__.startswith("dflash_rocm"):
             found += direct_reads(obj.__init__, obj, seen)
@@ -205,6 +209,73 @@ def test_no_plan_reads_the_environment_or_settings_itself(name, impl):
     assert direct_reads(impl.plan, impl) == []
 
 
+def backends():
+    return [cls for cls in map(registry.load, registry.NAMES) if cls is not None]
+
+
+@pytest.mark.parametrize("cls", backends(), ids=lambda cls: cls.name)
+def test_no_backend_reasons_read_beyond_the_record(cls):
+    """The backend choice is planning too (its answer is kept under the record): every
+    reason a backend gives reads the record's platform and switches, nothing else."""
+    reads = direct_reads(cls.not_supported_reasons, cls) + direct_reads(cls.device_not_supported_reasons, cls)
+    for impl in cls.implementations:
+        reads += direct_reads(impl.not_supported_reasons, impl)
+    assert reads == []
+
+
+def test_the_choice_reads_only_the_record():
+    assert direct_reads(dispatch.choose) == []
+
+
+def test_the_walk_exempts_declared_reads_only():
+    """The reads a plan may make beside its record are declared objects, not names: a
+    function of the same name as a declared one is walked like any other."""
+    from dflash_rocm.backends.cuda import flash_attention
+
+    def load_flash_attention():
+        return torch.are_deterministic_algorithms_enabled()
+
+    load_flash_attention.__module__ = "dflash_rocm.fake"
+
+    def plan(record):
+        return load_flash_attention(), flash_attention.load_flash_attention()
+
+    plan.__module__ = "dflash_rocm.fake"
+    assert direct_reads(plan) == ["dflash_rocm.fake.test_the_walk_exempts_declared_reads_only.<locals>."
+                                  "load_flash_attention: torch.are_deterministic_algorithms_enabled"]
+
+
+def test_a_record_refuses_attribute_assignment():
+    record = planning.planning_record(ATTENTION.name, "triton", attention())
+    with pytest.raises(AttributeError):
+        record.call = attention()
+    with pytest.raises(AttributeError):
+        record.platform = None
+    assert hash(record) == hash(planning.planning_record(ATTENTION.name, "triton", attention()))
+
+
+def test_a_changed_aiter_switch_reaches_the_choice(monkeypatch):
+    """DFLASH_ROCM_AITER is read from the record: after a probe under ``auto``, ``0`` makes a
+    choice that says aiter is disabled (the installed aiter is probed once per process)."""
+    from dflash_rocm.backends.aiter import attention as aiter_attention
+
+    monkeypatch.setattr(dispatch, "_plans", {})
+    monkeypatch.setattr(aiter_attention.importlib.util, "find_spec", lambda name: None)
+    aiter_attention.installed.cache_clear()
+    try:
+        with platform.simulate_platform("gfx942"):
+            monkeypatch.setenv(envs.AITER.name, "auto")
+            with pytest.raises(dispatch.BackendUnavailable) as auto:
+                dispatch.planned(ATTENTION, attention(), "aiter")
+            monkeypatch.setenv(envs.AITER.name, "0")
+            with pytest.raises(dispatch.BackendUnavailable) as off:
+                dispatch.planned(ATTENTION, attention(), "aiter")
+    finally:
+        aiter_attention.installed.cache_clear()
+    assert "not installed" in str(auto.value) and "disabled" not in str(auto.value)
+    assert "disabled" in str(off.value)
+
+
 def test_the_walk_finds_a_read_however_deep():
     def helper():
         return envs.TAIL_MERGE.setting()
@@ -219,10 +290,9 @@ def test_the_walk_finds_a_read_however_deep():
 
 def test_a_plan_receives_facts_not_tensors():
     call = attention()
-    record = record_for(ATTENTION.name, "triton", call)
+    record, facts = record_for(ATTENTION.name, "triton", call)
     assert isinstance(record, PlanningRecord) and isinstance(record, tuple)
-    facts = record.call
-    for name, value in vars(facts).items():
+    for name, value in ((f.name, getattr(facts, f.name)) for f in dataclasses.fields(facts)):
         assert not isinstance(value, torch.Tensor), name
     assert isinstance(facts.query, TensorFacts) and facts.query.stride() == call.query.stride()
     assert facts.num_tokens == call.num_tokens and facts.key_cache.data_ptr() == call.key_cache.data_ptr() & 15
@@ -230,7 +300,7 @@ def test_a_plan_receives_facts_not_tensors():
     with pytest.raises(TypeError, match="no address"):
         facts.query.data_ptr()
     pre = precompute_call(*precompute_args().values())
-    pre_facts = record_for(PRECOMPUTE.name, "triton", pre).call
+    pre_facts = record_for(PRECOMPUTE.name, "triton", pre).facts
     assert pre_facts.key_caches[0].data_ptr() == pre.key_caches[0].data_ptr()  # the structure holds them
     assert not any(isinstance(v, torch.Tensor) for v in vars(pre_facts.weights).values())
     assert pre_facts.weights.hidden_size == pre.weights.hidden_size
@@ -240,7 +310,7 @@ def test_a_plan_that_is_not_a_runner_is_refused(monkeypatch):
     from dflash_rocm.backends.triton import TritonAttention
 
     monkeypatch.setattr(dispatch, "_plans", {})
-    monkeypatch.setattr(TritonAttention, "plan", classmethod(lambda cls, record: (lambda call: None)))
+    monkeypatch.setattr(TritonAttention, "plan", classmethod(lambda cls, record, facts: (lambda call: None)))
     with pytest.raises(TypeError, match="TritonAttention.plan returned function; a plan is a"):
         dispatch.planned(ATTENTION, attention(), "triton")
 
@@ -248,4 +318,4 @@ def test_a_plan_that_is_not_a_runner_is_refused(monkeypatch):
 def test_every_implementation_plans_a_runner():
     for name, impl in implementations():
         if impl.op is ATTENTION and name.startswith(("reference", "cpu")):
-            assert isinstance(impl.plan(record_for(ATTENTION.name, name.split(".")[0], attention())), Runner)
+            assert isinstance(impl.plan(*record_for(ATTENTION.name, name.split(".")[0], attention())), Runner)

@@ -463,7 +463,7 @@ def test_auto_passes_over_backends_that_do_not_read_fp8_rows_but_never_to_the_re
         if found is None:
             return None
         return type(name, (found,), {"device_not_supported_reasons": classmethod(
-            lambda cls, device, platform: [] if name in available else ["not here"])})
+            lambda cls, device, platform, switches: [] if name in available else ["not here"])})
     monkeypatch.setattr(dispatch, "backend", backend)
     monkeypatch.setattr(dispatch, "candidates", lambda device: [b for b in map(backend, ("cuda", "triton", "reference"))
                                                                 if b is not None])
@@ -490,7 +490,7 @@ def test_fp8_rows_are_dequantized_where_reading_them_is_modelled_slower(monkeypa
     def backend(name):
         found = real(name)
         return None if found is None else type(name, (found,), {"device_not_supported_reasons": classmethod(
-            lambda cls, device, platform: [])})
+            lambda cls, device, platform, switches: [])})
     monkeypatch.setattr(dispatch, "backend", backend)
     monkeypatch.setattr(dispatch, "candidates", lambda device: [b for b in map(backend, ("rocm", "triton", "reference"))
                                                                 if b is not None])

@@ -59,7 +59,7 @@ RULE_CASES = [(arch, rule) for arch in tables.SUPPORTED_ARCHS for rule in tables
 def test_every_table_entry_matches_the_reference(arch, rule):
     args = case_for(arch, rule)
     with simulate_platform(arch):
-        source, config = rocm.attention_choice(record_for("draft_attention", "rocm", attention_call(*args)))
+        source, config = rocm.attention_choice(*record_for("draft_attention", "rocm", attention_call(*args)))
         assert source == rule.name
         assert config.num_segments >= 2, "the case is long enough to be split"
         ref = dflash_rocm.draft_attention(*args, backend="reference")
@@ -73,7 +73,7 @@ def test_queries_past_the_query_limit_are_served_unsegmented(arch, monkeypatch):
     monkeypatch.setenv("DFLASH_ROCM_QUERY_LIMIT", "4")
     args = paged([300], [7], Hk=1, G=4, D=64, block_size=16)
     with simulate_platform(arch):
-        source, config = rocm.attention_choice(record_for("draft_attention", "rocm", attention_call(*args)))
+        source, config = rocm.attention_choice(*record_for("draft_attention", "rocm", attention_call(*args)))
         out = dflash_rocm.draft_attention(*args, backend="rocm")
     assert source == "unsegmented" and config.num_segments == 1
     ref = dflash_rocm.draft_attention(*args, backend="reference")

@@ -266,10 +266,10 @@ def test_grids_use_the_detected_compute_unit_count():
 
     with simulate_platform("gfx942") as flagship:
         assert rocm.attention_workload(call(), flagship).compute_units == 304
-        full = rocm.attention_choice(record_for("draft_attention", "rocm", call()))[1].num_segments
+        full = rocm.attention_choice(*record_for("draft_attention", "rocm", call()))[1].num_segments
     with simulate_platform("gfx942", compute_units=228) as mi300a:
         assert rocm.attention_workload(call(), mi300a).compute_units == 228
-        fewer = rocm.attention_choice(record_for("draft_attention", "rocm", call()))[1].num_segments
+        fewer = rocm.attention_choice(*record_for("draft_attention", "rocm", call()))[1].num_segments
     assert fewer < full
     small = tables.precompute_config("gfx942", num_tokens=16, hidden=4096, num_heads_total=80, head_dim=128,
                                      compute_units=8)

@@ -304,7 +304,7 @@ def test_precompute_is_one_launch_for_all_layers(monkeypatch, block_t, split_k, 
     assert counter.count == 1
     if heads == 2:  # two token tiles x (5 layers x 2 KV heads): a program per KV head, not per K or V head
         from dflash_rocm.backends.triton.precompute import plan_precompute
-        assert plan_precompute(record_for("precompute_and_store_context_kv", "triton", call),
+        assert plan_precompute(*record_for("precompute_and_store_context_kv", "triton", call),
                                PrecomputeLaunchConfig(block_t=16, block_k=16, heads=2)).main.grid == (2 * L * 2,)
     assert not (aten.ops & _COMPUTE_OPS), f"unfused torch work in the fused path: {aten.ops & _COMPUTE_OPS}"
 
@@ -335,11 +335,11 @@ def test_a_gpu_plan_merges_by_a_second_launch_where_mergers_could_fill_an_xcd(mo
 
     call = attention_call(*paged([600], [16], Hk=2, G=4, D=32, block_size=16))
     config = AttentionLaunchConfig(block_m=64, block_n=16, num_segments=16, merge="tail")
-    record = record_for("draft_attention", "triton", call)
+    record, facts = record_for("draft_attention", "triton", call)
     monkeypatch.setattr(AttentionCall, "device", property(lambda self: torch.device("cuda")))
     for units, mergers, second in ((304, 16, False), (16, 0, True)):  # 2 x 16 mergers: 4 per XCD vs 2 CUs per XCD
-        plan = attention.plan_attention(record.replace(platform=platform_for_arch("gfx942", compute_units=units)),
-                                        config)
+        plan = attention.plan_attention(record._replace(platform=platform_for_arch("gfx942", compute_units=units)),
+                                        facts, config)
         assert plan.main.constexprs["MERGERS"] == mergers and (plan.merge is not None) == second
         assert plan.main.grid[2] == 16 + mergers and plan.scratch.counters == (0 if second else 2)
 
@@ -351,10 +351,10 @@ def test_tail_merge_can_be_switched_off(monkeypatch):
 
     call = attention_call(*paged([600], [16], Hk=2, G=4, D=32, block_size=16))
     config = AttentionLaunchConfig(block_m=64, block_n=16, num_segments=16, merge="tail")
-    assert attention.plan_attention(record_for("draft_attention", "triton", call), config).main.constexprs[
+    assert attention.plan_attention(*record_for("draft_attention", "triton", call), config).main.constexprs[
         "MERGERS"] == 16
     monkeypatch.setenv("DFLASH_ROCM_TAIL_MERGE", "off")
-    plan = attention.plan_attention(record_for("draft_attention", "triton", call), config)
+    plan = attention.plan_attention(*record_for("draft_attention", "triton", call), config)
     assert plan.main.constexprs["MERGERS"] == 0 and plan.merge is not None
 
 
@@ -411,7 +411,7 @@ def test_split_parts_add_into_one_sum_unless_torch_asks_for_determinism(determin
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(deterministic)
     try:
-        assert plan_precompute(record_for("precompute_and_store_context_kv", "triton", call),
+        assert plan_precompute(*record_for("precompute_and_store_context_kv", "triton", call),
                                config).atomic_sum is not deterministic
         for _ in range(2):
             k, v = run_precompute(call, config)
@@ -700,7 +700,7 @@ def test_fp8_cache_switches_apply_only_where_they_lose_nothing(field):
         q, kc, vc, *rest = paged([20], [4], Hk=1, G=4, D=32, block_size=16, dtype=dtype)
         if fp8:
             kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
-        plan = plan_attention(record_for("draft_attention", "triton", attention_call(q, kc, vc, *rest)), config)
+        plan = plan_attention(*record_for("draft_attention", "triton", attention_call(q, kc, vc, *rest)), config)
         assert plan.main.constexprs[constexpr] == expected, (dtype, fp8)
 
 

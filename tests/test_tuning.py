@@ -17,6 +17,7 @@ import dflash_rocm
 from dflash_rocm import cli, tuning
 from dflash_rocm.backends.rocm import settings, tables, tuner
 from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig
+from dflash_rocm.ops import ATTENTION
 from dflash_rocm.ops.attention import AttentionSpec
 from dflash_rocm.platform import platform_for_arch, simulate_platform
 from support import needs_interpreter
@@ -212,7 +213,7 @@ def test_rocm_backend_uses_the_tuned_config(monkeypatch):
 
             monkeypatch.setattr(tuner, "candidates", lambda d, g: [faster])
             tuner.tune_attention(platform, spec, torch.device("cpu"), runner_for=runner_for)
-            source, config = rocm.attention_choice(record_for("draft_attention", "rocm", call))
+            source, config = rocm.attention_choice(*record_for("draft_attention", "rocm", call))
             out = dflash_rocm.draft_attention(*args, backend="rocm")
         assert source == "tuned" and config == faster
         ref = dflash_rocm.draft_attention(*args, backend="reference")
@@ -281,16 +282,19 @@ def spec_of_args():
     return attention_call(*attn_args()).spec
 
 
-def serve(times=3):
-    """Attention calls through the rocm backend, each checked against the reference."""
+def serve(times=3, warm_up=True):
+    """Attention calls through the rocm backend (after its warm-up, which tunes, unless
+    ``warm_up`` is False), each checked against the reference."""
     from dflash_rocm.backends import rocm
     from dflash_rocm.ops.attention import attention_call
 
+    if warm_up:
+        rocm.RocmBackend.warm_up(ATTENTION, spec_of_args(), torch.device("cpu"))
     ref = dflash_rocm.draft_attention(*attn_args(), backend="reference")
     for _ in range(times):
         out = dflash_rocm.draft_attention(*attn_args(), backend="rocm")
         assert dflash_rocm.contract.relative_error(out, ref) < 2e-3
-    return rocm.attention_choice(record_for("draft_attention", "rocm", attention_call(*attn_args())))
+    return rocm.attention_choice(*record_for("draft_attention", "rocm", attention_call(*attn_args())))
 
 
 def warnings_about(caplog, text):
@@ -420,19 +424,36 @@ def test_a_read_only_cache_without_a_table_falls_back_to_the_table_with_one_warn
 
 
 @needs_interpreter
-def test_no_tuning_starts_while_a_graph_is_captured(rdna, monkeypatch):
-    """Tuning times kernels on the GPU, which a capture forbids: a spec whose table is not
-    loaded gets the table's config in the graph, and the next eager call tunes."""
-    from dflash_rocm import launches
-
+def test_a_plan_never_tunes_and_finds_what_warm_up_tuned(rdna, monkeypatch):
+    """Tuning happens in warm-up (and ``dflash-rocm tune``) only: calls before it get the
+    table's config and start no tuner; after it, the next call's plan (a new record: the
+    tables' generation moved) gets the tuned config."""
     runners = []
     monkeypatch.setattr(tuner, "gpu_runner", lambda *a: runners.append(1) or fast_warps_runner(*a))
-    with monkeypatch.context() as m:
-        m.setattr(launches, "graph_capturing", lambda device: True)
-        source, _ = serve(times=2)
+    source, _ = serve(times=2, warm_up=False)
     assert source != "tuned" and not runners
     source, config = serve(times=1)
     assert source == "tuned" and config.num_warps == 8 and runners
+
+
+@needs_interpreter
+def test_a_table_tuned_under_other_engine_settings_is_not_used(rdna):
+    """A tuned table is kept under the engine settings and cache directory it was tuned
+    under: a plan under another batch limit, model length or cache directory gets the
+    table's config until warm-up tunes for those settings."""
+    source, _ = serve(times=1)
+    assert source == "tuned"
+    for change in (dict(batch_limit=2), dict(max_model_len=128)):
+        previous = settings.current()
+        settings.configure(**change)
+        try:
+            assert serve(times=1, warm_up=False)[0] != "tuned", change
+        finally:
+            settings.configure(**previous.__dict__)
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("DFLASH_ROCM_CACHE_DIR", str(tuning.cache_dir()) + "-other")
+        assert serve(times=1, warm_up=False)[0] != "tuned"
+    assert serve(times=1, warm_up=False)[0] == "tuned"
 
 
 def _entry_with(**best):
@@ -512,8 +533,8 @@ def test_a_tuned_config_that_fails_to_launch_is_dropped_and_the_call_served(rdna
             failed.append(self.config)
             raise RuntimeError("out of resources: shared memory")
 
-    def plan(record, config):
-        return FailsToLaunch(config) if config.num_warps == 8 else real(record, config)
+    def plan(record, facts, config):
+        return FailsToLaunch(config) if config.num_warps == 8 else real(record, facts, config)
 
     monkeypatch.setattr(rocm, "plan_attention", plan)
     with caplog.at_level(logging.WARNING, logger="dflash_rocm"):

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import torch
 
+from dflash_rocm import envs
 from dflash_rocm.backend import AttentionImplementation, Backend, CallRunner, Runner
 from dflash_rocm.backends.rocm import RocmAttention
 from dflash_rocm.ops.attention import AttentionCall
-from dflash_rocm.planning import PlanningRecord
+from dflash_rocm.planning import PlanningRecord, Switches
 from dflash_rocm.platform import Platform
 
 from . import attention
@@ -24,14 +25,16 @@ class AiterAttention(AttentionImplementation):
 
     @classmethod
     def not_supported_reasons(cls, call: AttentionCall, platform: Platform) -> list[str]:
-        if AiterBackend.device_not_supported_reasons(call.device, platform):
-            return []  # aiter's own checks need aiter and a GPU: the backend's reasons say what is missing
+        features, why = attention.installed()
+        if why:
+            return []  # aiter's own checks need its features: the backend's reasons say why there are none
         # the shared reasons first: CK's paged kernel reads plain pages, not ROCM_ATTN's packed ones
-        return super().not_supported_reasons(call, platform) + attention.call_reasons(call)
+        return super().not_supported_reasons(call, platform) + attention.call_reasons(call, features)
 
     @classmethod
-    def plan(cls, record: PlanningRecord) -> Runner:
-        return CallRunner(attention.run, fallback=RocmAttention.plan(record).run)
+    def plan(cls, record: PlanningRecord, facts: AttentionCall) -> Runner:
+        features, _ = attention.probe(record.switches.aiter)
+        return CallRunner(attention.run, features=features, fallback=RocmAttention.plan(record, facts).run)
 
 
 class AiterBackend(Backend):
@@ -40,15 +43,16 @@ class AiterBackend(Backend):
     implementations = (AiterAttention,)
 
     @classmethod
-    def device_not_supported_reasons(cls, device: torch.device, platform: Platform) -> list[str]:
-        reasons = attention.platform_reasons(platform)
+    def device_not_supported_reasons(cls, device: torch.device, platform: Platform,
+                                     switches: Switches) -> list[str]:
+        reasons = attention.platform_reasons(platform, switches.aiter)
         if device.type != "cuda":
             reasons.append(f"aiter runs on GPU tensors only (tensors on {device.type})")
         return reasons
 
     @classmethod
     def status(cls) -> dict[str, str]:
-        features, why = attention.probe()
+        features, why = attention.probe(envs.AITER.setting())
         if why:
             return {"aiter": why}
         return {"aiter": "usable (paged CK attention" + (", sinks" if features.sinks else ", no sinks") + ")"}

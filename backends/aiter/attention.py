@@ -16,7 +16,6 @@ checked at its first eager call.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
 import inspect
@@ -27,11 +26,12 @@ from typing import Callable
 
 import torch
 
-from dflash_rocm import envs, launches
+from dflash_rocm import launches
 from dflash_rocm.contract import relative_error, spec_tolerance
 from dflash_rocm.ops.attention import AttentionCall
 from dflash_rocm.ops.attention.varlen import varlen_kwargs
 from dflash_rocm.platform import Platform
+from dflash_rocm.process import process_constant
 
 logger = logging.getLogger("dflash_rocm")
 AITER_PAGE_MULTIPLE = 128
@@ -44,11 +44,19 @@ class AiterFeatures:
     sinks: bool
 
 
-@functools.lru_cache(maxsize=1)
-def probe() -> tuple[AiterFeatures | None, str | None]:
-    """``(features, None)`` or ``(None, why aiter cannot be used)``."""
-    if envs.AITER.setting() is False:
-        return None, f"disabled ({envs.AITER.name}={envs.AITER.get()})"
+def probe(setting: bool | str) -> tuple[AiterFeatures | None, str | None]:
+    """``(features, None)`` or ``(None, why aiter cannot be used)`` under ``setting``, the
+    ``DFLASH_ROCM_AITER`` switch as the planning record holds it (off: disabled, whatever
+    is installed)."""
+    if setting is False:
+        return None, "disabled (DFLASH_ROCM_AITER is off)"
+    return installed()
+
+
+@process_constant
+def installed() -> tuple[AiterFeatures | None, str | None]:
+    """``(features, None)`` or ``(None, why the installed aiter cannot be used)``: probed
+    once per process."""
     if importlib.util.find_spec("aiter") is None:
         return None, "not installed (pip install amd-aiter in a ROCm environment)"
     try:
@@ -67,9 +75,10 @@ def probe() -> tuple[AiterFeatures | None, str | None]:
     return AiterFeatures(fn, True, "sink_ptr" in params), None
 
 
-def platform_reasons(platform: Platform) -> list[str]:
-    """Why aiter cannot run on ``platform`` at all (probe first: it says why best)."""
-    _, why = probe()
+def platform_reasons(platform: Platform, setting: bool | str) -> list[str]:
+    """Why aiter cannot run on ``platform`` at all under the switch's ``setting`` (probe
+    first: it says why best)."""
+    _, why = probe(setting)
     if why:
         return [why]
     if platform.family != "cdna":
@@ -77,11 +86,8 @@ def platform_reasons(platform: Platform) -> list[str]:
     return []
 
 
-def call_reasons(call: AttentionCall) -> list[str]:
-    """Why aiter's kernel cannot compute ``call`` (the probe having passed)."""
-    features, why = probe()
-    if why:
-        return [why]
+def call_reasons(call: AttentionCall, features: AiterFeatures) -> list[str]:
+    """Why aiter's kernel (``features``: what the probe found) cannot compute ``call``."""
     out = []
     if call.block_size % AITER_PAGE_MULTIPLE:
         out.append(f"aiter's paged path needs pages of a multiple of {AITER_PAGE_MULTIPLE} rows "
@@ -114,10 +120,10 @@ _lock = threading.Lock()
 _captured_unchecked: set[str] = set()  # signatures already logged as served by the fallback in a graph
 
 
-def run(call: AttentionCall, fallback: Callable[[AttentionCall], None]) -> None:
-    """aiter's attention; on the first call of a signature, checked against ``fallback``
-    (see the module for calls captured in a CUDA graph before that check)."""
-    features, _ = probe()
+def run(call: AttentionCall, features: AiterFeatures, fallback: Callable[[AttentionCall], None]) -> None:
+    """aiter's attention (``features``: what the plan's probe found); on the first call of
+    a signature, checked against ``fallback`` (see the module for calls captured in a CUDA
+    graph before that check)."""
     key = call.summary()
     with _lock:
         state = _verified.get(key)

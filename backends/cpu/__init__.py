@@ -13,6 +13,7 @@ from dflash_rocm.backend import AttentionImplementation, Backend, PrecomputeImpl
 from dflash_rocm.contract import FP8_DTYPES
 from dflash_rocm.ops.attention import AttentionCall
 from dflash_rocm.ops.precompute import PrecomputeCall
+from dflash_rocm.planning import Switches
 from dflash_rocm.platform import Platform
 
 from .attention import run_draft_attention
@@ -44,7 +45,8 @@ class CpuBackend(Backend):
     implementations = (CpuAttention, CpuPrecompute)
 
     @classmethod
-    def device_not_supported_reasons(cls, device: torch.device, platform: Platform) -> list[str]:
+    def device_not_supported_reasons(cls, device: torch.device, platform: Platform,
+                                     switches: Switches) -> list[str]:
         if device.type != "cpu":
             return [f"serves CPU tensors only (these are on {device.type})"]
         return []

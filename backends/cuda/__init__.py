@@ -10,20 +10,20 @@ checks the composition.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from dflash_rocm.backend import AttentionImplementation, Backend, CallRunner, PrecomputeImplementation, Runner
 from dflash_rocm.ops.attention import AttentionCall
-from dflash_rocm.planning import PlanningRecord
+from dflash_rocm.ops.precompute import PrecomputeCall
+from dflash_rocm.planning import PlanningRecord, Switches
 from dflash_rocm.platform import Platform
+from dflash_rocm.process import process_constant
 from dflash_rocm.unfused import VllmOps, unfused_precompute
 
 from .flash_attention import load_flash_attention, run_flash_attention
 
 
-@functools.lru_cache(maxsize=1)
+@process_constant
 def vllm_ops() -> tuple[VllmOps | None, str | None]:
     try:
         return VllmOps(), None
@@ -69,7 +69,7 @@ class CudaAttention(CudaLimits, AttentionImplementation):
         return reasons
 
     @classmethod
-    def plan(cls, record: PlanningRecord) -> Runner:
+    def plan(cls, record: PlanningRecord, facts: AttentionCall) -> Runner:
         fa, version, _ = load_flash_attention()
         return CallRunner(run_flash_attention, flash_attn_varlen_func=fa, fa_version=version)
 
@@ -78,7 +78,7 @@ class CudaPrecompute(CudaLimits, PrecomputeImplementation):
     """vLLM's own sequence of ops around one GEMM (``dflash_rocm.unfused``)."""
 
     @classmethod
-    def plan(cls, record: PlanningRecord) -> Runner:
+    def plan(cls, record: PlanningRecord, facts: PrecomputeCall) -> Runner:
         return CallRunner(unfused_precompute, ops=vllm_ops()[0])
 
 
@@ -88,7 +88,8 @@ class CudaBackend(Backend):
     implementations = (CudaAttention, CudaPrecompute)
 
     @classmethod
-    def device_not_supported_reasons(cls, device: torch.device, platform: Platform) -> list[str]:
+    def device_not_supported_reasons(cls, device: torch.device, platform: Platform,
+                                     switches: Switches) -> list[str]:
         reasons = []
         if platform.vendor != "cuda":
             reasons.append(f"needs an NVIDIA GPU (tensors on {device.type}, platform {platform.vendor})")

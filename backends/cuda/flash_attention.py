@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import torch
 
 from dflash_rocm.ops.attention import AttentionCall
 from dflash_rocm.ops.attention.varlen import varlen_kwargs
+from dflash_rocm.process import process_constant
 
 
-@functools.lru_cache(maxsize=1)
+@process_constant
 def load_flash_attention() -> tuple[Callable | None, int, str | None]:
     """``(flash_attn_varlen_func, fa_version, reason it is unusable or None)``."""
     try:

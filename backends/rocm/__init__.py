@@ -14,8 +14,9 @@ from dflash_rocm.backends.triton.attention import AttentionPlan, attention_runne
 from dflash_rocm.backends.triton.launcher import prelude_seconds
 from dflash_rocm.backends.triton.launch_config import AttentionLaunchConfig, PrecomputeLaunchConfig
 from dflash_rocm.ops.attention import AttentionCall, AttentionSpec
+from dflash_rocm.ops.precompute import PrecomputeCall
 from dflash_rocm.paged import memory_of
-from dflash_rocm.planning import PlanningRecord
+from dflash_rocm.planning import PlanningRecord, Switches
 from dflash_rocm.platform import Platform, platform_for
 from dflash_rocm.tuning import cache_dir
 
@@ -38,31 +39,31 @@ def attention_workload(call: AttentionCall, platform: Platform) -> tables.Attent
                                     buffer_loads=small)
 
 
-def table_choice(record: PlanningRecord) -> tuple[str, AttentionLaunchConfig]:
+def table_choice(record: PlanningRecord, call: AttentionCall) -> tuple[str, AttentionLaunchConfig]:
     """(the table's rule, or ``unsegmented`` past the query limit; config) of the
-    attention call ``record`` plans."""
-    return tables.attention_config(attention_workload(record.call, record.platform),
-                                   settings.planned_query_limit(record))
+    attention call ``record`` plans (``call``: its facts)."""
+    return tables.attention_config(attention_workload(call, record.platform), settings.planned_query_limit(record))
 
 
-def attention_choice(record: PlanningRecord) -> tuple[str, AttentionLaunchConfig]:
+def attention_choice(record: PlanningRecord, call: AttentionCall) -> tuple[str, AttentionLaunchConfig]:
     """(where it came from, config): the table's rule, ``unsegmented`` past the query
-    limit, or ``tuned`` when startup tuning found a clear winner for this workload (the
-    tuned tables' generation is part of the record)."""
-    call, platform = record.call, record.platform
-    name, config = table_choice(record)
+    limit, or ``tuned`` when startup tuning (``warm_up``, ``dflash-rocm tune``: never a
+    plan) found a clear winner for this workload under the record's engine settings and
+    cache directory (the tuned tables' generation is part of the record)."""
+    platform = record.platform
+    name, config = table_choice(record, call)
     if name != "unsegmented" and settings.tuning_on(record.switches.tune, platform):
         w = attention_workload(call, platform)
-        tuned = tuner.tuned_config(platform, call.spec, call.device, w.batch, w.query_len, w.key_span,
-                                   settings.planned_effective_query_limit(record), record.settings)
+        tuned = tuner.tuned_config(tuner.planned_key(record, call.spec), w.batch, w.query_len, w.key_span)
         if tuned is not None:
             return "tuned", tuned
     return name, config
 
 
-def precompute_choice(record: PlanningRecord) -> PrecomputeLaunchConfig:
-    """The ROCm table's precompute configuration for the call ``record`` plans."""
-    call, platform = record.call, record.platform
+def precompute_choice(record: PlanningRecord, call: PrecomputeCall) -> PrecomputeLaunchConfig:
+    """The ROCm table's precompute configuration for the call ``record`` plans (``call``:
+    its facts)."""
+    platform = record.platform
     w = call.weights
     return tables.precompute_config(platform.arch, num_tokens=call.num_tokens, hidden=w.hidden_size,
                                     num_heads_total=2 * w.num_layers * w.num_kv_heads, head_dim=w.head_dim,
@@ -76,10 +77,10 @@ class TunedAttention(Runner):
     under the table's configuration: the tuner must never fail a call. Rerunning is safe,
     the kernels write only ``out``."""
 
-    __slots__ = ("plan", "tuned", "record")
+    __slots__ = ("plan", "tuned", "record", "facts")
 
-    def __init__(self, plan: AttentionPlan, record: PlanningRecord):
-        self.plan, self.tuned, self.record = plan, True, record
+    def __init__(self, plan: AttentionPlan, record: PlanningRecord, facts: AttentionCall):
+        self.plan, self.tuned, self.record, self.facts = plan, True, record, facts
 
     def run(self, call: AttentionCall) -> None:
         if not self.tuned:
@@ -90,10 +91,9 @@ class TunedAttention(Runner):
         except Exception as exc:  # any launch failure of a tuned config
             logger.warning("tuned launch config %s failed (%s: %s); dropped, using the table's config",
                            self.plan.config, type(exc).__name__, exc)
-            tuner.forget_config(self.record.platform, call.spec, self.plan.config,
-                                settings.planned_effective_query_limit(self.record))
+            tuner.forget_config(tuner.planned_key(self.record, call.spec), call.spec, self.plan.config)
             self.tuned = False
-            self.plan = plan_attention(self.record, table_choice(self.record)[1])
+            self.plan = plan_attention(self.record, self.facts, table_choice(self.record, self.facts)[1])
             self.plan.run(call)
 
 
@@ -102,11 +102,11 @@ class RocmAttention(TritonAttention):
     startup tuning (``DFLASH_ROCM_TUNE``; on by default for RDNA) as its warm-up."""
 
     @classmethod
-    def plan(cls, record: PlanningRecord) -> Runner:
-        source, config = attention_choice(record)
-        if source == "tuned" and record.call.num_tokens:
-            return TunedAttention(plan_attention(record, config), record)
-        return attention_runner(record, config)
+    def plan(cls, record: PlanningRecord, facts: AttentionCall) -> Runner:
+        source, config = attention_choice(record, facts)
+        if source == "tuned" and facts.num_tokens:
+            return TunedAttention(plan_attention(record, facts, config), record, facts)
+        return attention_runner(record, facts, config)
 
     @classmethod
     def warm_up(cls, spec: AttentionSpec, device: torch.device) -> None:
@@ -123,8 +123,8 @@ class RocmPrecompute(TritonPrecompute):
     """The fused context-KV kernel under the architecture's table."""
 
     @classmethod
-    def launch_config(cls, record: PlanningRecord) -> PrecomputeLaunchConfig:
-        return precompute_choice(record)
+    def launch_config(cls, record: PlanningRecord, facts: PrecomputeCall) -> PrecomputeLaunchConfig:
+        return precompute_choice(record, facts)
 
 
 class RocmBackend(Backend):
@@ -135,7 +135,8 @@ class RocmBackend(Backend):
     implementations = (RocmAttention, RocmPrecompute)
 
     @classmethod
-    def device_not_supported_reasons(cls, device: torch.device, platform: Platform) -> list[str]:
+    def device_not_supported_reasons(cls, device: torch.device, platform: Platform,
+                                     switches: Switches) -> list[str]:
         if platform.vendor != "rocm":
             return [f"needs an AMD GPU with ROCm torch (tensors on {device.type}, platform {platform.vendor})"]
         if platform.arch not in tables.SUPPORTED_ARCHS:

@@ -6,28 +6,27 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
-import logging
 import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from dflash_rocm.version import __version__
-from dflash_rocm import launches, tuning
+from dflash_rocm import envs, tuning
 from dflash_rocm.backends.triton import attention_kernels
 from dflash_rocm.backends.triton.attention import plan_attention, run_draft_attention
 from dflash_rocm.backends.triton.launch_config import MERGES, AttentionLaunchConfig
 from dflash_rocm.contract import dtype_name
 from dflash_rocm.ops import ATTENTION
 from dflash_rocm.ops.attention import AttentionCall, AttentionSpec, attention_call
-from dflash_rocm.planning import EngineSettings, record_for
+from dflash_rocm.planning import PlanningRecord, record_for
 from dflash_rocm.platform import Platform
 from dflash_rocm.timing import median_seconds
 
 from . import settings, tables
 
-logger = logging.getLogger("dflash_rocm")
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 SPAN_BUCKETS = (1024, 4096, 16384, 65536, 131072)
@@ -190,7 +189,7 @@ def gpu_runner(spec: AttentionSpec, w: tuning.Workload, device: torch.device) ->
         return call.out
 
     def time(config):
-        planned = plan_attention(record_for(ATTENTION.name, "rocm", call), config)  # once, as a served call's plan
+        planned = plan_attention(*record_for(ATTENTION.name, "rocm", call), config)  # once, as a served call's plan
         return median_seconds(lambda _: planned.run(call), device, warmup=2, repeats=10,
                               setup=flush.zero_ if flush is not None else None)
 
@@ -211,30 +210,52 @@ class TunedConfigs:
             (e.workload, launch_config_from_dict(e.best, group, platform.family)) for e in table.entries))
 
 
-_tables: dict[tuple, TunedConfigs] = {}
+class TablesKey(NamedTuple):
+    """What a tuned table in memory was tuned under: the platform, the spec, the query
+    limit, the engine's batch limit and model length (they decide the workloads tuned) and
+    the cache directory (``DFLASH_ROCM_CACHE_DIR``; "": the default location) it was read
+    from and written to. A plan looks its table up under its record's values
+    (:func:`planned_key`), so it never gets a table tuned under other settings."""
+
+    platform: Platform
+    spec: AttentionSpec
+    query_limit: int
+    batch_limit: int
+    max_model_len: int
+    cache_dir: str
+
+
+_tables: dict[TablesKey, TunedConfigs] = {}
 _tables_lock = threading.Lock()
 
 
-def _key(platform: Platform, spec: AttentionSpec, limit: int | None = None) -> tuple:
-    return platform, spec, settings.effective_query_limit() if limit is None else limit
+def current_key(platform: Platform, spec: AttentionSpec) -> TablesKey:
+    """The key of ``spec``'s table on ``platform`` under the settings now (tuning)."""
+    engine = settings.current()
+    return TablesKey(platform=platform, spec=spec, query_limit=settings.effective_query_limit(),
+                     batch_limit=engine.batch_limit, max_model_len=engine.max_model_len,
+                     cache_dir=envs.CACHE_DIR.setting())
+
+
+def planned_key(record: PlanningRecord, spec: AttentionSpec) -> TablesKey:
+    """:func:`current_key` as the planning ``record`` holds the settings."""
+    return TablesKey(platform=record.platform, spec=spec, query_limit=settings.planned_effective_query_limit(record),
+                     batch_limit=record.settings.batch_limit, max_model_len=record.settings.max_model_len,
+                     cache_dir=record.switches.cache_dir)
 
 
 def tune_attention(platform: Platform, spec: AttentionSpec, device: torch.device, *, runner_for=None,
                    progress=None, path: Path | None = None) -> tuning.TunedTable:
     """The tuned table for ``spec`` on this GPU under the settings now: from memory, from
-    disk, or tuned now. A cache fault never raises here (see :mod:`dflash_rocm.tuning`)."""
-    return _tuned_configs(platform, spec, device, settings.effective_query_limit(), settings.current(),
-                          runner_for=runner_for, progress=progress, path=path).table
-
-
-def _tuned_configs(platform: Platform, spec: AttentionSpec, device: torch.device, limit: int,
-                   engine: EngineSettings, *, runner_for=None, progress=None, path: Path | None = None) -> TunedConfigs:
-    key = _key(platform, spec, limit)
+    disk, or tuned now (``warm_up`` and ``dflash-rocm tune`` call this; a plan only looks
+    the table up: :func:`tuned_config`). A cache fault never raises here (see
+    :mod:`dflash_rocm.tuning`); a table that changes moves the tuned tables' generation."""
+    key = current_key(platform, spec)
     with _tables_lock:
         if key in _tables:
-            return _tables[key]
-    ident = cached_identity(platform, spec, limit)
-    todo = workloads(limit, engine.batch_limit, engine.max_model_len, spec.sliding_window)
+            return _tables[key].table
+    ident = cached_identity(platform, spec, key.query_limit)
+    todo = workloads(key.query_limit, key.batch_limit, key.max_model_len, spec.sliding_window)
 
     def default_for(w):
         return tables.segmented_config(table_workload(platform, spec, w))[1]
@@ -250,45 +271,25 @@ def _tuned_configs(platform: Platform, spec: AttentionSpec, device: torch.device
     configs = TunedConfigs.of(table, spec, platform)
     with _tables_lock:
         tuning.tables_changed()
-        return _tables.setdefault(key, configs)
+        return _tables.setdefault(key, configs).table
 
 
-def tuned_config(platform: Platform, spec: AttentionSpec, device: torch.device, batch: int, query_len: int,
-                 key_span: int, limit: int, engine: EngineSettings) -> AttentionLaunchConfig | None:
-    """The tuned config for one call, or None (the table's config applies). Per call this
-    is a dict lookup and a few bisections. Tuning is an optimisation: if it fails for any
-    reason the spec is remembered as untuned with one warning, and calls go on. A spec
-    whose table is not loaded yet while a CUDA graph is captured gets the table's config
-    in that graph (tuning times kernels on the GPU; the next eager call loads or tunes)."""
-    key = _key(platform, spec, limit)
+def tuned_config(key: TablesKey, batch: int, query_len: int, key_span: int) -> AttentionLaunchConfig | None:
+    """The tuned config for one call, or None (no table tuned under ``key``, or no tuned
+    workload covers the call: the table's config applies). A lookup: a dict and a few
+    bisections; it never tunes."""
     configs = _tables.get(key)
-    if configs is None and launches.graph_capturing(device):
-        return None
-    if configs is None:
-        try:
-            configs = _tuned_configs(platform, spec, device, limit, engine)
-        except Exception as exc:  # a tuner fault must not fail the call
-            logger.warning("ROCm tuning failed for %s (%s: %s); using the table's configs",
-                           spec, type(exc).__name__, exc)
-            configs = TunedConfigs(tuning.TunedTable(cached_identity(platform, spec, key[2]), []),
-                                   tuning.WorkloadIndex(()))
-            with _tables_lock:
-                tuning.tables_changed()
-                configs = _tables.setdefault(key, configs)
-    return configs.index.find(batch, query_len, key_span)
+    return None if configs is None else configs.index.find(batch, query_len, key_span)
 
 
-def forget_config(platform: Platform, spec: AttentionSpec, config: AttentionLaunchConfig,
-                  limit: int | None = None) -> None:
-    """Stop using ``config`` for ``spec`` (under query ``limit``; default: the one now) in
-    this process (it failed at launch)."""
-    key = _key(platform, spec, limit)
+def forget_config(key: TablesKey, spec: AttentionSpec, config: AttentionLaunchConfig) -> None:
+    """Stop using ``config`` in the table under ``key`` in this process (it failed at launch)."""
     with _tables_lock:
         configs = _tables.get(key)
         if configs is None:
             return
         entries = [e for e in configs.table.entries if e.best != config.as_dict()]
-        _tables[key] = TunedConfigs.of(tuning.TunedTable(configs.table.identity, entries), spec, platform)
+        _tables[key] = TunedConfigs.of(tuning.TunedTable(configs.table.identity, entries), spec, key.platform)
         tuning.tables_changed()
 
 

@@ -6,8 +6,9 @@ import torch
 
 from dflash_rocm.backend import AttentionImplementation, Backend, PrecomputeImplementation, Runner
 from dflash_rocm.contract import FP8_DTYPES
+from dflash_rocm.ops.attention import AttentionCall
 from dflash_rocm.ops.precompute import PrecomputeCall
-from dflash_rocm.planning import PlanningRecord
+from dflash_rocm.planning import PlanningRecord, Switches
 from dflash_rocm.platform import Platform
 
 from .attention import attention_config_for, attention_runner
@@ -45,12 +46,12 @@ class TritonAttention(TritonLimits, AttentionImplementation):
     MAX_QUERIES_PER_KV = 16
 
     @classmethod
-    def launch_config(cls, record: PlanningRecord) -> AttentionLaunchConfig:
-        return attention_config_for(record.call, record.platform)
+    def launch_config(cls, record: PlanningRecord, facts: AttentionCall) -> AttentionLaunchConfig:
+        return attention_config_for(facts, record.platform)
 
     @classmethod
-    def plan(cls, record: PlanningRecord) -> Runner:
-        return attention_runner(record, cls.launch_config(record))
+    def plan(cls, record: PlanningRecord, facts: AttentionCall) -> Runner:
+        return attention_runner(record, facts, cls.launch_config(record, facts))
 
 
 class TritonPrecompute(TritonLimits, PrecomputeImplementation):
@@ -81,12 +82,12 @@ class TritonPrecompute(TritonLimits, PrecomputeImplementation):
         return reasons
 
     @classmethod
-    def launch_config(cls, record: PlanningRecord) -> PrecomputeLaunchConfig:
-        return precompute_config_for(record.call, record.platform)
+    def launch_config(cls, record: PlanningRecord, facts: PrecomputeCall) -> PrecomputeLaunchConfig:
+        return precompute_config_for(facts, record.platform)
 
     @classmethod
-    def plan(cls, record: PlanningRecord) -> Runner:
-        return precompute_runner(record, cls.launch_config(record))
+    def plan(cls, record: PlanningRecord, facts: PrecomputeCall) -> Runner:
+        return precompute_runner(record, facts, cls.launch_config(record, facts))
 
 
 def triton_device_reasons(device: torch.device) -> list[str]:
@@ -108,7 +109,8 @@ class TritonBackend(Backend):
     implementations = (TritonAttention, TritonPrecompute)
 
     @classmethod
-    def device_not_supported_reasons(cls, device: torch.device, platform: Platform) -> list[str]:
+    def device_not_supported_reasons(cls, device: torch.device, platform: Platform,
+                                     switches: Switches) -> list[str]:
         return triton_device_reasons(device)
 
     @classmethod

@@ -93,12 +93,12 @@ class AttentionPlan(Runner):
                               seq_lens_ptr=call.seq_lens, sinks_ptr=sinks, out_ptr=out)
 
 
-def plan_attention(record: PlanningRecord, config: AttentionLaunchConfig) -> AttentionPlan:
-    """The plan of the call structure ``record`` holds under ``config``, its merge decided
+def plan_attention(record: PlanningRecord, call: AttentionCall, config: AttentionLaunchConfig) -> AttentionPlan:
+    """The plan of the call structure ``record`` holds (``call``: its facts) under
+    ``config``, its merge decided
     here once: the configuration's, unless merger programs are switched off
     (``DFLASH_ROCM_TAIL_MERGE``) or could wait on segments that find no room (then a
     second launch)."""
-    call = record.call
     G = call.num_queries_per_kv
     if config.block_m < G:
         raise ValueError(f"block_m={config.block_m} cannot hold the {G} query heads of one KV head")
@@ -160,12 +160,12 @@ def plan_attention(record: PlanningRecord, config: AttentionLaunchConfig) -> Att
     return AttentionPlan(config, main, second, PlanScratch(partials, counters))
 
 
-def attention_runner(record: PlanningRecord, config: AttentionLaunchConfig) -> Runner:
-    """What runs every call of the structure ``record`` holds under ``config``: its plan
-    (nothing, for a batch without queries)."""
-    if record.call.num_tokens == 0:
+def attention_runner(record: PlanningRecord, call: AttentionCall, config: AttentionLaunchConfig) -> Runner:
+    """What runs every call of the structure ``record`` holds (``call``: its facts) under
+    ``config``: its plan (nothing, for a batch without queries)."""
+    if call.num_tokens == 0:
         return NO_QUERIES
-    return plan_attention(record, config)
+    return plan_attention(record, call, config)
 
 
 class _NoQueries(Runner):
@@ -184,5 +184,5 @@ def run_draft_attention(call: AttentionCall, config: AttentionLaunchConfig | Non
     """Write ``call.out`` under ``config`` (default: the portable table's), planned for
     this call alone: for tools and tests that pick a configuration. Served calls go
     through dispatch's plan cache."""
-    record = record_for(ATTENTION.name, "triton", call)
-    attention_runner(record, config or attention_config_for(record.call, record.platform)).run(call)
+    record, facts = record_for(ATTENTION.name, "triton", call)
+    attention_runner(record, facts, config or attention_config_for(facts, record.platform)).run(call)

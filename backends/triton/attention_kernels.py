@@ -233,7 +233,8 @@ def _merge_rows(parts, out, sinks_ptr, token, head, row_ok, active, DIMS, ROWS: 
         acc = acc * alpha[:, None] + tl.sum(o.to(tl.float32) * w[:, :, None], 0)
         total = total * alpha + tl.sum(w, 0)
         m = m_new
-    o = _finish(acc, m, total, head, row_ok, sinks_ptr, 1.0, HAS_SINKS)
+    o = _finish(acc=acc, m_i=m, l_i=total, head=head, row_ok=row_ok, sinks_ptr=sinks_ptr, v_scale=1.0,
+                HAS_SINKS=HAS_SINKS)
     tl.store(_out_ptrs(out, token, head, d), o.to(out.ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
@@ -244,8 +245,9 @@ def _merge_group(parts, out, sinks_ptr, group, tile_q0, q_start, q_len, kv_head,
     r = group * ROWS + tl.arange(0, ROWS)
     q_idx = tile_q0 + r // G
     row_ok = (r // G < BLOCK_Q) & (q_idx < q_len)
-    _merge_rows(parts, out, sinks_ptr, (q_start + q_idx).to(tl.int64), kv_head * G + r % G, row_ok, active, DIMS, ROWS,
-                MERGE_CHUNK, HAS_SINKS)
+    _merge_rows(parts=parts, out=out, sinks_ptr=sinks_ptr, token=(q_start + q_idx).to(tl.int64),
+                head=kv_head * G + r % G, row_ok=row_ok, active=active, DIMS=DIMS, ROWS=ROWS, SEG_CHUNK=MERGE_CHUNK,
+                HAS_SINKS=HAS_SINKS)
 
 
 @triton.jit
@@ -347,10 +349,11 @@ def _attend(acc, m_i, l_i, query, table, k_cache, v_cache, start, seg_hi, MASKED
     d_ok = query.d_ok
     j = start + tl.arange(0, BLOCK_N)
     j_ok = j < seg_hi
-    block, row = _key_blocks(table, start, seg_hi, BLOCK_N, BLOCK_SIZE, MASKED)
-    k_rows = _row_base(k_cache, MODE.K_LAYOUT, block, j, row, BLOCK_SIZE)
+    block, row = _key_blocks(table=table, start=start, seg_hi=seg_hi, BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE,
+                             MASKED=MASKED)
+    k_rows = _row_base(cache=k_cache, LAYOUT=MODE.K_LAYOUT, block=block, j=j, row=row, BLOCK_SIZE=BLOCK_SIZE)
     k_dims = _dim_offset(k_cache, MODE.K_LAYOUT, d)
-    v_rows = _row_base(v_cache, MODE.V_LAYOUT, block, j, row, BLOCK_SIZE)
+    v_rows = _row_base(cache=v_cache, LAYOUT=MODE.V_LAYOUT, block=block, j=j, row=row, BLOCK_SIZE=BLOCK_SIZE)
     v_ptrs = v_rows[:, None] + _dim_offset(v_cache, MODE.V_LAYOUT, d)[None, :]
     key_ok = j_ok if MASKED else tl.full([BLOCK_N], 1, tl.int1)
     v_ok = key_ok & (j >= query.first_key) if HAS_WINDOW else key_ok
@@ -471,25 +474,30 @@ def draft_attention_kernel(
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
-    b, q_start, q_len, tile_q0, context, lo, hi = _tile_keys(qsl_ptr, seq_lens_ptr, num_seqs, tile, window,
-                                                             BLOCK_Q, ONE_TILE, CAUSAL, HAS_WINDOW, BLOCK_N)
+    b, q_start, q_len, tile_q0, context, lo, hi = _tile_keys(qsl_ptr=qsl_ptr, seq_lens_ptr=seq_lens_ptr,
+                                                             num_seqs=num_seqs, tile=tile, window=window,
+                                                             BLOCK_Q=BLOCK_Q, ONE_TILE=ONE_TILE, CAUSAL=CAUSAL,
+                                                             HAS_WINDOW=HAS_WINDOW, BLOCK_N=BLOCK_N)
     if tile_q0 >= q_len:
         return
-    parts = Partials(part_out_ptr, part_lse_ptr, num_tokens)
-    out = Output(out_ptr, stride_ot, stride_oh, stride_od)
-    DIMS: tl.constexpr = HeadDims(HQ, D, BLOCK_D)
+    parts = Partials(out_ptr=part_out_ptr, lse_ptr=part_lse_ptr, num_tokens=num_tokens)
+    out = Output(ptr=out_ptr, stride_t=stride_ot, stride_h=stride_oh, stride_d=stride_od)
+    DIMS: tl.constexpr = HeadDims(HQ=HQ, D=D, BLOCK_D=BLOCK_D)
     seg_lo = lo
     seg_hi = hi
     active = 1
     if SPLIT:
-        per_segment, active = _segment_plan(lo, hi, num_segments, min_segment_keys, BLOCK_N)
+        per_segment, active = _segment_plan(lo=lo, hi=hi, num_segments=num_segments, min_segment_keys=min_segment_keys,
+                                            BLOCK_N=BLOCK_N)
         if MERGERS:
             if segment >= num_segments:  # merger program segment - num_segments of this tile
                 if active > 1:
                     counter = counters_ptr + tile * tl.num_programs(1) + kv_head
                     _wait_for(counter, active)
-                    _merge_group(parts, out, sinks_ptr, segment - num_segments, tile_q0, q_start, q_len, kv_head,
-                                 active, DIMS, G, BLOCK_M // MERGERS, BLOCK_Q, MERGE_CHUNK, HAS_SINKS)
+                    _merge_group(parts=parts, out=out, sinks_ptr=sinks_ptr, group=segment - num_segments,
+                                 tile_q0=tile_q0, q_start=q_start, q_len=q_len, kv_head=kv_head, active=active,
+                                 DIMS=DIMS, G=G, ROWS=BLOCK_M // MERGERS, BLOCK_Q=BLOCK_Q, MERGE_CHUNK=MERGE_CHUNK,
+                                 HAS_SINKS=HAS_SINKS)
                     if tl.atomic_add(counter, 1, sem="relaxed", scope="gpu") == active + MERGERS - 1:
                         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
                 return
@@ -498,7 +506,8 @@ def draft_attention_kernel(
         seg_lo = lo + segment * per_segment
         seg_hi = tl.minimum(hi, seg_lo + per_segment)
 
-    token, head, row_ok, q_idx = _rows(tile_q0, q_start, q_len, kv_head, G, BLOCK_M, BLOCK_Q)
+    token, head, row_ok, q_idx = _rows(tile_q0=tile_q0, q_start=q_start, q_len=q_len, kv_head=kv_head, G=G,
+                                       BLOCK_M=BLOCK_M, BLOCK_Q=BLOCK_Q)
     pos = context + q_idx
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
@@ -527,23 +536,29 @@ def draft_attention_kernel(
     v_head = v_cache_ptr + kv_head * stride_vh
     table = block_table_ptr + b * stride_bt
     first_key = context + tile_q0 - window + 1  # the first key a row of the tile sees (with a window)
-    query = Query(q, qk_scale, pos, d, d_ok, window, first_key)
-    k_cache = CacheHead(k_head, stride_kb, stride_ks, stride_ks_in, stride_kd, stride_kd_in)
-    v_cache = CacheHead(v_head, stride_vb, stride_vs, stride_vs_in, stride_vd, stride_vd_in)
-    K_LAYOUT: tl.constexpr = CacheLayout(K_ROW_PACK, K_DIM_PACK, K_UNIT)
-    V_LAYOUT: tl.constexpr = CacheLayout(V_ROW_PACK, V_DIM_PACK, V_UNIT)
-    MODE: tl.constexpr = AttendMode(BLOCK_N, BLOCK_SIZE, CAUSAL, HAS_WINDOW, IS_FP8, FP32_MATH, K_AT_LOAD, K_LAYOUT,
-                                       V_LAYOUT)
+    query = Query(q=q, qk_scale=qk_scale, pos=pos, d=d, d_ok=d_ok, window=window, first_key=first_key)
+    k_cache = CacheHead(ptr=k_head, stride_b=stride_kb, stride_s=stride_ks, stride_s_in=stride_ks_in,
+                        stride_d=stride_kd, stride_d_in=stride_kd_in)
+    v_cache = CacheHead(ptr=v_head, stride_b=stride_vb, stride_s=stride_vs, stride_s_in=stride_vs_in,
+                        stride_d=stride_vd, stride_d_in=stride_vd_in)
+    K_LAYOUT: tl.constexpr = CacheLayout(ROW_PACK=K_ROW_PACK, DIM_PACK=K_DIM_PACK, UNIT=K_UNIT)
+    V_LAYOUT: tl.constexpr = CacheLayout(ROW_PACK=V_ROW_PACK, DIM_PACK=V_DIM_PACK, UNIT=V_UNIT)
+    MODE: tl.constexpr = AttendMode(BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, CAUSAL=CAUSAL, HAS_WINDOW=HAS_WINDOW,
+                                    IS_FP8=IS_FP8, FP32_MATH=FP32_MATH, K_AT_LOAD=K_AT_LOAD, K_LAYOUT=K_LAYOUT,
+                                    V_LAYOUT=V_LAYOUT)
     full_hi = seg_lo + (seg_hi - seg_lo) // BLOCK_N * BLOCK_N
     for start in range(seg_lo, full_hi, BLOCK_N):
-        acc, m_i, l_i = _attend(acc, m_i, l_i, query, table, k_cache, v_cache, start, seg_hi, False, MODE)
+        acc, m_i, l_i = _attend(acc=acc, m_i=m_i, l_i=l_i, query=query, table=table, k_cache=k_cache, v_cache=v_cache,
+                                start=start, seg_hi=seg_hi, MASKED=False, MODE=MODE)
     if full_hi < seg_hi:
-        acc, m_i, l_i = _attend(acc, m_i, l_i, query, table, k_cache, v_cache, full_hi, seg_hi, True, MODE)
+        acc, m_i, l_i = _attend(acc=acc, m_i=m_i, l_i=l_i, query=query, table=table, k_cache=k_cache, v_cache=v_cache,
+                                start=full_hi, seg_hi=seg_hi, MASKED=True, MODE=MODE)
 
     m_i = m_i * qk_scale  # the running max in the exponents' (log2) units
     mask = row_ok[:, None] & d_ok[None, :]
     if active == 1:
-        o = _finish(acc, m_i, l_i, head, row_ok, sinks_ptr, v_scale, HAS_SINKS)
+        o = _finish(acc=acc, m_i=m_i, l_i=l_i, head=head, row_ok=row_ok, sinks_ptr=sinks_ptr, v_scale=v_scale,
+                    HAS_SINKS=HAS_SINKS)
         tl.store(_out_ptrs(out, token, head, d), o.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         part = (segment * num_tokens + token) * HQ + head
@@ -557,8 +572,8 @@ def draft_attention_kernel(
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if MERGE_IN_KERNEL:
                 if arrived == active - 1:
-                    _merge_rows(parts, out, sinks_ptr, token, head, row_ok, active, DIMS, BLOCK_M, MERGE_CHUNK,
-                                HAS_SINKS)
+                    _merge_rows(parts=parts, out=out, sinks_ptr=sinks_ptr, token=token, head=head, row_ok=row_ok,
+                                active=active, DIMS=DIMS, ROWS=BLOCK_M, SEG_CHUNK=MERGE_CHUNK, HAS_SINKS=HAS_SINKS)
                     tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
@@ -600,13 +615,18 @@ def merge_segments_kernel(
     active segment was written already)."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
-    b, q_start, q_len, tile_q0, context, lo, hi = _tile_keys(qsl_ptr, seq_lens_ptr, num_seqs, tile, window,
-                                                             BLOCK_Q, ONE_TILE, CAUSAL, HAS_WINDOW, BLOCK_N)
+    b, q_start, q_len, tile_q0, context, lo, hi = _tile_keys(qsl_ptr=qsl_ptr, seq_lens_ptr=seq_lens_ptr,
+                                                             num_seqs=num_seqs, tile=tile, window=window,
+                                                             BLOCK_Q=BLOCK_Q, ONE_TILE=ONE_TILE, CAUSAL=CAUSAL,
+                                                             HAS_WINDOW=HAS_WINDOW, BLOCK_N=BLOCK_N)
     if tile_q0 >= q_len:
         return
-    per_segment, active = _segment_plan(lo, hi, num_segments, min_segment_keys, BLOCK_N)
+    per_segment, active = _segment_plan(lo=lo, hi=hi, num_segments=num_segments, min_segment_keys=min_segment_keys,
+                                        BLOCK_N=BLOCK_N)
     if active > 1:
-        DIMS: tl.constexpr = HeadDims(HQ, D, BLOCK_D)
-        _merge_group(Partials(part_out_ptr, part_lse_ptr, num_tokens), Output(out_ptr, stride_ot, stride_oh, stride_od),
-                     sinks_ptr, tl.program_id(2), tile_q0, q_start, q_len, kv_head, active, DIMS, G, ROWS, BLOCK_Q,
-                     MERGE_CHUNK, HAS_SINKS)
+        DIMS: tl.constexpr = HeadDims(HQ=HQ, D=D, BLOCK_D=BLOCK_D)
+        _merge_group(parts=Partials(out_ptr=part_out_ptr, lse_ptr=part_lse_ptr, num_tokens=num_tokens),
+                     out=Output(ptr=out_ptr, stride_t=stride_ot, stride_h=stride_oh, stride_d=stride_od),
+                     sinks_ptr=sinks_ptr, group=tl.program_id(2), tile_q0=tile_q0, q_start=q_start, q_len=q_len,
+                     kv_head=kv_head, active=active, DIMS=DIMS, G=G, ROWS=ROWS, BLOCK_Q=BLOCK_Q,
+                     MERGE_CHUNK=MERGE_CHUNK, HAS_SINKS=HAS_SINKS)

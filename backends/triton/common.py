@@ -17,10 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_rocm import envs
 from dflash_rocm.paged import PackedCache
-
-INTERPRETING: bool = envs.TRITON_INTERPRET.value()
+from dflash_rocm.process import INTERPRETING
 
 
 def fp32_math(dtype: torch.dtype) -> bool:

@@ -82,14 +82,19 @@ class PlanScratch:
     as they were: a slice stays valid). While a graph is captured the scratch is made for
     that capture alone and not kept."""
 
-    __slots__ = ("partials", "counters", "kept_sums", "_by_stream")
+    __slots__ = ("partials", "counters", "kept_sums", "_by_stream", "_none")
 
     def __init__(self, partials: tuple[tuple[int, torch.dtype], ...], counters: int, kept_sums: bool = False):
         self.partials, self.counters, self.kept_sums = partials, counters, kept_sums
         self._by_stream: dict = {}
+        # A plan that splits nothing needs no scratch on any stream: every call gets this.
+        needed = counters or any(n for n, _ in partials)
+        self._none = None if needed else (None,) * (len(partials) + 1)
 
     def get(self, device: torch.device) -> tuple[torch.Tensor | None, ...]:
         """The scratch for a call on ``device``'s current stream (None where not needed)."""
+        if self._none is not None:
+            return self._none
         key = stream_of(device) if device.type == "cuda" else device
         found = self._by_stream.get(key)
         if found is None:

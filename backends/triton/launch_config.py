@@ -256,7 +256,8 @@ def default_attention_config(platform: Platform, *, num_seqs: int, query_len: in
         block_n = 32
     tiles = attention_grid_tiles(num_seqs, query_len, block_m // G)
     segments = choose_segments(tiles * num_kv_heads, key_span, platform.compute_units, MIN_KEYS_PER_SEGMENT)
-    merge, merge_rows = merge_for(segments, tiles * num_kv_heads, block_m, G, platform)
+    merge, merge_rows = merge_for(num_segments=segments, tiles_heads=tiles * num_kv_heads, block_m=block_m,
+                                  queries_per_kv=G, platform=platform)
     return AttentionLaunchConfig(block_m=block_m, block_n=block_n, num_segments=segments,
                                  num_warps=4 if head_dim <= 128 else 8, num_stages=2,
                                  wave_size=64 if platform.wave_size == 64 else 32,

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 
 from dflash_rocm import launches
+from dflash_rocm.process import HIP
 from dflash_rocm.timing import host_median_seconds
 
 from .common import INTERPRETING
@@ -134,7 +135,7 @@ class Launcher:
         if any(p.is_constexpr for p in params[:num_runtime]):
             raise TypeError(f"{kernel.__name__}: declare constexpr parameters after the runtime ones")
         self.tail: tuple = ()  # set by keep() from the first compiled kernel (one Triton serves them all)
-        self.amd = bool(getattr(torch.version, "hip", None))
+        self.amd = HIP
         self.current_device = torch.cuda.current_device  # compiled kernels are loaded per device
         self.compiled: dict[tuple, Any] = {}
         self._lock = threading.Lock()
@@ -216,21 +217,6 @@ def bound_names(kernel, per_call, static_args: dict, constexprs: dict) -> tuple[
     return leading, tuple([static_args[n] for n in expected])
 
 
-def tensor_binder(names: tuple[str, ...], plan: Any) -> Callable[..., None]:
-    """A function taking exactly ``names`` as keyword-only arguments that calls
-    ``plan.launch_tensors`` with their values in that order: Python's own argument binding
-    then checks every call's names (a missing or unknown one is a TypeError naming it) at
-    the cost of a plain call, and no call depends on an order it has to know. ``names``
-    are a kernel's parameter names (identifiers, read from its signature)."""
-    if not all(n.isidentifier() for n in names):
-        raise ValueError(f"not parameter names: {names!r}")
-    listed = ", ".join(names)
-    namespace = {"_plan": plan}
-    signature = f"*, {listed}" if names else ""
-    exec(f"def launch({signature}):\n    _plan.launch_tensors(({listed}{',' if names else ''}))\n", namespace)
-    return namespace["launch"]
-
-
 def _names(names) -> str:
     return ", ".join(repr(n) for n in names)
 
@@ -257,8 +243,7 @@ class LaunchPlan:
     """One launch of a call structure (FlashInfer's "plan once, run many"): the kernel, its
     grid, constexprs, options and scalar arguments are fixed when the plan is made, by
     parameter name (checked and put in the kernel's order then, once); each call passes
-    only the tensors named ``per_call``, by name, to :attr:`launch` (a function whose
-    keyword-only parameters are those names: see :func:`tensor_binder`), and only their
+    only the tensors named ``per_call``, by name, to :meth:`launch`, and only their
     specialisation is checked.
 
     ``kept``: the per-call parameters that always get tensors the caller keeps and never
@@ -282,7 +267,7 @@ class LaunchPlan:
         self._pick_dynamic = _picker(dynamic_at)
         self._kept_spec: tuple = ((), ())  # (the kept tensors last seen, their specialisation)
         self.requested = dict(options)
-        self.amd = bool(getattr(torch.version, "hip", None)) if amd is None else amd
+        self.amd = HIP if amd is None else amd
         self.options = options_for(self.requested, amd=self.amd)
         self.constexprs = dict(constexprs)
         self.static_spec = specialization(self.static_args, self.amd)
@@ -290,25 +275,37 @@ class LaunchPlan:
             direct = launcher(kernel, self.constexprs, self.options)
         self.direct = direct  # None: the interpreter, which has no compiled kernels
         self.launching = launches.launching(self.name)
-        self.launch = tensor_binder(self.per_call, self)
+        self._in_order = _picker(self.per_call)
 
-    def launch_tensors(self, tensors: tuple) -> None:
-        """Launch with the per-call tensors in the kernel's order (what :attr:`launch`
-        binds by name)."""
-        args = tensors + self.static_args
+    def launch(self, **tensors: torch.Tensor) -> None:
+        """Launch with the per-call tensors, each by its parameter name: every name of
+        :attr:`per_call` once and no other (else a TypeError naming the first wrong one)."""
+        try:
+            ordered = self._in_order(tensors)
+        except KeyError:
+            ordered = None
+        if ordered is None or len(tensors) != len(self.per_call):
+            self._refuse_tensors(tensors)
+        args = ordered + self.static_args
         captured = launches.capturing()
         if captured is not None:
-            captured.append(launches.Launch.recorded(self.kernel, self.grid, args, self.constexprs, self.requested,
-                                                     len(tensors), self.kept))
+            captured.append(launches.Launch(kernel=self.kernel, grid=self.grid, args=args, constexprs=self.constexprs,
+                                            options=self.requested, per_call=len(ordered), kept=self.kept))
             return
         with self.launching:
             if self.direct is None:  # every launch runs the Python
                 self.kernel[self.grid](*args, **self.constexprs, **self.options)
             else:
-                self.launch_direct(tensors, args)
+                self.direct.run(self.launch_grid, args, self.specialization(ordered))
 
-    def launch_direct(self, tensors: tuple, args: tuple) -> None:
-        self.direct.run(self.launch_grid, args, self.specialization(tensors))
+    def _refuse_tensors(self, tensors: dict) -> None:
+        """The TypeError :meth:`launch` raises, naming an unknown name first, as Python's
+        own argument binding does, then a missing one."""
+        unknown = [n for n in tensors if n not in self.per_call]
+        if unknown:
+            raise TypeError(f"{self.name}.launch() got an unexpected per-call tensor {unknown[0]!r}")
+        missing = [n for n in self.per_call if n not in tensors]
+        raise TypeError(f"{self.name}.launch() missing the per-call tensor {missing[0]!r}")
 
     def specialization(self, tensors: tuple):
         """The key of the per-call tensors' specialisation with the fixed arguments' (None:
@@ -330,12 +327,13 @@ class LaunchPlan:
                                                                   self.static_spec)
 
 
-def _picker(indices: tuple[int, ...]) -> Callable[[tuple], tuple]:
-    """A function giving the items of a tuple at ``indices``, as a tuple (C speed)."""
-    if not indices:
+def _picker(keys: tuple) -> Callable[[Any], tuple]:
+    """A function giving the items at ``keys`` (of a tuple: indices; of a dict: names, a
+    KeyError for a missing one), in that order, as a tuple (C speed)."""
+    if not keys:
         return lambda t: ()
-    get = operator.itemgetter(*indices)
-    return get if len(indices) > 1 else (lambda t: (get(t),))
+    get = operator.itemgetter(*keys)
+    return get if len(keys) > 1 else (lambda t: (get(t),))
 
 
 def prelude_seconds(launch, arch: str, repeats: int = 2000) -> tuple[float, float]:

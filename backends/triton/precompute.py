@@ -302,11 +302,10 @@ def source_versions(w: ContextKVWeights) -> tuple:
     return tuple(None if t is None else t._version for t in derived_sources(w))
 
 
-def plan_precompute(record: PlanningRecord, config: PrecomputeLaunchConfig) -> PrecomputePlan:
-    """The plan of the call structure ``record`` holds under ``config``: the grid split (the
-    last part of a split tile to arrive sums the parts) and whether the parts add into one
-    atomic sum, decided here once."""
-    call = record.call
+def plan_precompute(record: PlanningRecord, call: PrecomputeCall, config: PrecomputeLaunchConfig) -> PrecomputePlan:
+    """The plan of the call structure ``record`` holds (``call``: its facts) under
+    ``config``: the grid split (the last part of a split tile to arrive sums the parts) and
+    whether the parts add into one atomic sum, decided here once."""
     grid_t = -(-call.num_tokens // config.block_t)
     tiles = grid_t * 2 * call.weights.num_layers * call.weights.num_kv_heads // config.heads
     whole = min(config.whole_tiles, tiles) if config.split_k > 1 else tiles
@@ -357,13 +356,12 @@ def plan_precompute(record: PlanningRecord, config: PrecomputeLaunchConfig) -> P
     return PrecomputePlan(config, main, atomic_sum, cache_table(call), scratch, slot_layer)
 
 
-def precompute_runner(record: PlanningRecord, config: PrecomputeLaunchConfig) -> Runner:
-    """What runs every call of the structure ``record`` holds under ``config`` (nothing to
-    launch when it has no tokens or neither writes nor returns)."""
-    call = record.call
+def precompute_runner(record: PlanningRecord, call: PrecomputeCall, config: PrecomputeLaunchConfig) -> Runner:
+    """What runs every call of the structure ``record`` holds (``call``: its facts) under
+    ``config`` (nothing to launch when it has no tokens or neither writes nor returns)."""
     if call.num_tokens == 0 or not (call.writes or call.return_kv):
         return NOTHING_TO_LAUNCH
-    return plan_precompute(record, config)
+    return plan_precompute(record, call, config)
 
 
 def _outputs(call: PrecomputeCall):
@@ -392,5 +390,5 @@ def run_precompute(call: PrecomputeCall, config: PrecomputeLaunchConfig | None =
     """The precompute of ``call`` under ``config`` (default: the portable table's), planned
     for this call alone: for tools and tests that pick a configuration. Served calls go
     through dispatch's plan cache."""
-    record = record_for(PRECOMPUTE.name, "triton", call)
-    return precompute_runner(record, config or precompute_config_for(record.call, record.platform)).run(call)
+    record, facts = record_for(PRECOMPUTE.name, "triton", call)
+    return precompute_runner(record, facts, config or precompute_config_for(facts, record.platform)).run(call)

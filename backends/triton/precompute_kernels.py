@@ -227,7 +227,7 @@ def _cache_rows(rows, cache, ROW_PACK: tl.constexpr, STORE):
     strides = meta + 4 + 6 * rows.kind  # [block, row, row in pack, head, dim, dim in pack]
     row_base = block.to(tl.int64) * tl.load(strides) + _table_offset(in_block, strides + 1,
                                                                      ROW_PACK) + rows.kv_head * tl.load(strides + 3)
-    return CacheRows(ok, row_base, strides)
+    return CacheRows(ok=ok, row_base=row_base, strides=strides)
 
 
 @triton.jit
@@ -311,7 +311,7 @@ def _epilogue(acc, pid_t, head_row, inputs, cache, EPILOGUE, STORE, KIND: tl.con
     t_ok = t < N
     c = tl.arange(0, BLOCK_D)
     c_ok = c < D
-    rows = TileRows(t, t_ok, layer, kind, kv_head)
+    rows = TileRows(t=t, t_ok=t_ok, layer=layer, kind=kind, kv_head=kv_head)
     if EPILOGUE.HAS_BIAS:
         acc += tl.load(inputs.bias_ptr + head_row * D + c, mask=c_ok, other=0.0)[None, :]
     if kind == 0:
@@ -339,17 +339,20 @@ def _epilogue(acc, pid_t, head_row, inputs, cache, EPILOGUE, STORE, KIND: tl.con
         o2 = x2 * cos + x1 * sin
         target = _cache_rows(rows, cache, EPILOGUE.K_ROW_PACK, STORE)
         if IS_NEOX and R == D and D == BLOCK_D:  # the halves are dims [0, D/2) and [D/2, D)
-            _store_cols(o1, i, i < D // 2, rows, target, cache, EPILOGUE.K_ALIGNED, EPILOGUE.K_DIM_PACK, STORE)
-            _store_cols(o2, i + D // 2, i < D // 2, rows, target, cache, EPILOGUE.K_ALIGNED, EPILOGUE.K_DIM_PACK,
-                        STORE)
+            _store_cols(value=o1, dim=i, dim_ok=i < D // 2, rows=rows, target=target, cache=cache,
+                        ALIGNED=EPILOGUE.K_ALIGNED, DIM_PACK=EPILOGUE.K_DIM_PACK, STORE=STORE)
+            _store_cols(value=o2, dim=i + D // 2, dim_ok=i < D // 2, rows=rows, target=target, cache=cache,
+                        ALIGNED=EPILOGUE.K_ALIGNED, DIM_PACK=EPILOGUE.K_DIM_PACK, STORE=STORE)
         else:
-            _store_cols(tl.reshape(tl.join(o1, o2), (BLOCK_T, BLOCK_D)), k_dim, c_ok, rows, target, cache,
-                        EPILOGUE.K_ALIGNED and not IS_NEOX, EPILOGUE.K_DIM_PACK, STORE)
+            _store_cols(value=tl.reshape(tl.join(o1, o2), (BLOCK_T, BLOCK_D)), dim=k_dim, dim_ok=c_ok, rows=rows,
+                        target=target, cache=cache, ALIGNED=EPILOGUE.K_ALIGNED and not IS_NEOX,
+                        DIM_PACK=EPILOGUE.K_DIM_PACK, STORE=STORE)
     else:
         if EPILOGUE.HAS_V_SCALE:
             acc = acc * inputs.v_scale
         target = _cache_rows(rows, cache, EPILOGUE.V_ROW_PACK, STORE)
-        _store_cols(acc, c, c_ok, rows, target, cache, EPILOGUE.V_ALIGNED, EPILOGUE.V_DIM_PACK, STORE)
+        _store_cols(value=acc, dim=c, dim_ok=c_ok, rows=rows, target=target, cache=cache, ALIGNED=EPILOGUE.V_ALIGNED,
+                    DIM_PACK=EPILOGUE.V_DIM_PACK, STORE=STORE)
 
 
 @triton.jit
@@ -372,7 +375,8 @@ def _sum_parts(part_acc_ptr, part_ss_ptr, slot, BLOCK_T: tl.constexpr, BLOCK_D: 
     part ``k`` of the tile is at ``slot * SPLIT_K + k``, summed in that order (all loads
     issued together)."""
     if ATOMIC_SUM:
-        acc_ptrs, ss_ptrs = _part_tiles(part_acc_ptr, part_ss_ptr, slot, 0, BLOCK_T, BLOCK_D, 1)
+        acc_ptrs, ss_ptrs = _part_tiles(part_acc_ptr=part_acc_ptr, part_ss_ptr=part_ss_ptr, slot=slot, part=0,
+                                        BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, PARTS=1)
         acc = tl.load(acc_ptrs, cache_modifier=".cg")
         sum_sq = tl.load(ss_ptrs, cache_modifier=".cg")
         tl.store(acc_ptrs, tl.zeros_like(acc))
@@ -381,7 +385,8 @@ def _sum_parts(part_acc_ptr, part_ss_ptr, slot, BLOCK_T: tl.constexpr, BLOCK_D: 
         acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
         sum_sq = tl.zeros([BLOCK_T], tl.float32)
         for k in tl.static_range(SPLIT_K):
-            acc_ptrs, ss_ptrs = _part_tiles(part_acc_ptr, part_ss_ptr, slot, k, BLOCK_T, BLOCK_D, SPLIT_K)
+            acc_ptrs, ss_ptrs = _part_tiles(part_acc_ptr=part_acc_ptr, part_ss_ptr=part_ss_ptr, slot=slot, part=k,
+                                            BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, PARTS=SPLIT_K)
             acc += tl.load(acc_ptrs, cache_modifier=".cg")
             sum_sq += tl.load(ss_ptrs, cache_modifier=".cg")
     return acc, sum_sq
@@ -494,8 +499,8 @@ def context_kv_kernel(
     FP8_WEIGHTS: tl.constexpr = False,  # w_ptr holds fp8 rows: the norm weight multiplies the states per trip
     NORM_ROWS: tl.constexpr = 0,  # FP8_WEIGHTS: rows of the norm weight, 1 ([H]) or L ([L, H]: each layer its own)
 ):
-    tile, pid_k, parts = _program_tile(tl.program_id(0), tl.num_programs(0), whole_tiles, NUM_XCDS, SPLIT_K,
-                                       HAS_WHOLE)
+    tile, pid_k, parts = _program_tile(pid=tl.program_id(0), num_programs=tl.num_programs(0), whole_tiles=whole_tiles,
+                                       NUM_XCDS=NUM_XCDS, SPLIT_K=SPLIT_K, HAS_WHOLE=HAS_WHOLE)
     pid_t = tile % grid_t
     head_row = tile // grid_t  # (layer * 2 + kind) * HK + kv_head
     if HEADS == 2:  # tile // grid_t = layer * HK + kv_head: its K head row, the V row HK rows on
@@ -552,11 +557,13 @@ def context_kv_kernel(
     if parts != 1:
         slot = tile - whole_tiles
         if ATOMIC_SUM:  # add into the tile's one sum (fp32 adds in arrival order: not bitwise reproducible)
-            acc_ptrs, ss_ptrs = _part_tiles(part_acc_ptr, part_ss_ptr, slot, 0, BLOCK_T, BLOCK_D, 1)
+            acc_ptrs, ss_ptrs = _part_tiles(part_acc_ptr=part_acc_ptr, part_ss_ptr=part_ss_ptr, slot=slot, part=0,
+                                            BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, PARTS=1)
             tl.atomic_add(acc_ptrs, acc, sem="relaxed", scope="gpu")
             tl.atomic_add(ss_ptrs, sum_sq, sem="relaxed", scope="gpu")
         else:
-            acc_ptrs, ss_ptrs = _part_tiles(part_acc_ptr, part_ss_ptr, slot, pid_k, BLOCK_T, BLOCK_D, SPLIT_K)
+            acc_ptrs, ss_ptrs = _part_tiles(part_acc_ptr=part_acc_ptr, part_ss_ptr=part_ss_ptr, slot=slot, part=pid_k,
+                                            BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, PARTS=SPLIT_K)
             tl.store(acc_ptrs, acc)
             tl.store(ss_ptrs, sum_sq)
         if MERGE_IN_KERNEL:  # the last part of the tile to finish sums them
@@ -564,19 +571,30 @@ def context_kv_kernel(
             counter = counters_ptr + slot
             finish = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
             if finish:
-                acc, sum_sq = _sum_parts(part_acc_ptr, part_ss_ptr, slot, BLOCK_T, BLOCK_D, SPLIT_K, ATOMIC_SUM)
+                acc, sum_sq = _sum_parts(part_acc_ptr=part_acc_ptr, part_ss_ptr=part_ss_ptr, slot=slot, BLOCK_T=BLOCK_T,
+                                         BLOCK_D=BLOCK_D, SPLIT_K=SPLIT_K, ATOMIC_SUM=ATOMIC_SUM)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # every part arrived: ready for the next launch
     if finish:
         inv_rms = tl.rsqrt(sum_sq / H + eps)
-        inputs = EpilogueInputs(positions_ptr, bias_ptr, k_norm_ptr, cos_sin_ptr, stride_cs, v_scale, eps)
-        cache = CacheTarget(meta_ptr, slots_ptr, stride_slot_layer, k_scales_ptr, v_scales_ptr, out_k_ptr, out_v_ptr, N)
-        EPILOGUE: tl.constexpr = Epilogue(HK, D, R, BLOCK_T, BLOCK_D, HAS_BIAS, IS_NEOX, HAS_V_SCALE, NOPE_LAYERS,
-                                          K_ROUND_DTYPE, K_ROW_PACK, K_DIM_PACK, K_ALIGNED, V_ROW_PACK, V_DIM_PACK,
-                                          V_ALIGNED)
-        STORE: tl.constexpr = Store(HK, D, IS_FP8, FP8_MAX, FP8_MIN_EXP, RETURN_KV, EXACT_FP8_ROUND, SLOTS_I32,
-                                    CACHE_BLOCK, CACHE_DTYPE)
+        inputs = EpilogueInputs(positions_ptr=positions_ptr, bias_ptr=bias_ptr, k_norm_ptr=k_norm_ptr,
+                                cos_sin_ptr=cos_sin_ptr, stride_cs=stride_cs, v_scale=v_scale, eps=eps)
+        cache = CacheTarget(meta_ptr=meta_ptr, slots_ptr=slots_ptr, stride_slot_layer=stride_slot_layer,
+                            k_scales_ptr=k_scales_ptr, v_scales_ptr=v_scales_ptr, out_k_ptr=out_k_ptr,
+                            out_v_ptr=out_v_ptr, N=N)
+        EPILOGUE: tl.constexpr = Epilogue(HK=HK, D=D, R=R, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, HAS_BIAS=HAS_BIAS,
+                                          IS_NEOX=IS_NEOX, HAS_V_SCALE=HAS_V_SCALE, NOPE_LAYERS=NOPE_LAYERS,
+                                          K_ROUND_DTYPE=K_ROUND_DTYPE, K_ROW_PACK=K_ROW_PACK, K_DIM_PACK=K_DIM_PACK,
+                                          K_ALIGNED=K_ALIGNED, V_ROW_PACK=V_ROW_PACK, V_DIM_PACK=V_DIM_PACK,
+                                          V_ALIGNED=V_ALIGNED)
+        STORE: tl.constexpr = Store(HK=HK, D=D, IS_FP8=IS_FP8, FP8_MAX=FP8_MAX, FP8_MIN_EXP=FP8_MIN_EXP,
+                                    RETURN_KV=RETURN_KV, EXACT_FP8_ROUND=EXACT_FP8_ROUND, SLOTS_I32=SLOTS_I32,
+                                    CACHE_BLOCK=CACHE_BLOCK, CACHE_DTYPE=CACHE_DTYPE)
         if HEADS == 2:  # the V head first: its light epilogue runs while the K tile waits in registers
-            acc_v = _normalised(acc_v, inv_rms, row_scale_ptr, head_row + HK, D, BLOCK_D)
-            _epilogue(acc_v, pid_t, head_row + HK, inputs, cache, EPILOGUE, STORE, 1)
-        acc = _normalised(acc, inv_rms, row_scale_ptr, head_row, D, BLOCK_D)
-        _epilogue(acc, pid_t, head_row, inputs, cache, EPILOGUE, STORE, 0 if HEADS == 2 else -1)
+            acc_v = _normalised(acc=acc_v, inv_rms=inv_rms, row_scale_ptr=row_scale_ptr, head_row=head_row + HK, D=D,
+                                BLOCK_D=BLOCK_D)
+            _epilogue(acc=acc_v, pid_t=pid_t, head_row=head_row + HK, inputs=inputs, cache=cache, EPILOGUE=EPILOGUE,
+                      STORE=STORE, KIND=1)
+        acc = _normalised(acc=acc, inv_rms=inv_rms, row_scale_ptr=row_scale_ptr, head_row=head_row, D=D,
+                          BLOCK_D=BLOCK_D)
+        _epilogue(acc=acc, pid_t=pid_t, head_row=head_row, inputs=inputs, cache=cache, EPILOGUE=EPILOGUE, STORE=STORE,
+                  KIND=0 if HEADS == 2 else -1)

@@ -208,8 +208,8 @@ def table_config(case: Case, target: Target, call):
 
         if case.op == "attention":
             return tables.attention_config(rocm.attention_workload(call, platform), case.query_len)
-        record = record_for(PRECOMPUTE.name, "rocm", call).replace(platform=platform)
-        return "rocm-table", rocm.precompute_choice(record)
+        record, facts = record_for(PRECOMPUTE.name, "rocm", call)
+        return "rocm-table", rocm.precompute_choice(record._replace(platform=platform), facts)
     from dflash_rocm.backends.triton.attention import attention_config_for
     from dflash_rocm.backends.triton.precompute import precompute_config_for
 

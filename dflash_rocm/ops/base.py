@@ -27,15 +27,17 @@ class Op:
 
 
 def describe_argument(value: Any) -> str:
-    """One argument as an error shows it: a tensor's (or packed cache's) shape and dtype, a
+    """One argument as an error shows it: a tensor's (or packed cache's, or what a plan
+    knows of either: :class:`dflash_rocm.planning.TensorFacts`) shape and dtype, a
     sequence's entries, any other value as it is."""
     import torch
 
     from ..contract import dtype_name
 
     shape = getattr(value, "shape", None)
-    if isinstance(value, torch.Tensor) or (shape is not None and hasattr(value, "view")):
-        kind = "" if isinstance(value, torch.Tensor) else f"{type(value).__name__} "
+    if isinstance(value, torch.Tensor) or (shape is not None and hasattr(value, "dtype")):
+        packed = hasattr(value, "view") and not isinstance(value, torch.Tensor)
+        kind = f"{type(value).__name__} " if packed else ""
         return f"{kind}shape={tuple(shape)} ({dtype_name(value.dtype)}, {value.device.type})"
     if isinstance(value, tuple):
         distinct = {describe_argument(v) for v in value}

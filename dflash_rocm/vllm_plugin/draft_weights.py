@@ -109,6 +109,7 @@ def _fp8_rows_declined(fmt: torch.dtype, device: torch.device) -> str | None:
     distinct reason the candidates gave, once)."""
     from .. import dispatch
     from ..ops import PRECOMPUTE
+    from ..planning import switches
     from ..platform import platform_for
 
     platform = platform_for(device)
@@ -118,7 +119,7 @@ def _fp8_rows_declined(fmt: torch.dtype, device: torch.device) -> str | None:
     reasons: dict[str, None] = {}
     for backend in classes:
         impl = None if backend is None else backend.implementation(PRECOMPUTE)
-        if impl is None or backend.device_not_supported_reasons(device, platform):
+        if impl is None or backend.device_not_supported_reasons(device, platform, switches()):
             continue
         why = impl.weight_reasons(fmt, platform) or impl.slower_weight_reasons(fmt, platform)
         if not why:

@@ -46,8 +46,12 @@ class AttentionSpec:
         return self.cache_dtype in FP8_DTYPES
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, slots=True)
 class AttentionCall:
+    """One validated call. Not frozen (a frozen dataclass sets each field through
+    ``object.__setattr__``: about 1 us more for every call a plan runs), so treat it as
+    read-only: nothing below validation assigns a field."""
+
     # What a plan may know of each tensor's memory (dflash_rocm.planning): the caches' alignment and
     # storage size (AMD buffer loads need storage under 2 GiB).
     PLANNED_ADDRESSES = {"key_cache": "memory", "value_cache": "memory"}
@@ -72,14 +76,16 @@ class AttentionCall:
     # structural checks read, and so everything a backend's reasons may depend on.
     structure: object = None
 
-    def with_tensors(self, **tensors) -> "AttentionCall":
-        """This call with other tensors of the same structure (a plan's ``run``, which has
-        checked that each has the planned shape, strides, dtype and device). A copy of the
-        fields, not ``dataclasses.replace``: that re-runs ``__init__`` on a hot path."""
-        new = object.__new__(AttentionCall)
-        new.__dict__.update(self.__dict__)
-        new.__dict__.update(tensors)
-        return new
+    def with_tensors(self, query: torch.Tensor, key_cache, value_cache, out: torch.Tensor,
+                     sinks: torch.Tensor | None, k_scale: torch.Tensor | None,
+                     v_scale: torch.Tensor | None) -> "AttentionCall":
+        """This call with a layer's tensors, of the same structure (a plan's ``run``, which
+        has checked that each has the planned shape, strides, dtype and device)."""
+        return AttentionCall(query=query, key_cache=key_cache, value_cache=value_cache, block_table=self.block_table,
+                             query_start_loc=self.query_start_loc, seq_lens=self.seq_lens, out=out, scale=self.scale,
+                             causal=self.causal, sliding_window=self.sliding_window, sinks=sinks, k_scale=k_scale,
+                             v_scale=v_scale, max_query_len=self.max_query_len, max_seq_len=self.max_seq_len,
+                             structure=self.structure)
 
     @property
     def num_tokens(self) -> int:

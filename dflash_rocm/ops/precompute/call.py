@@ -16,8 +16,11 @@ from ..base import describe_call
 from ...weights import ContextKVWeights
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, slots=True)
 class PrecomputeCall:
+    """One validated call; read-only by convention, not frozen (see
+    :class:`~dflash_rocm.ops.attention.AttentionCall`): a plan builds one per step."""
+
     # What a plan may know of each tensor's address (dflash_rocm.planning): the caches' (the
     # structure holds them).
     PLANNED_ADDRESSES = {"key_caches": "address", "value_caches": "address"}
@@ -32,15 +35,6 @@ class PrecomputeCall:
     v_scales: torch.Tensor | None
     return_kv: bool
     structure: object = None  # the call's structure, as the structural checks read it (see AttentionCall)
-
-    @classmethod
-    def of(cls, **fields) -> "PrecomputeCall":
-        """A call from every field by name, built as :meth:`AttentionCall.with_tensors`
-        builds one (a frozen dataclass's ``__init__`` sets each field through
-        ``object.__setattr__``: a few microseconds on every call of a plan)."""
-        call = object.__new__(cls)
-        call.__dict__.update(fields)
-        return call
 
     @property
     def num_tokens(self) -> int:

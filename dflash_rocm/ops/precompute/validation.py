@@ -121,9 +121,9 @@ def bound_precompute_call(model: ModelArguments, context_states, positions, slot
         if ks is not None:
             check_scale_values("k_scales", ks, checks)
             check_scale_values("v_scales", vs, checks)
-    return PrecomputeCall.of(states=context_states, positions=positions, weights=weights, key_caches=kcs,
-                             value_caches=vcs, slot_mappings=slots, k_scales=ks, v_scales=vs,
-                             return_kv=return_kv, structure=key)
+    return PrecomputeCall(states=context_states, positions=positions, weights=weights, key_caches=kcs,
+                          value_caches=vcs, slot_mappings=slots, k_scales=ks, v_scales=vs, return_kv=return_kv,
+                          structure=key)
 
 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
