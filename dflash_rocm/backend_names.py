@@ -19,4 +19,5 @@ def names_in(folders: Iterable[str]) -> tuple[str, ...]:
                          if (entry / "__init__.py").is_file()}))
 
 
-NAMES: tuple[str, ...] = names_in([str(Path(__file__).with_name("backends"))])
+FOLDER = str(Path(__file__).with_name("backends"))
+NAMES: tuple[str, ...] = names_in([FOLDER])

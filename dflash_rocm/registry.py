@@ -16,15 +16,17 @@ from __future__ import annotations
 import importlib
 import threading
 from types import ModuleType
+from typing import Iterable
 
-from . import backend_names, backends
+from . import backend_names
 from .backend import Backend
 from .platform import Platform
 
 
-def find_backends(package: ModuleType = backends) -> dict[str, str]:
-    """Backend name -> module name: every sub-package of ``package`` (not imported)."""
-    return {name: f"{package.__name__}.{name}" for name in backend_names.names_in(package.__path__)}
+def find_backends(folders: Iterable[str] = (backend_names.FOLDER,)) -> dict[str, str]:
+    """Backend name -> module name: every package in ``folders`` (by default the backends'
+    folder; the package ``dflash_rocm.backends`` is not imported)."""
+    return {name: f"dflash_rocm.backends.{name}" for name in backend_names.names_in(folders)}
 
 
 MODULES: dict[str, str] = find_backends()

@@ -21,6 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
 def test_kernels_compile_for_every_gpu_target():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # this checkout's kernels (a script runs with its own folder first on the path, not the root)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     result = subprocess.run([sys.executable, str(ROOT / "tests" / "aot_compile.py")], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=900)
     records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]

@@ -210,7 +210,7 @@ def test_a_new_attention_only_backend_is_one_folder(fresh_registry, tmp_path, mo
     monkeypatch.setattr(dflash_rocm.backends, "__path__", [*dflash_rocm.backends.__path__, str(tmp_path)])
     monkeypatch.setitem(sys.modules, "dflash_rocm.backends.mine", None)
     monkeypatch.delitem(sys.modules, "dflash_rocm.backends.mine")  # (imported below; gone after the test)
-    found = registry.find_backends()
+    found = registry.find_backends(dflash_rocm.backends.__path__)
     assert found["mine"] == "dflash_rocm.backends.mine" and set(found) == {*registry.NAMES, "mine"}
     fresh_registry.setattr(registry, "MODULES", found)
     fresh_registry.setattr(registry, "NAMES", tuple(found))
@@ -232,7 +232,7 @@ def test_a_folder_without_its_backend_class_says_so(fresh_registry, tmp_path, mo
     monkeypatch.setattr(dflash_rocm.backends, "__path__", [*dflash_rocm.backends.__path__, str(tmp_path)])
     monkeypatch.setitem(sys.modules, "dflash_rocm.backends.stray", None)
     monkeypatch.delitem(sys.modules, "dflash_rocm.backends.stray")
-    fresh_registry.setattr(registry, "MODULES", registry.find_backends())
+    fresh_registry.setattr(registry, "MODULES", registry.find_backends(dflash_rocm.backends.__path__))
     fresh_registry.setattr(registry, "NAMES", tuple(registry.MODULES))
     assert registry.load("stray") is None
     assert "must define one Backend subclass named 'stray' (found none)" in registry.import_error("stray")

@@ -18,7 +18,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("dflash_rocm.contract", "dflash_rocm.version", "dflash_rocm.envs", "dflash_rocm.launches",
      "dflash_rocm.timing", "dflash_rocm.report", "dflash_rocm.rope", "dflash_rocm.paged",
      "dflash_rocm.backend_names"),
-    ("dflash_rocm.arch", "dflash_rocm.weights", "dflash_rocm.tuning"),
+    ("dflash_rocm.arch", "dflash_rocm.weights", "dflash_rocm.tuning", "dflash_rocm.process"),
     ("dflash_rocm.derived",),  # refuses weights resized since they were built
     ("dflash_rocm.platform", "dflash_rocm.planning", "dflash_rocm.validation", "dflash_rocm.checkpoint"),
     ("dflash_rocm.ops",),
