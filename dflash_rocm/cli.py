@@ -367,7 +367,8 @@ def cmd_inspect(args) -> int:
     if "dflash_rocm.backends.triton.common" not in sys.modules:
         os.environ.pop("TRITON_INTERPRET", None)
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    from .audit import fc, report, run
+    from .audit import report, run
+    from .peer import fc
     from .audit.compiler import FactsCache, default_cache_dir
     from .report import join_blocks
     from .workloads import SHAPES

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from dflash_rocm import assumptions_bench as assumptions
-from dflash_rocm.audit import fc
+from dflash_rocm.peer import fc
 from dflash_rocm.backends.rocm import tables
 from dflash_rocm.backends.triton.launch_config import PrecomputeLaunchConfig, default_precompute_config
 from dflash_rocm.platform import platform_for_arch

@@ -9,6 +9,7 @@ specialisation a real launch gets and models it with the audit's model (:mod:`.t
 GEMM and C++ norm, RoPE and cache-write kernels): each of its launches is costed at its
 roofline plus the launch gap (:mod:`.unfused`), a lower bound of vLLM's time, beside our
 precompute (:mod:`.precompute`). The step model (:mod:`.step`) puts both operations into
-one decode step of a deployment.
+one decode step of a deployment; :mod:`.fc` models vLLM's ``fc`` context projection under
+tensor parallelism (``inspect --tp``), replicated as vLLM builds it against column-parallel.
 Everything here is modelled; nothing ran on a GPU.
 """

@@ -21,10 +21,9 @@ from __future__ import annotations
 import textwrap
 from dataclasses import dataclass
 
+from dflash_rocm.audit.targets import TARGETS, Target
 from dflash_rocm.report import WIDTH, format_table
 from dflash_rocm.workloads import SHAPES, DraftShape
-
-from .targets import TARGETS, Target
 
 AUX_LAYERS = 5  # target layers whose states fc projects (z-lab's DFlash checkpoints: 5 target_layer_ids)
 TOKENS = (16, 256, 1024)  # context tokens per step
