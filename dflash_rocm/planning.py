@@ -59,40 +59,24 @@ class Switches(NamedTuple):
     cache_dir: str  # DFLASH_ROCM_CACHE_DIR ("": the default location): where tuned tables are kept
 
 
-# os.environ's own mapping and the variables' keys as it stores them (bytes on POSIX): the
-# one private attribute of the standard library the package reads. os.environ.get encodes
-# the key and, for an unset variable (the usual case), raises and catches a KeyError inside
-# Mapping.get: six such reads cost 4.5 to 6 us more per call than these lookups (bench
-# --host, draft_attention call without validation 30.5 -> 25.6 us total, precompute call
-# 38.8 -> 34.2 us; measured on the 2-core CPU development machine, busy).
-_ENVIRON = os.environ._data
-_KEYS = tuple(os.environ.encodekey(name) for name in _VARIABLE_NAMES)
-
-
-def environment() -> tuple[bytes | str | None, ...]:
-    """The raw values of :data:`PLANNING_VARIABLES` now, as os.environ stores them (None:
-    unset): read on every call (a lookup each), parsed only when a plan is made
-    (:func:`parse_switches`)."""
-    return tuple(map(_ENVIRON.get, _KEYS))
+def environment() -> tuple[str | None, ...]:
+    """The raw values of :data:`PLANNING_VARIABLES` now (None: unset): read on every call,
+    parsed only when a plan is made (:func:`parse_switches`)."""
+    return tuple(os.environ.get(name) for name in _VARIABLE_NAMES)
 
 
 def parse_switches(raw: tuple[str | None, ...]) -> Switches:
     """The switches of ``raw`` (:func:`environment`'s values); a bad value is refused with
     one warning and its default applies (:meth:`dflash_rocm.envs.EnvVar.setting_of`)."""
-    _, tail_merge, query_limit, tune, aiter, cache_dir = map(_decoded, raw)
+    _, tail_merge, query_limit, tune, aiter, cache_dir = raw
     return Switches(tail_merge=envs.TAIL_MERGE.setting_of(tail_merge),
                     query_limit=envs.QUERY_LIMIT.setting_of(query_limit), tune=envs.TUNE.setting_of(tune),
                     aiter=envs.AITER.setting_of(aiter), cache_dir=envs.CACHE_DIR.setting_of(cache_dir))
 
 
-def _decoded(raw: bytes | str | None) -> str | None:
-    """A raw value of :func:`environment` as ``os.environ.get`` gives it."""
-    return None if raw is None else os.environ.decodevalue(raw)
-
-
-def backend_variable(raw: tuple) -> str | None:
+def backend_variable(raw: tuple[str | None, ...]) -> str | None:
     """``DFLASH_ROCM_BACKEND`` as :func:`environment`'s ``raw`` holds it (None: unset)."""
-    return _decoded(raw[0])
+    return raw[0]
 
 
 def switches() -> Switches:
