@@ -41,7 +41,7 @@ import torch
 from .audit.targets import Target
 from .floors import peak_for
 from .ops import PRECOMPUTE
-from .planning import record_for
+from .planning import on_platform, record_for
 from .platform import Platform, platform_for
 from .report import format_table, wrap
 from .timing import interleaved_median_seconds, l2_flush, synchronize
@@ -114,7 +114,7 @@ def table_precompute_config(call, platform: Platform):
         from .backends import rocm
 
         record, facts = record_for(PRECOMPUTE.name, "rocm", call)
-        return rocm.precompute_choice(record._replace(platform=platform), facts)
+        return rocm.precompute_choice(on_platform(record, platform), facts)
     from .backends.triton.precompute import precompute_config_for
 
     return precompute_config_for(call, platform)

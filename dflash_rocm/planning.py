@@ -6,7 +6,8 @@ every call of one structure once and returns a :class:`~dflash_rocm.backend.Runn
 dispatch hands later calls with an equal record to that runner. So the record must hold
 everything a plan may read, and a plan must read nothing else: the call's structure
 (every argument's shape, strides, dtype and device, and the scalars), its host bounds,
-the alignment and storage sizes (or addresses) of the tensors plans specialise on, the platform, the
+the alignment and storage sizes (or addresses) of the tensors plans specialise on, the device and
+the platform CPU tensors are simulated as (from which a plan finds its platform), the
 environment switches planning reads (:data:`PLANNING_SWITCHES`, the tuning cache directory
 among them), what the serving engine configured (:class:`EngineSettings`), the generation
 of the tuned tables (:mod:`dflash_rocm.tuning`) and whether torch asks for deterministic
@@ -33,14 +34,13 @@ import dataclasses
 import math
 import os
 import threading
-from dataclasses import dataclass, fields, replace
 from typing import Any, NamedTuple
 
 import torch
 
 from . import envs, tuning
 from .paged import PackedCache
-from .platform import Platform, platform_for
+from .platform import Platform, platform_of, simulated_platform
 
 # Every environment switch a plan may depend on (in this order) and, first, the backend's
 # name for calls that name none: what a record holds of the environment, raw.
@@ -62,7 +62,7 @@ class Switches(NamedTuple):
 def environment() -> tuple[str | None, ...]:
     """The raw values of :data:`PLANNING_VARIABLES` now (None: unset): read on every call,
     parsed only when a plan is made (:func:`parse_switches`)."""
-    return tuple(os.environ.get(name) for name in _VARIABLE_NAMES)
+    return tuple([os.environ.get(name) for name in _VARIABLE_NAMES])  # (a list is built faster than a generator runs)
 
 
 def parse_switches(raw: tuple[str | None, ...]) -> Switches:
@@ -84,11 +84,11 @@ def switches() -> Switches:
     return parse_switches(environment())
 
 
-@dataclass(frozen=True)
-class EngineSettings:
+class EngineSettings(NamedTuple):
     """What a serving engine told the package (:func:`dflash_rocm.dispatch.configure`):
     DFlash's query limit (``num_speculative_tokens + 1``), the batch limit, the model
-    length, the draft layers' causal flags."""
+    length, the draft layers' causal flags. A NamedTuple: immutable, and hashed as a
+    tuple with every planning record."""
 
     query_limit: int | None = None
     batch_limit: int = 64
@@ -96,7 +96,7 @@ class EngineSettings:
     layer_causal: tuple[bool, ...] | None = None  # scopes tuning to what the draft runs
 
 
-SETTINGS = tuple(f.name for f in fields(EngineSettings))
+SETTINGS = EngineSettings._fields
 _settings_lock = threading.Lock()
 _settings = EngineSettings()
 
@@ -113,7 +113,7 @@ def configure_engine(**changes) -> EngineSettings:
     if "layer_causal" in changes and changes["layer_causal"] is not None:
         changes["layer_causal"] = tuple(changes["layer_causal"])
     with _settings_lock:
-        _settings = replace(_settings, **changes)
+        _settings = _settings._replace(**changes)
     return _settings
 
 
@@ -216,7 +216,8 @@ class PlanningRecord(NamedTuple):
     structure: Any  # the call's structure (validation's Structure; None: built outside validation)
     bounds: tuple  # host bounds that size launches
     memory: tuple  # of the tensors plans specialise on: 16-byte alignment residues, storage sizes
-    platform: Platform
+    device: torch.device  # the call's device: with ``simulated``, its platform (the property)
+    simulated: Platform | None  # what simulate_platform pins for CPU tensors (None: nothing)
     environment: tuple  # the raw values of PLANNING_VARIABLES (None: unset)
     settings: EngineSettings
     tuning: int  # generation of the tuned tables (dflash_rocm.tuning)
@@ -226,6 +227,13 @@ class PlanningRecord(NamedTuple):
     def switches(self) -> Switches:
         """The planning switches this record holds, parsed (when a plan is made)."""
         return parse_switches(self.environment)
+
+    @property
+    def platform(self) -> Platform:
+        """The platform of the record's device (worked out when a plan is made: a call's
+        record holds only the device and the simulated platform, so a repeat call never
+        looks a GPU's platform up)."""
+        return platform_of(self.device, self.simulated)
 
     @property
     def keepable(self) -> bool:
@@ -238,8 +246,16 @@ def planning_record(op: str, backend: str | None, call) -> PlanningRecord:
     """The record of ``call`` (of ``op``, for the backend asked for): see the module."""
     structure, bounds, memory = call.planning_parts()
     return PlanningRecord(op=op, backend=backend, structure=structure, bounds=bounds, memory=memory,
-                          platform=platform_for(call.device), environment=environment(), settings=_settings,
+                          device=call.device, simulated=simulated_platform(), environment=environment(),
+                          settings=_settings,
                           tuning=tuning.generation(), deterministic=torch.are_deterministic_algorithms_enabled())
+
+
+def on_platform(record: PlanningRecord, platform: Platform) -> PlanningRecord:
+    """``record`` as planning on ``platform`` would see it: the record of CPU tensors
+    simulated as ``platform`` (tools that ask what a backend would plan for a GPU they do
+    not run on: ``inspect``, ``bench --assumptions``)."""
+    return record._replace(device=torch.device("cpu"), simulated=platform)
 
 
 class Planning(NamedTuple):

@@ -83,18 +83,24 @@ def _detect_gpu(index: int) -> Platform:
 
 
 def platform_for(device: torch.device | str | None = None) -> Platform:
-    """The platform of ``device`` (default: the current GPU if any, else CPU)."""
+    """The platform of ``device`` (default: the current GPU if any, else CPU), under the
+    platform :func:`simulate_platform` pins for CPU tensors now."""
     if device is None:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    elif type(device) is not torch.device:  # (every call's planning record asks with a tensor's device)
+    elif type(device) is not torch.device:
         device = torch.device(device)
+    return platform_of(device, _simulated)
+
+
+def platform_of(device: torch.device, simulated: Platform | None) -> Platform:
+    """The platform of ``device`` when ``simulated`` is what CPU tensors report (None: the
+    CPU itself): a GPU's is detected on first use and kept for the process. A planning
+    record holds the device and ``simulated`` and asks this only when a plan is made."""
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         return _detect_gpu(index)
-    if device.type == "cpu" and _simulated is not None:
-        return _simulated
     if device.type == "cpu":
-        return CPU_PLATFORM
+        return CPU_PLATFORM if simulated is None else simulated
     return replace(CPU_PLATFORM, vendor=device.type, arch=device.type, family=device.type,
                    name=device.type)
 

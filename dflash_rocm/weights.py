@@ -130,9 +130,9 @@ class ContextKVWeights:
         object.__setattr__(self, "built_shapes", self._shapes())
 
     def _shapes(self) -> tuple:
-        return tuple(None if t is None else t.shape for t in (self.hidden_norm_weight, self.kv_weight,
-                                                               self.k_norm_weight, self.cos_sin_cache, self.kv_bias,
-                                                               self.kv_weight_scale))
+        return tuple([None if t is None else t.shape for t in (self.hidden_norm_weight, self.kv_weight,
+                                                                self.k_norm_weight, self.cos_sin_cache, self.kv_bias,
+                                                                self.kv_weight_scale)])
 
     def check_shapes(self) -> None:
         """Refuse (``ValueError``, naming the tensor) weights whose tensors were resized in

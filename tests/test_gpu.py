@@ -526,5 +526,5 @@ def test_startup_tuning_serves_its_reloaded_table_no_slower(tmp_path, monkeypatc
         inputs = attention_inputs(QWEN3_8B, 2, 4000, torch.bfloat16, torch.bfloat16, device)
         reloaded_tuned_table_serves(inputs, platform_for("cuda"), device)
     finally:
-        rocm_settings.configure(**previous.__dict__)
+        rocm_settings.configure(**previous._asdict())
         tuner.forget_tables()

@@ -212,3 +212,72 @@ def test_a_repeat_call_reaches_its_launch_through_the_plan_alone(monkeypatch, pa
     for stack in direct.stacks:
         assert len(stack) <= most, [f.f_code.co_name for f in stack]  # the entry and the launcher counted
         assert all(f.f_code.co_filename.endswith(".py") for f in stack), [f.f_code.co_filename for f in stack]
+
+
+class _StandInJIT:
+    """Triton's JIT entry for a kernel, standing in on a machine without a GPU: it
+    "compiles" a kernel whose launch does nothing, so a plan's direct launcher keeps it."""
+
+    def __init__(self, kernel):
+        from triton.runtime.jit import JITFunction
+
+        self.params, self.__name__ = JITFunction(kernel.fn).params, kernel.__name__
+
+    def __getitem__(self, grid):
+        from dflash_rocm.backends.triton.launcher import _NoopCompiled
+
+        return lambda *args, **kwargs: _NoopCompiled(self.params)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("path,most", [("call", 3), ("plan.run", 3), ("precompute", 4)])
+def test_a_repeat_call_consults_few_memo_tables(monkeypatch, path, most):
+    """On the GPU path (direct launchers holding their compiled kernels), a repeat call at
+    a DFlash step's real shapes on a simulated MI300X (batch 1 over 8k keys: a split plan
+    with its scratch; the precompute of 16 tokens) looks things up in at most 3 tables for the attention and 4
+    for the precompute, and asks no ``lru_cache``: counted as the distinct objects whose
+    ``get`` it calls (the validation memo, the plan cache, the scratch per stream)."""
+    import functools
+    import sys
+
+    from dflash_rocm import dispatch, launches, platform
+    from dflash_rocm.backends.triton.launcher import Launcher
+    from dflash_rocm.workloads import SHAPES, attention_inputs, precompute_inputs
+
+    monkeypatch.setattr(dispatch, "_plans", {})
+    monkeypatch.setattr(platform, "_simulated", platform.platform_for_arch("gfx942", simulated=True))
+    cpu, shape = torch.device("cpu"), SHAPES["qwen3-8b-dflash-b16"]
+    if path == "precompute":
+        p = precompute_inputs(shape, 16, torch.float16, torch.float16, cpu)
+        run = lambda: dflash_rocm.precompute_and_store_context_kv(*p.args(), **p.kwargs(),  # noqa: E731
+                                                                  backend="triton", validate=False)
+    else:
+        a = attention_inputs(shape, 1, 8192, torch.float16, torch.float16, cpu)
+        plan = dflash_rocm.plan_draft_attention(*a.args(), **a.kwargs, backend="triton", validate=False)
+        run = (lambda: dflash_rocm.draft_attention(*a.args(), **a.kwargs, backend="triton", validate=False)) if (
+            path == "call") else (lambda: plan.run(a.query, a.key_cache, a.value_cache))
+    with launches.capture():
+        run()  # the structure's plan is made (nothing computed)
+    (planned,) = dispatch._plans.values()
+    runner = planned.run.__self__
+    assert path == "precompute" or runner.scratch.get(cpu)[0] is not None, "the attention plan splits"
+    for launch_plan in (runner.main, getattr(runner, "merge", None)):
+        if launch_plan is not None:
+            direct = Launcher(_StandInJIT(launch_plan.kernel), launch_plan.constexprs, launch_plan.options)
+            monkeypatch.setattr(direct, "current_device", lambda: 0)
+            monkeypatch.setattr(launch_plan, "direct", direct)
+    run()  # through the stand-in JIT, whose kernel the launchers keep
+    tables, caches = set(), []
+
+    def profile(frame, event, arg):
+        if event == "c_call" and isinstance(arg, functools._lru_cache_wrapper):
+            caches.append(arg.__wrapped__.__qualname__)
+        elif event == "c_call" and getattr(arg, "__name__", "") == "get" and isinstance(arg.__self__, dict):
+            tables.add(id(arg.__self__))
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    assert tables and len(tables) <= most and not caches, (len(tables), caches)  # (empty: the probe saw nothing)

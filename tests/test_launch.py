@@ -46,26 +46,29 @@ class FakeCompiled:
         return lambda *args: self.log.append(("compiled", grid, args))
 
 
-def launch(kernel, grid, config, *args, **constexprs):
-    """A one-off launch through a plan with no per-call tensors: every argument's
-    specialisation is checked (the general path)."""
-    static = {f"p{i}": a for i, a in enumerate(args)}
-    launching.LaunchPlan(kernel, grid, launching.compiler_options(config) if config else {}, (), static,
-                         constexprs).launch()
+def plan_of(kernel, grid, config, **constexprs):
+    """A launch plan whose every runtime argument is per call (each call's specialisation
+    checked: the general path)."""
+    runtime = tuple(p.name for p in kernel.params if not p.is_constexpr)
+    return launching.LaunchPlan(kernel, grid, launching.compiler_options(config) if config else {}, runtime, {},
+                                constexprs)
+
+
+def launch(plan, *args):
+    plan.launch(**{f"p{i}": a for i, a in enumerate(args)})
 
 
 @pytest.fixture
 def on_a_gpu(monkeypatch):
     monkeypatch.setattr(launching, "INTERPRETING", False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(launching, "_launchers", {})
 
 
 def test_a_second_launch_with_the_same_specialisation_calls_the_compiled_kernel(on_a_gpu):
     kernel = FakeKernel(False, False, True)
-    x = torch.zeros(64)
-    launch(kernel, (3,), None, x, 7, p2=5)
-    launch(kernel, (4,), None, torch.zeros(64), 23, p2=5)
+    plan = plan_of(kernel, (4,), None, p2=5)
+    launch(plan, torch.zeros(64), 7)
+    launch(plan, torch.zeros(64), 23)
     assert [entry[0] for entry in kernel.log] == ["jit", "compiled"]
     assert kernel.log[0][3] == {"p2": 5}
     assert kernel.log[1][1] == (4, 1, 1) and kernel.log[1][2][1:] == (23, 5)  # runtime args, then constexprs
@@ -76,8 +79,9 @@ def test_a_grid_of_fewer_dimensions_reaches_the_compiled_kernel_as_three(on_a_gp
     """Triton's compiled entry reads ``grid[0..2]`` (an IndexError for a shorter tuple, seen
     on an H200 for the precompute's one-dimensional grid); the JIT pads the same way."""
     kernel = FakeKernel(False, True)
-    launch(kernel, grid, None, 3, p1=0)
-    launch(kernel, grid, None, 3, p1=0)
+    plan = plan_of(kernel, grid, None, p1=0)
+    launch(plan, 3)
+    launch(plan, 3)
     padded = grid + (1,) * (3 - len(grid))
     assert [(entry[0], entry[1]) for entry in kernel.log] == [("jit", padded), ("compiled", padded)]
 
@@ -105,8 +109,9 @@ def test_the_direct_arguments_follow_the_compiled_kernels_signature(on_a_gpu, mo
                  "runtime parameters": {"p0": "i32", "p1": "i32"},
                  "something else": {"p0": "i32"}, "no signature": None}[compiled_with]
     monkeypatch.setattr(kernel, "compiled_signature", lambda: signature)
+    plan = plan_of(kernel, (1,), None, p2=5)
     for _ in range(2):
-        launch(kernel, (1,), None, 7, 1, p2=5)
+        launch(plan, 7, 1)
     assert [(entry[0], entry[2]) for entry in kernel.log] == expected
 
 
@@ -115,27 +120,37 @@ def test_the_direct_arguments_follow_the_compiled_kernels_signature(on_a_gpu, mo
                               "float-then-int"])
 def test_a_new_specialisation_goes_through_the_jit(on_a_gpu, first, second):
     kernel = FakeKernel(False, True)
-    launch(kernel, (1,), None, first, p1=0)
-    launch(kernel, (1,), None, second, p1=0)
+    plan = plan_of(kernel, (1,), None, p1=0)
+    launch(plan, first)
+    launch(plan, second)
     assert [entry[0] for entry in kernel.log] == ["jit", "jit"]
 
 
 def test_pointer_alignment_and_dtype_are_part_of_the_specialisation(on_a_gpu):
+    """A plan keeps the kernel compiled for its last specialisation (one slot): each new
+    one goes through the JIT, a repeat of the kept one calls it directly."""
     kernel = FakeKernel(False)
+    plan = plan_of(kernel, (1,), None)
     base = torch.zeros(64)
-    launch(kernel, (1,), None, base)
-    launch(kernel, (1,), None, base[1:])  # 4 bytes off: not 16-byte aligned
-    launch(kernel, (1,), None, base.to(torch.float16))
-    launch(kernel, (1,), None, base[4:])  # 16 bytes off: aligned again
-    assert [entry[0] for entry in kernel.log] == ["jit", "jit", "jit", "compiled"]
+    launch(plan, base)
+    launch(plan, base[1:])  # 4 bytes off: not 16-byte aligned
+    launch(plan, base.to(torch.float16))
+    launch(plan, base[4:])  # 16 bytes off: aligned again, but the slot holds the float16 kernel
+    launch(plan, base[8:])  # aligned float32 again: the kept kernel
+    assert [entry[0] for entry in kernel.log] == ["jit", "jit", "jit", "jit", "compiled"]
 
 
-def test_constexprs_and_options_pick_their_own_launcher(on_a_gpu):
+def test_each_plan_keeps_its_own_compiled_kernel(on_a_gpu):
+    """Plans of one kernel with other constexprs or options never share a compiled kernel:
+    each keeps the one its own first launch compiled."""
     kernel = FakeKernel(False, True)
-    launch(kernel, (1,), None, 3, p1=0)
-    launch(kernel, (1,), None, 3, p1=1)
-    launch(kernel, (1,), NS(num_warps=8, num_stages=1), 3, p1=1)
-    assert [entry[0] for entry in kernel.log] == ["jit", "jit", "jit"]
+    plans = [plan_of(kernel, (1,), None, p1=0), plan_of(kernel, (1,), None, p1=1),
+             plan_of(kernel, (1,), NS(num_warps=8, num_stages=1), p1=1)]
+    for plan in plans + plans:
+        launch(plan, 3)
+    assert [entry[0] for entry in kernel.log] == ["jit", "jit", "jit", "compiled", "compiled", "compiled"]
+    assert [entry[3] for entry in kernel.log[:3]] == [{"p1": 0}, {"p1": 1}, {"p1": 1, "num_warps": 8,
+                                                                            "num_stages": 1}]
 
 
 def test_the_specialisation_matches_tritons_own():

@@ -57,7 +57,7 @@ def engine(**changes):
     try:
         yield
     finally:
-        planning.configure_engine(**vars(before))
+        planning.configure_engine(**before._asdict())
 
 
 @contextlib.contextmanager
@@ -84,7 +84,7 @@ CHANGES = {
     "structure": lambda: (ATTENTION, attention(scale=0.5), "triton", contextlib.nullcontext()),
     "bounds": lambda: (ATTENTION, attention(max_seq_len=16, validate=False), "triton", contextlib.nullcontext()),
     "memory": lambda: (ATTENTION, attention(**misaligned_caches()), "triton", contextlib.nullcontext()),
-    "platform": lambda: (ATTENTION, attention(), "triton", platform.simulate_platform("gfx942")),
+    "simulated": lambda: (ATTENTION, attention(), "triton", platform.simulate_platform("gfx942")),
     "environment": lambda: (ATTENTION, attention(), "triton", env(envs.TAIL_MERGE.name, "off")),
     "settings": lambda: (ATTENTION, attention(), "triton", engine(query_limit=7)),
     "tuning": lambda: (ATTENTION, attention(), "triton", _tables_changed()),
@@ -99,7 +99,21 @@ def _tables_changed():
 
 
 def test_every_field_of_the_record_is_covered_below():
-    assert set(CHANGES) == set(PlanningRecord._fields)
+    # (the device is in the structure too: a call on another device changes both; its own test is below)
+    assert set(CHANGES) | {"device"} == set(PlanningRecord._fields)
+
+
+def test_the_record_finds_its_platform_from_its_device_and_the_simulated_one():
+    """A record holds the call's device and the simulated platform, and its platform is
+    found from those two when a plan reads it (never from what is simulated later)."""
+    call = attention()
+    plain = planning.planning_record(ATTENTION.name, "triton", call)
+    with platform.simulate_platform("gfx942") as simulated:
+        pinned = planning.planning_record(ATTENTION.name, "triton", call)
+    assert plain.device == pinned.device == call.device
+    assert plain.platform == platform.CPU_PLATFORM and pinned.platform == simulated
+    elsewhere = plain._replace(device=torch.device("xpu"))
+    assert elsewhere != plain and elsewhere.platform.vendor == "xpu"
 
 
 @pytest.mark.parametrize("field", sorted(CHANGES))

@@ -235,7 +235,7 @@ def test_query_limit_env_wins_over_configured(monkeypatch):
         with pytest.raises(ValueError, match="unknown setting"):
             settings.configure(qlimit=3)
     finally:
-        settings.configure(**previous.__dict__)
+        settings.configure(**previous._asdict())
 
 
 @pytest.mark.parametrize("mode,arch,expected", [("auto", "gfx1100", True), ("auto", "gfx942", False),

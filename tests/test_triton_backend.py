@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dflash_rocm
-from dflash_rocm.planning import record_for
+from dflash_rocm.planning import on_platform, record_for
 from checks import check_attention, check_precompute
 from dflash_rocm.paged import PackedCache, read_rows
 from strategies import (CPU_SIZES, PACKINGS, WEIGHT_FORMATS, attention_cases, attention_launch_configs, make_generator,
@@ -338,7 +338,7 @@ def test_a_gpu_plan_merges_by_a_second_launch_where_mergers_could_fill_an_xcd(mo
     record, facts = record_for("draft_attention", "triton", call)
     monkeypatch.setattr(AttentionCall, "device", property(lambda self: torch.device("cuda")))
     for units, mergers, second in ((304, 16, False), (16, 0, True)):  # 2 x 16 mergers: 4 per XCD vs 2 CUs per XCD
-        plan = attention.plan_attention(record._replace(platform=platform_for_arch("gfx942", compute_units=units)),
+        plan = attention.plan_attention(on_platform(record, platform_for_arch("gfx942", compute_units=units)),
                                         facts, config)
         assert plan.main.constexprs["MERGERS"] == mergers and (plan.merge is not None) == second
         assert plan.main.grid[2] == 16 + mergers and plan.scratch.counters == (0 if second else 2)

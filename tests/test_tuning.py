@@ -219,7 +219,7 @@ def test_rocm_backend_uses_the_tuned_config(monkeypatch):
         ref = dflash_rocm.draft_attention(*args, backend="reference")
         assert dflash_rocm.contract.relative_error(out, ref) < 2e-3
     finally:
-        settings.configure(**previous.__dict__)
+        settings.configure(**previous._asdict())
 
 
 @needs_interpreter
@@ -231,7 +231,7 @@ def test_tune_command_prints_the_table(monkeypatch, capsys):
     try:
         rc = cli.main(["tune", "--simulate-arch", "gfx1201", "--batch-limit", "2", "--max-model-len", "2048"])
     finally:
-        settings.configure(**previous.__dict__)
+        settings.configure(**previous._asdict())
     captured = capsys.readouterr()
     assert rc == 0
     assert "gfx1201" in captured.out and "speed-up" in captured.out and "2/" in captured.err
@@ -274,7 +274,7 @@ def rdna(monkeypatch):
         with simulate_platform("gfx1100") as platform:
             yield platform
     finally:
-        settings.configure(**previous.__dict__)
+        settings.configure(**previous._asdict())
 
 
 def spec_of_args():
@@ -449,7 +449,7 @@ def test_a_table_tuned_under_other_engine_settings_is_not_used(rdna):
         try:
             assert serve(times=1, warm_up=False)[0] != "tuned", change
         finally:
-            settings.configure(**previous.__dict__)
+            settings.configure(**previous._asdict())
     with pytest.MonkeyPatch.context() as m:
         m.setenv("DFLASH_ROCM_CACHE_DIR", str(tuning.cache_dir()) + "-other")
         assert serve(times=1, warm_up=False)[0] != "tuned"

@@ -9,9 +9,9 @@ at real shapes, without a GPU.
 
 Hot launches skip Triton's JIT prelude. ``kernel[grid](...)`` binds every argument,
 specialises it through the compiler backend (about 1 us per argument on ROCm), builds a
-cache key and looks the compiled kernel up, on every call. A :class:`Launcher` does that
-once per specialisation: it keeps the compiled kernel the JIT returned, and later calls
-whose arguments specialise the same way (:func:`specialization`, Triton 3.9's rules:
+cache key and looks the compiled kernel up, on every call. A launch plan's
+:class:`Launcher` does that once: it keeps the compiled kernel the JIT returned, and later
+calls whose arguments specialise the same way (:func:`specialization`, Triton 3.9's rules:
 16-byte alignment of pointers, 32-bit buffer ranges on AMD, ints equal to 1, multiples
 of 16, 32- or 64-bit) launch it directly through ``CompiledKernel[grid]``, Triton's own
 entry point for compiled kernels. That entry point takes what the JIT would hand its
@@ -22,7 +22,6 @@ the arguments the kernel was compiled to take (:func:`launch_tail`).
 from __future__ import annotations
 
 import operator
-import threading
 from types import SimpleNamespace
 from typing import Any, Callable
 
@@ -123,10 +122,14 @@ def launch_tail(compiled, params, constexprs: dict) -> tuple | None:
 
 
 class Launcher:
-    """Launches of one kernel with fixed constexprs and compiler options: the first launch
-    of each argument specialisation (and device) goes through Triton's JIT, which compiles
-    or finds the kernel; later ones call the compiled kernel directly, with the arguments
-    :func:`launch_tail` reads from it, over a grid of three dimensions (:func:`launch_grid`)."""
+    """One launch plan's kernel launches with fixed constexprs and compiler options: the
+    kernel compiled for the arguments' specialisation (and the current device) is kept in
+    one slot and called directly, with the arguments :func:`launch_tail` reads from it,
+    over a grid of three dimensions (:func:`launch_grid`); a call that specialises another
+    way goes through Triton's JIT, which compiles or finds its kernel (Triton's own cache),
+    and that kernel takes the slot. A plan's calls specialise one way in serving (its
+    record holds the caches' alignment; the rest are the engine's own buffers), so the
+    slot is a plan's compiled kernel, not a table of them."""
 
     def __init__(self, kernel, constexprs: dict, options: dict):
         self.kernel, self.constexprs, self.options = kernel, dict(constexprs), dict(options)
@@ -134,11 +137,8 @@ class Launcher:
         num_runtime = sum(1 for p in params if not p.is_constexpr)
         if any(p.is_constexpr for p in params[:num_runtime]):
             raise TypeError(f"{kernel.__name__}: declare constexpr parameters after the runtime ones")
-        self.tail: tuple = ()  # set by keep() from the first compiled kernel (one Triton serves them all)
-        self.amd = HIP
         self.current_device = torch.cuda.current_device  # compiled kernels are loaded per device
-        self.compiled: dict[tuple, Any] = {}
-        self._lock = threading.Lock()
+        self.compiled: tuple = (None, None, ())  # (device and specialisation, compiled kernel, launch_tail)
 
     def run(self, grid: tuple[int, int, int], args: tuple, spec) -> None:
         """Launch over ``grid`` (three dimensions: :func:`launch_grid`) with ``spec``:
@@ -146,9 +146,9 @@ class Launcher:
         only the JIT may launch)."""
         if spec is not None:
             spec = (self.current_device(), spec)
-            compiled = self.compiled.get(spec)
-            if compiled is not None:
-                compiled[grid](*args, *self.tail)
+            kept_spec, compiled, tail = self.compiled
+            if spec == kept_spec:
+                compiled[grid](*args, *tail)
                 return
         compiled = self.kernel[grid](*args, **self.constexprs, **self.options)
         if spec is not None and compiled is not None:
@@ -160,23 +160,7 @@ class Launcher:
         going through the JIT."""
         tail = launch_tail(compiled, self.kernel.params, self.constexprs)
         if tail is not None:
-            with self._lock:
-                self.tail = tail
-                self.compiled[spec] = compiled
-
-
-_launchers: dict[tuple, Launcher] = {}
-_launchers_lock = threading.Lock()
-
-
-def launcher(kernel, constexprs: dict, options: dict) -> Launcher:
-    """The :class:`Launcher` of ``kernel`` with these constexprs and options (kept)."""
-    key = (kernel, tuple(constexprs.items()), tuple(options.items()))
-    found = _launchers.get(key)
-    if found is None:
-        with _launchers_lock:
-            found = _launchers.setdefault(key, Launcher(kernel, constexprs, options))
-    return found
+            self.compiled = (spec, compiled, tail)  # one assignment: a racing thread sees the old or the new
 
 
 _parameters: dict = {}
@@ -272,7 +256,7 @@ class LaunchPlan:
         self.constexprs = dict(constexprs)
         self.static_spec = specialization(self.static_args, self.amd)
         if direct is None and not INTERPRETING:
-            direct = launcher(kernel, self.constexprs, self.options)
+            direct = Launcher(kernel, self.constexprs, self.options)
         self.direct = direct  # None: the interpreter, which has no compiled kernels
         self.launching = launches.launching(self.name)
         self._in_order = _picker(self.per_call)

@@ -299,7 +299,7 @@ class PrecomputePlan(Runner):
 
 def source_versions(w: ContextKVWeights) -> tuple:
     """The version counters of the tensors :func:`fused_weights` derives from."""
-    return tuple(None if t is None else t._version for t in derived_sources(w))
+    return tuple([None if t is None else t._version for t in derived_sources(w)])
 
 
 def plan_precompute(record: PlanningRecord, call: PrecomputeCall, config: PrecomputeLaunchConfig) -> PrecomputePlan:

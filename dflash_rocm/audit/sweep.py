@@ -17,7 +17,7 @@ from dflash_rocm.ops import PRECOMPUTE
 from dflash_rocm.ops.attention import AttentionCall
 from dflash_rocm.ops.precompute import PrecomputeCall
 from dflash_rocm.floors import Cost, attention_cost, precompute_cost
-from dflash_rocm.planning import record_for
+from dflash_rocm.planning import on_platform, record_for
 from dflash_rocm.platform import platform_for_arch
 from dflash_rocm.weights import ContextKVWeights
 from dflash_rocm.workloads import DraftShape
@@ -209,7 +209,7 @@ def table_config(case: Case, target: Target, call):
         if case.op == "attention":
             return tables.attention_config(rocm.attention_workload(call, platform), case.query_len)
         record, facts = record_for(PRECOMPUTE.name, "rocm", call)
-        return "rocm-table", rocm.precompute_choice(record._replace(platform=platform), facts)
+        return "rocm-table", rocm.precompute_choice(on_platform(record, platform), facts)
     from dflash_rocm.backends.triton.attention import attention_config_for
     from dflash_rocm.backends.triton.precompute import precompute_config_for
 
