@@ -24,6 +24,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
+from .capture import CaptureSupport
 from .contract import FP8_DTYPES, QUERY_DTYPES, dtype_name
 from .ops import ATTENTION, PRECOMPUTE, Op
 from .ops.attention import AttentionCall
@@ -38,18 +39,29 @@ __all__ = ["SETTINGS", "Runner", "CallRunner", "Implementation", "AttentionImple
 class Runner:
     """What a plan is: it runs every call of the planned structure (``run(call)``: the
     op's result). One type for every backend, so dispatch and the tools above handle any
-    plan the same way."""
+    plan the same way.
+
+    Every runner class declares :attr:`capture_support` itself (a class attribute, not
+    derived: ``tests/test_capture.py`` refuses a runner without one): whether its runs may
+    be recorded into a CUDA graph, and what a capture may keep of what its first call
+    makes (:class:`~dflash_rocm.capture.CaptureSupport`). Dispatch applies it when a
+    capture asks for a call structure it holds no plan for."""
 
     __slots__ = ()
+    capture_support: ClassVar[CaptureSupport]
 
     def run(self, call) -> Any:
         raise NotImplementedError
 
 
 class CallRunner(Runner):
-    """A runner that passes each call to one function (with keywords fixed by the plan)."""
+    """A runner that passes each call to one function (with keywords fixed by the plan):
+    what :meth:`Implementation.plan` returns by default. It knows nothing of what the
+    function reads (the reference and cpu backends read the call's tensors on the host),
+    so it is never captured; a backend whose function may be subclasses it and declares so."""
 
     __slots__ = ("fn", "kwargs")
+    capture_support = CaptureSupport.NEVER
 
     def __init__(self, fn: Callable[..., Any], **kwargs: Any):
         self.fn, self.kwargs = fn, kwargs

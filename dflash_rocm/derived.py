@@ -43,7 +43,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
-from . import launches
+from .capture import refuse_in_capture
 from .weights import ContextKVWeights
 
 logger = logging.getLogger("dflash_rocm")
@@ -140,11 +140,10 @@ class DerivedCache:
             if entry is not None and _alive(entry[0], sources):
                 self._entries.move_to_end(key)
                 return entry[1]
-            if any(t is not None and launches.graph_capturing(t.device) for t in sources):
-                raise DerivedNotReady(
-                    "a derived weight layout is needed while a CUDA graph is captured and none is current for "
-                    "these weights: make one eager call before capturing, and call dflash_rocm.refill_derived() "
-                    "after updating the weights")
+            refuse_in_capture(sources, DerivedNotReady(
+                "a derived weight layout is needed while a CUDA graph is captured and none is current for "
+                "these weights: make one eager call before capturing, and call dflash_rocm.refill_derived() "
+                "after updating the weights"))
             previous = self._updated_in_place(tag, fingerprints, sources)
         with torch.no_grad():  # derived layouts feed inference-only kernels: no autograd graph kept
             value = rebuild()
@@ -174,8 +173,8 @@ class DerivedCache:
                 continue
             if tuple(_fingerprint(t) for t in sources) != key[1]:
                 stale.append((key, sources, value, rebuild))
-        if any(t is not None and launches.graph_capturing(t.device) for _, sources, *_ in stale for t in sources):
-            raise DerivedNotReady("refill_derived() was called while a CUDA graph is captured")
+        refuse_in_capture((t for _, sources, *_ in stale for t in sources),
+                          DerivedNotReady("refill_derived() was called while a CUDA graph is captured"))
         for key, sources, value, rebuild in stale:
             try:
                 with torch.no_grad():

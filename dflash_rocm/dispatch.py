@@ -10,11 +10,12 @@ host bounds and alignment, the platform, the planning switches, the engine setti
 tuned tables' generation, determinism), and the plan is kept in one cache keyed by that
 record: every call of :func:`dflash_rocm.draft_attention`,
 :func:`dflash_rocm.plan_draft_attention` and their precompute pair is "get or make the
-plan, run it". The cache is bounded (the precompute's keys hold cache addresses, the
-attention's its host bounds). Each new (op, backend, call summary) is logged once with the
-reasons of the backends passed over, and every served call is counted
-(``dispatch_counts()``), which is how tests and users confirm what ran. All shared state
-is guarded by one lock.
+plan, run it". A plan first made while a CUDA graph is captured is kept, not kept or
+refused as its runner declares (:func:`kept_from_capture`). The cache is bounded (the
+precompute's keys hold cache addresses, the attention's its host bounds). Each new (op,
+backend, call summary) is logged once with the reasons of the backends passed over, and
+every served call is counted (``dispatch_counts()``), which is how tests and users confirm
+what ran. All shared state is guarded by one lock.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from . import envs, launches, planning, registry
+from . import capture, envs, planning, registry
 from .backend import SETTINGS, Backend, Runner
+from .capture import CaptureSupport
 from .ops import Op
 from .planning import PlanningRecord, Switches, backend_variable, call_facts, configure_engine, planning_record
 from .platform import Platform, platform_for
@@ -68,6 +70,7 @@ class Planned:
 
 _lock = threading.Lock()
 _logged: set[tuple[str, str, str]] = set()
+_said_in_capture: set[tuple[str, str]] = set()  # (op, backend) whose plans were first made in a capture
 _counts: collections.Counter = collections.Counter()
 PLANS_KEPT = 1024
 _plans: dict[tuple, Planned] = {}
@@ -123,12 +126,37 @@ def planned(op: Op, call, backend: str | None) -> Planned:
         raise TypeError(f"{impl.__qualname__}.plan returned {type(runner).__name__}; a plan is a "
                         "dflash_rocm.backend.Runner")
     made = Planned(chosen.name, op, runner.run)
-    if record.keepable and not launches.graph_capturing(call.device):  # a capture's plan may hold its own memory
+    keep = record.keepable
+    if capture.graph_capturing(call.device):  # more than keep-or-not: the runners' declarations are applied here
+        keep = kept_from_capture(op, chosen.name, runner, call) and keep
+    if keep:
         with _lock:
             if len(_plans) >= PLANS_KEPT:
                 _plans.clear()
             _plans[record] = made
     return made
+
+
+def kept_from_capture(op: Op, name: str, runner: Runner, call) -> bool:
+    """Whether a plan first made while a CUDA graph is captured may be kept, by what its
+    runner declares (:class:`~dflash_rocm.capture.CaptureSupport`): ``ALWAYS``, yes;
+    ``AFTER_EAGER_CALL``, no (it serves that graph alone; said once per op and backend);
+    ``NEVER``, the call is refused (:class:`BackendUnavailable`, before anything is
+    written). Consulted only when a plan is made, never on a call that finds one."""
+    support = runner.capture_support
+    if support is CaptureSupport.NEVER:
+        raise BackendUnavailable(name, op.name, {name: [
+            f"{type(runner).__name__} cannot run inside a CUDA graph capture (capture_support NEVER: it reads "
+            "the call's tensors on the host)"]}, call.describe())
+    if support is CaptureSupport.ALWAYS:
+        return True
+    with _lock:
+        first = (op.name, name) not in _said_in_capture
+        _said_in_capture.add((op.name, name))
+    if first:
+        logger.warning("%s on %s was first planned inside a CUDA graph capture: that plan serves the graph alone; "
+                       "make one eager call of each call structure before capturing", op.name, name)
+    return False
 
 
 def forget_plans() -> None:

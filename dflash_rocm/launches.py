@@ -7,10 +7,8 @@ ops know those ops belong to the launch: the Triton interpreter issues torch ops
 own). Inside :func:`capture` a backend records each launch as a :class:`Launch` instead
 of running it: the host code runs unchanged (tensors may be on the ``meta`` device), so
 ``dflash-rocm inspect`` sees exactly what a GPU run would launch, and ``bench --host``
-times the host work of a call without a GPU.
-
-:func:`graph_capturing` says whether a CUDA (HIP) graph is being captured: every backend
-asks it before work that must not be recorded into a graph (see there).
+times the host work of a call without a GPU. (Whether a CUDA graph is being captured is
+:mod:`dflash_rocm.capture`'s.)
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-import torch
 
 _lock = threading.Lock()
 _counts: collections.Counter = collections.Counter()
@@ -70,17 +67,6 @@ def capture() -> Iterator[list[Launch]]:
 def capturing() -> list[Launch] | None:
     """Where a backend records its launches instead of running them (None: run them)."""
     return _capture.get()
-
-
-def graph_capturing(device: torch.device) -> bool:
-    """Whether a CUDA (HIP) graph is being captured on ``device``'s current stream. Work
-    issued then is recorded and runs only when the graph replays, so while this holds no
-    backend reads the device on the host, runs a first-call check, or keeps for later
-    calls anything the capture allocated or filled (it holds no data before the first
-    replay, and its memory is the graph's). Setup a call cannot find (the first eager call
-    of a call structure makes it) is made for that graph alone, or the call is served
-    another way: each caller says which."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 class launching:

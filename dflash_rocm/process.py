@@ -8,10 +8,11 @@ planning record (:mod:`dflash_rocm.planning`) though the record does not hold th
   vLLM's FlashAttention and custom ops), its answer kept for the process.
 
 One more read is allowed beside the record, though it is not constant: whether a CUDA
-(HIP) graph is being captured (:func:`dflash_rocm.launches.graph_capturing`): dispatch
-never keeps a plan made while capturing, so what a plan reads of it serves that capture
-alone. ``tests/test_planning.py`` lets plans, backends' reasons and dispatch's choice read
-exactly these (:func:`read_beside_the_record`) and refuses every other read of the
+(HIP) graph is being captured (:func:`dflash_rocm.capture.graph_capturing`): what a plan
+reads of it serves that capture alone (dispatch keeps a plan made while capturing only
+where its runner declares that safe, :class:`dflash_rocm.capture.CaptureSupport`).
+``tests/test_planning.py`` lets plans, backends' reasons and dispatch's choice read exactly
+these (:func:`read_beside_the_record`) and refuses every other read of the
 environment, the settings, the platform or torch's global flags.
 """
 
@@ -22,7 +23,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from . import envs, launches
+from . import capture, envs
 
 INTERPRETING: bool = envs.TRITON_INTERPRET.value()
 HIP: bool = bool(getattr(torch.version, "hip", None))
@@ -41,5 +42,5 @@ def process_constant(probe: Callable[[], T]) -> Callable[[], T]:
 
 def read_beside_the_record(obj: object) -> bool:
     """Whether a plan may call ``obj`` though its record does not hold the answer: a
-    :func:`process_constant`, or :func:`~dflash_rocm.launches.graph_capturing`."""
-    return obj is launches.graph_capturing or any(obj is c for c in _constants)
+    :func:`process_constant`, or :func:`~dflash_rocm.capture.graph_capturing`."""
+    return obj is capture.graph_capturing or any(obj is c for c in _constants)

@@ -253,7 +253,8 @@ class StructureMemo:
         out the remembered object lets later lookups of it compare by identity."""
         return None if key is None else self._known.get(key)
 
-    def remember(self, key: Structure | None, derived: Any) -> None:
+    def __setitem__(self, key: Structure | None, derived: Any) -> None:
+        """Remember what the checks of ``key`` derived (an unhashable structure, None: nothing)."""
         if key is None:
             return
         if len(self._known) >= self._capacity:

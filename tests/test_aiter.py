@@ -167,7 +167,7 @@ def test_no_first_call_check_runs_while_a_graph_is_captured(fake_aiter, monkeypa
     """The check reads its comparison back to the host, which a capture forbids: an
     unchecked signature is served by the fallback in the graph (said once), checked at its
     first eager call, and aiter serves the graphs captured after that."""
-    from dflash_rocm import launches
+    from dflash_rocm import capture
 
     module = fake_aiter()
     monkeypatch.setattr(aiter_attention, "_captured_unchecked", set())
@@ -180,7 +180,7 @@ def test_no_first_call_check_runs_while_a_graph_is_captured(fake_aiter, monkeypa
         reference_attention(c)
 
     with monkeypatch.context() as m, caplog.at_level(logging.INFO, logger="dflash_rocm"):
-        m.setattr(launches, "graph_capturing", lambda device: True)
+        m.setattr(capture, "graph_capturing", lambda device: True)
         aiter_attention.run(call, aiter_attention.installed()[0], fallback)
         aiter_attention.run(call, aiter_attention.installed()[0], fallback)
     assert module.calls == [] and len(fallbacks) == 2 and caplog.text.count("cannot run while a CUDA graph") == 1
@@ -188,7 +188,7 @@ def test_no_first_call_check_runs_while_a_graph_is_captured(fake_aiter, monkeypa
     aiter_attention.run(call, aiter_attention.installed()[0], fallback)  # eager: aiter, checked against the fallback
     assert len(module.calls) == 1 and len(fallbacks) == 3
     with monkeypatch.context() as m:
-        m.setattr(launches, "graph_capturing", lambda device: True)
+        m.setattr(capture, "graph_capturing", lambda device: True)
         aiter_attention.run(call, aiter_attention.installed()[0], fallback)
     assert len(module.calls) == 2 and len(fallbacks) == 3
 

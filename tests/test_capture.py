@@ -3,24 +3,31 @@
 A FULL CUDA graph (vLLM's V2 runner captures the draft's precompute and attention) replays
 the same launches over new values written in place: new block tables, sequence lengths,
 slots and positions. Here the capture is simulated by making
-:func:`dflash_rocm.launches.graph_capturing`, the one predicate every backend asks, say
+:func:`dflash_rocm.capture.graph_capturing`, the one predicate every backend asks, say
 yes: then no first-call work may run or be kept for later calls. Then a plan made with
 capture-time bounds (``max_seq_len = max_model_len``) is run over much shorter real
 sequences written into the same tensors, as replays would, against the reference.
 """
 
+import ast
 import contextlib
+import logging
 from collections import OrderedDict
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
 import dflash_rocm
 from checks import poison, rel_err
-from dflash_rocm import launches
+from dflash_rocm import capture, dispatch, launches, registry
+from dflash_rocm.backend import Runner
+from dflash_rocm.capture import CaptureSupport
 from dflash_rocm.contract import spec_tolerance
 from dflash_rocm.derived import DerivedCache
+from dflash_rocm.dispatch import BackendUnavailable
+from dflash_rocm.ops import ATTENTION, PRECOMPUTE
 from dflash_rocm.ops.attention import attention_call
 from dflash_rocm.ops.precompute import precompute_call
 from dflash_rocm.platform import simulate_platform
@@ -37,7 +44,7 @@ MAX_MODEL_LEN = 4096
 def graph_capture(monkeypatch):
     """Inside the block every device counts as capturing a CUDA graph."""
     with monkeypatch.context() as m:
-        m.setattr(launches, "graph_capturing", lambda device: True)
+        m.setattr(capture, "graph_capturing", lambda device: True)
         yield
 
 
@@ -144,6 +151,117 @@ def test_a_structure_first_checked_in_a_capture_keeps_no_scale_tensor(monkeypatc
             captured = getattr(build(*call_args, **kwargs), name)
         eager = getattr(build(*call_args, **kwargs), name)
         assert eager is not captured and getattr(build(*call_args, **kwargs), name) is eager, name
+
+
+# ---- what each runner declares, applied where a capture meets a structure without a plan ----
+
+def runner_classes() -> list[type[Runner]]:
+    """Every Runner class of the package and of every backend that imports here."""
+    for name in registry.NAMES:
+        registry.load(name)
+    found, todo = [], [Runner]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub.__module__.startswith("dflash_rocm") and sub not in found:
+                found.append(sub)
+                todo.append(sub)
+    return found
+
+
+@pytest.mark.parametrize("cls", runner_classes(), ids=lambda cls: cls.__qualname__)
+def test_every_runner_declares_its_capture_support_itself(cls):
+    """Declared in the class's own body, not inherited: a new runner must say what a
+    capture may keep of it."""
+    assert isinstance(cls.__dict__.get("capture_support"), CaptureSupport), cls
+
+
+def test_the_docs_table_of_capture_support_is_the_runners_declarations():
+    """docs/backends.md's table names every runner class once, with its declared value."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "backends.md").read_text()
+    section = text.split("### CUDA graphs", 1)[1]
+    documented = {}
+    for row in section.splitlines():
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        if row.startswith("| `") and len(cells) == 3:
+            for name in cells[0].replace("`", "").split(", "):
+                documented[name] = cells[2]
+    assert documented == {cls.__name__: cls.capture_support.value for cls in runner_classes()}
+
+
+@pytest.fixture
+def fresh_dispatch(monkeypatch):
+    """No kept plans, nothing said yet about plans made in a capture."""
+    monkeypatch.setattr(dispatch, "_plans", {})
+    monkeypatch.setattr(dispatch, "_said_in_capture", set())
+
+
+@needs_interpreter
+def test_always_a_plan_made_in_a_capture_is_kept(monkeypatch, fresh_dispatch):
+    """A precompute that neither writes nor returns launches nothing (ALWAYS): the plan a
+    capture makes is the one the next eager call finds."""
+    pre = precompute_inputs(SHAPE, 8, torch.float16, torch.float16, torch.device("cpu"))
+    call = precompute_call(pre.states, pre.positions, pre.weights, None, None, None)
+    with graph_capture(monkeypatch):
+        captured = dispatch.planned(PRECOMPUTE, call, "triton")
+    assert type(captured.run.__self__).capture_support is CaptureSupport.ALWAYS
+    assert dispatch.planned(PRECOMPUTE, call, "triton") is captured
+
+
+@needs_interpreter
+def test_after_eager_call_a_plan_made_in_a_capture_serves_it_alone_and_says_so_once(monkeypatch, caplog,
+                                                                                     fresh_dispatch):
+    """The Triton attention's plan makes its scratch on a stream's first call
+    (AFTER_EAGER_CALL): planned in a capture, it is made again by the next call, and one
+    log line asks for an eager call first; planned eagerly, a capture finds it."""
+    inputs = attention_inputs(SHAPE, 1, 300, torch.float16, torch.float16, torch.device("cpu"))
+    call = attention_call(*inputs.args(), **inputs.kwargs)
+    with graph_capture(monkeypatch), caplog.at_level(logging.WARNING, logger="dflash_rocm"):
+        first = dispatch.planned(ATTENTION, call, "triton")
+        second = dispatch.planned(ATTENTION, call, "triton")
+    assert type(first.run.__self__).capture_support is CaptureSupport.AFTER_EAGER_CALL
+    assert second is not first and caplog.text.count("make one eager call") == 1
+    eager = dispatch.planned(ATTENTION, call, "triton")
+    assert eager is not second
+    with graph_capture(monkeypatch):
+        assert dispatch.planned(ATTENTION, call, "triton") is eager
+
+
+def test_never_a_capture_is_refused_before_anything_is_written(monkeypatch, fresh_dispatch):
+    """The reference reads the call on the host (NEVER): inside a capture the call is
+    refused by name and ``out`` keeps what it held."""
+    inputs = attention_inputs(SHAPE, 1, 40, torch.float16, torch.float16, torch.device("cpu"))
+    out = torch.full_like(inputs.query, 7.0)
+    with graph_capture(monkeypatch), pytest.raises(BackendUnavailable, match="capture_support NEVER"):
+        dflash_rocm.draft_attention(*inputs.args(), **inputs.kwargs, out=out, backend="reference")
+    assert torch.all(out == 7.0)
+    dflash_rocm.draft_attention(*inputs.args(), **inputs.kwargs, out=out, backend="reference")
+    assert not torch.all(out == 7.0)
+
+
+# Where the predicate may be asked, and why (everyone else keeps through keep_unless_captured
+# or refuses through refuse_in_capture).
+ASKS_THE_PREDICATE = {
+    "dflash_rocm/capture.py": "defines it and the two rules",
+    "dflash_rocm/process.py": "names it as a read plans may make beside their record",
+    "dflash_rocm/dispatch.py": "applies the runners' declarations (kept, not kept, refused)",
+    "backends/triton/precompute.py": "a capture cannot record the cache table's host copy: written by fills",
+    "backends/aiter/attention.py": "aiter's first-use check reads on the host: the Triton kernel serves the graph",
+}
+
+
+def test_only_the_listed_modules_ask_whether_a_graph_is_captured():
+    """Code (not prose) naming ``graph_capturing`` sits only where ASKS_THE_PREDICATE says: a
+    new ad-hoc branch fails here."""
+    root = Path(__file__).resolve().parent.parent
+    asking = set()
+    for folder in ("dflash_rocm", "backends"):
+        for path in (root / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                named = (node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name)
+                         else node.name if isinstance(node, (ast.FunctionDef, ast.alias)) else None)
+                if named == "graph_capturing":
+                    asking.add(path.relative_to(root).as_posix())
+    assert asking == set(ASKS_THE_PREDICATE)
 
 
 # ---- a plan made with capture-time bounds, replayed over short real sequences ---------------

@@ -102,7 +102,7 @@ def test_every_backends_derived_weights_follow_an_update_into_launches_recorded_
     captured derives nothing (it would be refused) and writes them too. A backend that
     kept derived state outside :class:`dflash_rocm.derived.DerivedCache` would replay
     stale values or re-derive while capturing."""
-    from dflash_rocm import launches
+    from dflash_rocm import capture, launches
     from dflash_rocm.derived import refill_derived
     from support import replay
 
@@ -136,7 +136,7 @@ def test_every_backends_derived_weights_follow_an_update_into_launches_recorded_
             c.zero_()
         with monkeypatch.context() as m:
             if how == "in a capture":
-                m.setattr(launches, "graph_capturing", lambda device: True)
+                m.setattr(capture, "graph_capturing", lambda device: True)
             replayed()
         tolerance = op.tolerance(op.build_call(**args))
         for got, want in zip(caches, expected["key_caches"] + expected["value_caches"]):

@@ -15,7 +15,7 @@ SOURCES = {"dflash_rocm": ROOT / "dflash_rocm", "dflash_rocm.backends": ROOT / "
 
 # Lowest first. A module may import from its own layer and the layers below it.
 LAYERS: list[tuple[str, ...]] = [
-    ("dflash_rocm.contract", "dflash_rocm.version", "dflash_rocm.envs", "dflash_rocm.launches",
+    ("dflash_rocm.contract", "dflash_rocm.version", "dflash_rocm.envs", "dflash_rocm.launches", "dflash_rocm.capture",
      "dflash_rocm.timing", "dflash_rocm.report", "dflash_rocm.rope", "dflash_rocm.paged",
      "dflash_rocm.backend_names"),
     ("dflash_rocm.arch", "dflash_rocm.weights", "dflash_rocm.tuning", "dflash_rocm.process"),

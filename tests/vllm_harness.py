@@ -320,7 +320,7 @@ def update_checks(model, updates, reference: str = "vllm") -> dict:
     whether the plugin serves."""
     import torch
 
-    from dflash_rocm import launches
+    from dflash_rocm import capture, launches
     from support import replay
 
     weights = model._dflash_weights
@@ -349,12 +349,12 @@ def update_checks(model, updates, reference: str = "vllm") -> dict:
             if recorded:
                 replay(recorded)
             else:
-                original = launches.graph_capturing
-                launches.graph_capturing = lambda device: True
+                original = capture.graph_capturing
+                capture.graph_capturing = lambda device: True
                 try:
                     model.precompute_and_store_context_kv(states, positions, slots)
                 finally:
-                    launches.graph_capturing = original
+                    capture.graph_capturing = original
         results[how] = {"error": max((c - w).abs().max().item() for c, w in zip(caches, want)),
                          "moved": max((w - b).abs().max().item() for w, b in zip(want, before)),
                          "recorded": len(recorded), "serving": model._dflash_stale is None}

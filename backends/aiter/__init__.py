@@ -11,12 +11,22 @@ import torch
 
 from dflash_rocm import envs
 from dflash_rocm.backend import AttentionImplementation, Backend, CallRunner, Runner
+from dflash_rocm.capture import CaptureSupport
 from dflash_rocm.backends.rocm import RocmAttention
 from dflash_rocm.ops.attention import AttentionCall
 from dflash_rocm.planning import PlanningRecord, Switches
 from dflash_rocm.platform import Platform
 
 from . import attention
+
+
+class CheckedAiterCall(CallRunner):
+    """aiter's attention, checked against the Triton kernel on each signature's first call
+    (:func:`attention.run`): a check a capture cannot run, so a signature first met inside
+    a capture is served by the Triton kernel for that graph."""
+
+    __slots__ = ()
+    capture_support = CaptureSupport.AFTER_EAGER_CALL
 
 
 class AiterAttention(AttentionImplementation):
@@ -34,7 +44,7 @@ class AiterAttention(AttentionImplementation):
     @classmethod
     def plan(cls, record: PlanningRecord, facts: AttentionCall) -> Runner:
         features, _ = attention.probe(record.switches.aiter)
-        return CallRunner(attention.run, features=features, fallback=RocmAttention.plan(record, facts).run)
+        return CheckedAiterCall(attention.run, features=features, fallback=RocmAttention.plan(record, facts).run)
 
 
 class AiterBackend(Backend):

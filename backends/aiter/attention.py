@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from dflash_rocm import launches
+from dflash_rocm import capture
 from dflash_rocm.contract import relative_error, spec_tolerance
 from dflash_rocm.ops.attention import AttentionCall
 from dflash_rocm.ops.attention.varlen import varlen_kwargs
@@ -127,7 +127,8 @@ def run(call: AttentionCall, features: AiterFeatures, fallback: Callable[[Attent
     key = call.summary()
     with _lock:
         state = _verified.get(key)
-    if state is None and launches.graph_capturing(call.device):
+    # Not a keep-or-not: the first-use check reads results on the host, which a capture cannot.
+    if state is None and capture.graph_capturing(call.device):
         with _lock:
             first = key not in _captured_unchecked
             _captured_unchecked.add(key)

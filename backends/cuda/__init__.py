@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from dflash_rocm.backend import AttentionImplementation, Backend, CallRunner, PrecomputeImplementation, Runner
+from dflash_rocm.capture import CaptureSupport
 from dflash_rocm.ops.attention import AttentionCall
 from dflash_rocm.ops.precompute import PrecomputeCall
 from dflash_rocm.planning import PlanningRecord, Switches
@@ -29,6 +30,14 @@ def vllm_ops() -> tuple[VllmOps | None, str | None]:
         return VllmOps(), None
     except Exception as exc:  # vLLM absent, or a build whose ops do not load
         return None, f"vLLM's custom ops are not importable ({type(exc).__name__}: {exc})"
+
+
+class VllmCall(CallRunner):
+    """A call passed to vLLM's FlashAttention or its custom ops, which vLLM records into its
+    own CUDA graphs: they launch over the call's tensors and temporaries only."""
+
+    __slots__ = ()
+    capture_support = CaptureSupport.ALWAYS
 
 
 class CudaLimits:
@@ -71,7 +80,7 @@ class CudaAttention(CudaLimits, AttentionImplementation):
     @classmethod
     def plan(cls, record: PlanningRecord, facts: AttentionCall) -> Runner:
         fa, version, _ = load_flash_attention()
-        return CallRunner(run_flash_attention, flash_attn_varlen_func=fa, fa_version=version)
+        return VllmCall(run_flash_attention, flash_attn_varlen_func=fa, fa_version=version)
 
 
 class CudaPrecompute(CudaLimits, PrecomputeImplementation):
@@ -79,7 +88,7 @@ class CudaPrecompute(CudaLimits, PrecomputeImplementation):
 
     @classmethod
     def plan(cls, record: PlanningRecord, facts: PrecomputeCall) -> Runner:
-        return CallRunner(unfused_precompute, ops=vllm_ops()[0])
+        return VllmCall(unfused_precompute, ops=vllm_ops()[0])
 
 
 class CudaBackend(Backend):

@@ -9,6 +9,7 @@ import logging
 import torch
 
 from dflash_rocm.backend import Backend, Runner
+from dflash_rocm.capture import CaptureSupport
 from dflash_rocm.backends.triton import INTERPRETING, TritonAttention, TritonPrecompute
 from dflash_rocm.backends.triton.attention import AttentionPlan, attention_runner, plan_attention
 from dflash_rocm.backends.triton.launcher import prelude_seconds
@@ -75,9 +76,10 @@ class TunedAttention(Runner):
     fails to launch (a stale or crafted entry that passed the checks but does not compile
     here) is dropped for this process with a warning, and the call and every later one run
     under the table's configuration: the tuner must never fail a call. Rerunning is safe,
-    the kernels write only ``out``."""
+    the kernels write only ``out``. Its plan's scratch is made on a stream's first call."""
 
     __slots__ = ("plan", "tuned", "record", "facts")
+    capture_support = CaptureSupport.AFTER_EAGER_CALL
 
     def __init__(self, plan: AttentionPlan, record: PlanningRecord, facts: AttentionCall):
         self.plan, self.tuned, self.record, self.facts = plan, True, record, facts

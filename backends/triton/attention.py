@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_rocm.backend import Runner
+from dflash_rocm.capture import CaptureSupport
 from dflash_rocm.ops import ATTENTION
 from dflash_rocm.ops.attention import AttentionCall
 from dflash_rocm.paged import memory_of
@@ -66,8 +67,10 @@ def cache_addressing(cache) -> tuple[torch.Tensor, tuple, dict]:
 class AttentionPlan(Runner):
     """Everything about launching one call structure with one configuration that does not
     change from call to call: grids, constexprs, strides and the other scalar arguments,
-    the partials (kept: :class:`~.counters.PlanScratch`). Calls then pass only their tensors."""
+    the partials (kept: :class:`~.counters.PlanScratch`). Calls then pass only their tensors.
+    The partials are made on a stream's first call: captured, they serve that graph alone."""
 
+    capture_support = CaptureSupport.AFTER_EAGER_CALL
     config: AttentionLaunchConfig
     main: LaunchPlan
     merge: LaunchPlan | None  # a split tile's merge, when the plan gives it a second launch
@@ -172,6 +175,7 @@ class _NoQueries(Runner):
     """A batch without queries: nothing to write."""
 
     __slots__ = ()
+    capture_support = CaptureSupport.ALWAYS
 
     def run(self, call: AttentionCall) -> None:
         return None

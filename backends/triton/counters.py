@@ -12,8 +12,9 @@ outgrown by a larger launch is kept too: a CUDA graph captured with it still use
 every replay, so its memory must never serve another tensor.
 
 While a graph is captured on a stream with no kept buffer large enough, the buffer is
-zeroed inside the graph (one memset node each replay) and not kept: what a capture
-allocates is the graph's, and holds no zeros before the first replay. The launch is the
+zeroed inside the graph (one memset node each replay) and not kept
+(:func:`dflash_rocm.capture.keep_unless_captured`): what a capture allocates is the
+graph's, and holds no zeros before the first replay. The launch is the
 same either way, so a plan's merge never depends on whether a graph is being captured.
 
 Partials that need no zeros (the attention's per-segment outputs, the precompute's parts
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash_rocm import launches
+from dflash_rocm.capture import keep_unless_captured
 
 from .common import next_pow2
 
@@ -49,12 +50,10 @@ def kept_zeroed(device: torch.device, count: int, dtype: torch.dtype = torch.int
     kept = _KEPT.get(key)
     if kept is None or kept.numel() < count:
         make = torch.zeros if zeroed else torch.empty
-        if launches.graph_capturing(device):
-            return make(count, dtype=dtype, device=device)  # recorded into the graph, not kept
-        if kept is not None:
+        made = make(max(next_pow2(count), 4096), dtype=dtype, device=device)
+        if keep_unless_captured(_KEPT, key, made, device) and kept is not None:
             _OUTGROWN.append(kept)
-        kept = make(max(next_pow2(count), 4096), dtype=dtype, device=device)
-        _KEPT[key] = kept
+        return made
     return kept
 
 
@@ -99,6 +98,5 @@ class PlanScratch:
         found = self._by_stream.get(key)
         if found is None:
             found = split_scratch(device, self.partials, self.counters, self.kept_sums)
-            if not launches.graph_capturing(device):
-                self._by_stream[key] = found
+            keep_unless_captured(self._by_stream, key, found, device)
         return found

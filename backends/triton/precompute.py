@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_rocm import launches
+from dflash_rocm import capture
 from dflash_rocm.backend import Runner
 from dflash_rocm.derived import DerivedCache
 from dflash_rocm.ops import PRECOMPUTE
@@ -138,7 +138,7 @@ def cache_table(call: PrecomputeCall) -> torch.Tensor:
         if table is not None:
             _TABLES.move_to_end(key)
             return table
-    if launches.graph_capturing(call.device):
+    if capture.graph_capturing(call.device):  # not a keep-or-not: a capture cannot record the host copy below
         return _table_in_graph(rows, call.device)
     table = torch.tensor(rows, dtype=torch.int64).to(call.device, non_blocking=True)
     with _TABLES_LOCK:
@@ -245,9 +245,12 @@ class PrecomputePlan(Runner):
     """Everything about launching one call structure (caches included: their addresses are
     part of it) with one configuration that does not change from call to call: the cache
     table, grids, constexprs and scalar arguments, the scratch. Calls then pass only their
-    tensors; the derived weights are checked by their sources' versions (see :meth:`fused`)."""
+    tensors; the derived weights are checked by their sources' versions (see :meth:`fused`).
+    The cache table and the scratch are made by the first call: captured, they serve that
+    graph alone."""
 
     __slots__ = ("config", "main", "atomic_sum", "table", "scratch", "slot_layer", "_fused")
+    capture_support = capture.CaptureSupport.AFTER_EAGER_CALL
 
     def __init__(self, config: PrecomputeLaunchConfig, main: LaunchPlan, atomic_sum: bool, table: torch.Tensor,
                  scratch: PlanScratch, slot_layer: int | None):
@@ -264,9 +267,8 @@ class PrecomputePlan(Runner):
         now = source_versions(w)
         if seen is w and versions == now:
             return fused
-        fused = fused_weights(w)
-        if not launches.graph_capturing(w.device):  # what a capture builds is the graph's
-            self._fused = (w, now, fused)
+        fused = fused_weights(w)  # never derived inside a capture (DerivedCache refuses): kept as found
+        self._fused = (w, now, fused)
         return fused
 
     def run(self, call: PrecomputeCall):
@@ -378,6 +380,7 @@ class _NothingToLaunch(Runner):
     """No tokens, or nothing to write or return: only the outputs a call asks for."""
 
     __slots__ = ()
+    capture_support = capture.CaptureSupport.ALWAYS
 
     def run(self, call: PrecomputeCall):
         return _outputs(call)

@@ -34,7 +34,8 @@ import logging
 
 import torch
 
-from .. import dispatch, launches, registry
+from .. import dispatch, registry
+from ..capture import keep_unless_captured
 from ..contract import FP8_DTYPES
 from ..derived import refill_derived
 from ..dispatch import BackendUnavailable
@@ -208,12 +209,11 @@ class ServedDraft:
             logger.info("context-KV precompute runs through dflash_rocm again: the weight update named every "
                         "K/V weight (was off: %s)", self._dflash_stale)
             self._dflash_stale = None
-        if not launches.graph_capturing(self._dflash_weights.device):
-            try:
-                refill_derived()
-            except Exception as exc:  # noqa: BLE001 - never fail vLLM's weight update
-                self._dflash_stale = f"refilling the backends' derived weights failed ({type(exc).__name__}: {exc})"
-                logger.warning("context-KV precompute goes back to vLLM's path: %s", self._dflash_stale)
+        try:
+            refill_derived()  # refused inside a capture (derived.py): then vLLM's path serves
+        except Exception as exc:  # noqa: BLE001 - never fail vLLM's weight update
+            self._dflash_stale = f"refilling the backends' derived weights failed ({type(exc).__name__}: {exc})"
+            logger.warning("context-KV precompute goes back to vLLM's path: %s", self._dflash_stale)
         cache_config = getattr(self._dflash_vllm_config, "cache_config", None)
         if getattr(cache_config, "enable_prefix_caching", False) and not self._dflash_said_prefix:
             self._dflash_said_prefix = True
@@ -229,13 +229,12 @@ class ServedDraft:
         One first made while a CUDA graph is captured serves that call alone: its scale
         tensors hold their values only once the graph replays. (vLLM 0.34 runs every size
         eagerly before capturing it, so there the kept plan is found.)"""
-        keep = not launches.graph_capturing(self._dflash_weights.device)
+        device = self._dflash_weights.device
         if not writes:
             plan = self._dflash_plans.get(False)
             if plan is None:
                 plan = plan_context_kv(self._dflash_weights, None, None)
-                if keep:
-                    self._dflash_plans[False] = plan
+                keep_unless_captured(self._dflash_plans, False, plan, device)
             return plan
         layers = [layer.self_attn.attn for layer in self.model.layers]
         caches = [_layer_cache(a) for a in layers]
@@ -252,8 +251,8 @@ class ServedDraft:
                 v_scales = torch.cat([a._v_scale.reshape(1).float() for a in layers])
             plan = plan_context_kv(self._dflash_weights, key_caches, value_caches, k_scales=k_scales,
                                    v_scales=v_scales)
-        if keep:
-            self._dflash_plans[True], self._dflash_views_key = plan, key
+        if keep_unless_captured(self._dflash_plans, True, plan, device):
+            self._dflash_views_key = key
         return plan
 
     def precompute_and_store_context_kv(self, context_states, context_positions, context_slot_mapping=None):
@@ -270,8 +269,7 @@ class ServedDraft:
                 return None
         except (ValueError, TypeError, BackendUnavailable) as exc:  # refused before any write
             plan = f"{type(exc).__name__}: {exc}"
-            if not launches.graph_capturing(context_states.device):  # a capture's refusal is that graph's
-                self._dflash_plans[slots is not None] = plan
+            keep_unless_captured(self._dflash_plans, slots is not None, plan, context_states.device)
         attention.warn_once("precompute:" + plan, "context-KV precompute stays on vLLM's path: %s", plan)
         return super().precompute_and_store_context_kv(context_states, context_positions, context_slot_mapping)
 

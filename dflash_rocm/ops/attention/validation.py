@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ...contract import FP8_DTYPES, QUERY_DTYPES
-from ... import launches
+from ...capture import keep_unless_captured
 from ...validation import (IndexChecks, StructureMemo, cache_arg, check_device, check_disjoint, check_dtype,
                            check_layout_once, check_scale_values, check_shape, check_writable, holds_tensor,
                            index_tensor, int_bound, merged_ranges, positive_float, scale_tensor, signature,
@@ -47,8 +47,7 @@ def attention_call(query, key_cache, value_cache, block_table, query_start_loc, 
     if known is None:
         derived = _check_structure(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out,
                                    sinks, scale, causal, sliding_window, k_scale, v_scale)
-        if not launches.graph_capturing(query.device):  # a capture's scale tensors are its own
-            _STRUCTURES.remember(key, derived)
+        keep_unless_captured(_STRUCTURES, key, derived, query.device)  # a capture's scale tensors are its own
     else:
         key, derived = known
     fresh_out = out is None

@@ -13,7 +13,7 @@ from typing import Hashable, NamedTuple
 import torch
 
 from ...contract import FP8_DTYPES, QUERY_DTYPES
-from ... import launches
+from ...capture import keep_unless_captured
 from ...validation import (IndexChecks, StructureMemo, Structure, byte_span, cache_arg, check_device, check_disjoint,
                            check_dtype, check_layout_once, check_scale_values, check_shape, check_writable,
                            holds_tensor, index_tensor, merged_ranges, per_layer, provably_disjoint, scale_tensor,
@@ -84,8 +84,7 @@ def bound_precompute_call(model: ModelArguments, context_states, positions, slot
     if known is None:
         derived = _check_structure(context_states, positions, weights, key_caches, value_caches, slot_mapping,
                                    k_scales, v_scales, return_kv)
-        if not launches.graph_capturing(context_states.device):  # a capture's scale tensors are its own
-            _STRUCTURES.remember(key, derived)
+        keep_unless_captured(_STRUCTURES, key, derived, context_states.device)  # a capture's scale tensors are its own
     else:
         key, derived = known
     L = weights.num_layers
