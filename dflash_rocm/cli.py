@@ -267,6 +267,14 @@ def _bench_peer(args, device) -> int:
 
     if args.csv or args.plot:
         raise ValueError("--peer: writes a table and --json only (no --csv, --plot)")
+    other = [flag for flag, given in (("--shape", args.shape), ("--tp", args.tp != 1), ("--op", args.op),
+                                      ("--tokens", args.tokens), ("--backend", args.backend),
+                                      ("--dtype", args.dtype != "bf16"),
+                                      ("--kv-cache-dtype", args.kv_cache_dtype != "auto"), ("--quick", args.quick))
+             if given]
+    if other:
+        raise ValueError(f"--peer times the Qwen3-8B draft's attention (bf16, fp8 KV, a 2048-key window; ours: the "
+                         f"modelled backend) at --batch and --context: {', '.join(other)} do not apply")
     _check_outputs({"--json": args.json})
     root = source.resolve_tree(args.peer)
     head = peer_bench.header(root, device, report.peer_version(root))

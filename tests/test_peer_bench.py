@@ -50,3 +50,15 @@ def test_a_wrong_vllm_launch_is_an_error_row_not_a_time(tmp_path, capsys):
 def test_bench_peer_refuses_a_folder_without_vllms_kernels(tmp_path, capsys):
     assert cli.main(["bench", "--peer", str(tmp_path), "--device", "cpu"]) == 2
     assert "triton_unified_attention.py not found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--batch", "64", "--context", "131072"], "B=64 ctx=131072 needs more than 2097152 cached tokens"),
+    (["--shape", "gemma-swa-sinks"], "--shape do not apply"),
+    (["--kv-cache-dtype", "fp8", "--op", "attention"], "--op, --kv-cache-dtype do not apply"),
+], ids=["too-large", "shape", "dtype-and-op"])
+def test_bench_peer_refuses_what_it_cannot_time_before_any_work(tmp_path, capsys, argv, expected):
+    tree = write_attention_tree(tmp_path / "tree")
+    assert cli.main(["bench", "--peer", str(tree), "--device", "cpu", *argv]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and len(err.strip().splitlines()) == 1, err

@@ -35,6 +35,7 @@ from dflash_rocm.api import draft_attention
 from dflash_rocm.audit import run
 from dflash_rocm.audit.compiler import FactsCache, default_cache_dir
 from dflash_rocm.audit.targets import TARGETS, Target
+from dflash_rocm.bench import MAX_CACHE_TOKENS
 from dflash_rocm.contract import relative_error, spec_tolerance
 from dflash_rocm.floors import peak_for
 from dflash_rocm.ops import ATTENTION
@@ -104,13 +105,20 @@ def device_target(device: torch.device) -> Target | None:
 
 
 def peer_cases(device: torch.device, batches=None, contexts=None) -> list[compare.PeerCase]:
+    """The cases timed here; refuses, before any work, a batch x context past ``bench``'s
+    cache limit (:data:`dflash_rocm.bench.MAX_CACHE_TOKENS`)."""
     cpu = device.type == "cpu"
     target = device_target(device)
     name = target.arch if target else CPU_LOAD_TARGET
     fp8 = (target or TARGETS[CPU_LOAD_TARGET]).fp8_dtype is not None
-    return [compare.PeerCase(name, variant, b, c) for variant in (CPU_VARIANTS if cpu else GPU_VARIANTS)
-            for b in (batches or (CPU_BATCHES if cpu else GPU_BATCHES))
-            for c in (contexts or (CPU_CONTEXTS if cpu else GPU_CONTEXTS)) if variant != "fp8" or fp8]
+    cases = [compare.PeerCase(name, variant, b, c) for variant in (CPU_VARIANTS if cpu else GPU_VARIANTS)
+             for b in (batches or (CPU_BATCHES if cpu else GPU_BATCHES))
+             for c in (contexts or (CPU_CONTEXTS if cpu else GPU_CONTEXTS)) if variant != "fp8" or fp8]
+    over = [c for c in cases if c.batch * c.context > MAX_CACHE_TOKENS]
+    if over:
+        raise ValueError(f"--peer: B={over[0].batch} ctx={over[0].context} needs more than {MAX_CACHE_TOKENS} cached "
+                         "tokens (batch x context): choose a smaller --batch or --context")
+    return cases
 
 
 class _Vllm:
