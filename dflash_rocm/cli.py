@@ -200,6 +200,8 @@ def cmd_bench(args) -> int:
         return _bench_host(args, device)
     if args.assumptions:
         return _bench_assumptions(args, device)
+    if args.peer:
+        return _bench_peer(args, device)
     _check_outputs({"--json": args.json, "--csv": args.csv}, plot=args.plot)
     dtype = DTYPES[args.dtype]
     plan = bench.default_plan(device, shapes=args.shape, tp=args.tp, tokens=args.tokens, batches=args.batch,
@@ -257,6 +259,34 @@ def _bench_assumptions(args, device) -> int:
     _emit(lambda: assumptions_bench.format_rows(rows, platform_for(device), width),
           ((args.json, lambda: json.dumps([r.as_dict() for r in rows], indent=2)),))
     return 1 if any(r.error for r in rows) else 0
+
+
+def _bench_peer(args, device) -> int:
+    from .peer import bench as peer_bench
+    from .peer import report, source
+
+    if args.csv or args.plot:
+        raise ValueError("--peer: writes a table and --json only (no --csv, --plot)")
+    other = [flag for flag, given in (("--shape", args.shape), ("--tp", args.tp != 1), ("--op", args.op),
+                                      ("--tokens", args.tokens), ("--backend", args.backend),
+                                      ("--dtype", args.dtype != "bf16"),
+                                      ("--kv-cache-dtype", args.kv_cache_dtype != "auto"), ("--quick", args.quick))
+             if given]
+    if other:
+        raise ValueError(f"--peer times the Qwen3-8B draft's attention (bf16, fp8 KV, a 2048-key window; ours: the "
+                         f"modelled backend) at --batch and --context: {', '.join(other)} do not apply")
+    _check_outputs({"--json": args.json})
+    root = source.resolve_tree(args.peer)
+    head = peer_bench.header(root, device, report.peer_version(root))
+
+    def progress(i, total, what):
+        print(f"[{i + 1}/{total}] {what}", file=sys.stderr, flush=True)
+
+    rows = peer_bench.peer_timings(root, device, batches=args.batch, contexts=args.context, repeats=args.repeats,
+                                   progress=None if args.quiet else progress)
+    width, _ = _layout(args)
+    _emit(lambda: peer_bench.format_rows(rows, head, width), ((args.json, lambda: peer_bench.to_json(rows, head)),))
+    return 1 if peer_bench.failed(rows) or not rows else 0
 
 
 def _bench_vllm(args) -> int:
@@ -484,6 +514,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "launch gaps, L2 and DRAM read bandwidth, the per-rank precompute at TP8 under the table's "
                             "and what-if launches, the TP1 precompute at N=256 and the TP1/TP8 ratio (what "
                             "scripts/gpu_check.sh runs first); exits 1 when a row failed")
+    bench.add_argument("--peer", metavar="PATH",
+                       help="vLLM's own TRITON_ATTN kernel instead, loaded from PATH (an unpacked vLLM tree, the "
+                            "folder holding vllm/; or 'installed') and timed beside ours on this device at the same "
+                            "shapes, each checked against the reference once, beside both modelled times (--batch, "
+                            "--context, --repeats apply); exits 1 when a case failed")
     bench.add_argument("--arch", choices=sorted(KNOWN_ARCHS),
                        help="with --host: the GPU whose launch costs count (default: this device's, else gfx942)")
     bench.add_argument("--wide", action="store_true", help=_WIDE_HELP)

@@ -3,7 +3,8 @@
     python -m dflash_rocm.gpu_report LOGS OUT [--dry]
 
 ``LOGS`` holds each step's output (``assumptions.json``, ``bench.json``, ``host.json``,
-``pytest.xml``, and ``info.out``: ``info --json``'s) and ``steps.tsv`` (one line per step: name, exit status,
+``pytest.xml``, ``info.out``: ``info --json``'s, and with ``--peer`` ``peer.json``, else
+``peer.none``: why vLLM's kernels were not timed) and ``steps.tsv`` (one line per step: name, exit status,
 seconds taken, seconds allowed). Writes ``OUT/summary.txt`` (also printed; at most
 :data:`SUMMARY_LIMIT` characters: every measured figure beside its modelled one and their
 ratio) and ``OUT/figures.json`` (every figure). Exits 1 when a step failed or made nothing,
@@ -13,7 +14,9 @@ The rules (:func:`problems`): every step exits 0 within its time; the assumption
 and none says ``ERROR`` (on a GPU every row is measured); the bench has a measured row of the
 backend the model covers (``rocm`` on AMD, ``triton`` elsewhere) and no row whose model
 failed; the host table has rows of both operations; pytest ran tests, none failed, and on a
-GPU at least one passed.
+GPU at least one passed; where vLLM's kernels were asked for (``--peer``), the peer step made
+rows and every case was measured on both sides without an ``ERROR`` (asked for, its failure
+fails the run; not asked for, the summary says in one line that they were not timed, and why).
 """
 
 from __future__ import annotations
@@ -54,6 +57,13 @@ def read_steps(logs: Path) -> list[Step]:
     return steps
 
 
+def _text(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
+
+
 def _json(path: Path, default):
     try:
         return json.loads(path.read_text())
@@ -89,18 +99,21 @@ class Figures:
     host: list[dict]
     tests: dict[str, int]
     dry: bool
+    peer: list[dict]  # bench --peer's rows (empty: not asked for, or it made none)
+    peer_not_timed: str  # why vLLM's kernels were not timed ("": they were asked for)
 
     @classmethod
     def read(cls, logs: Path, dry: bool) -> "Figures":
         return cls(info=_json(logs / "info.out", {}), steps=read_steps(logs),
                    assumptions=_json(logs / "assumptions.json", []),
                    bench=_json(logs / "bench.json", {}).get("rows", []), host=_json(logs / "host.json", []),
-                   tests=junit_counts(logs / "pytest.xml"), dry=dry)
+                   tests=junit_counts(logs / "pytest.xml"), dry=dry,
+                   peer=_json(logs / "peer.json", {}).get("rows", []), peer_not_timed=_text(logs / "peer.none"))
 
     def as_dict(self) -> dict:
         return {"dry": self.dry, "info": self.info, "steps": [s.__dict__ for s in self.steps],
                 "assumptions": self.assumptions, "bench": self.bench, "host": self.host, "tests": self.tests,
-                "problems": problems(self)}
+                "peer": self.peer, "peer_not_timed": self.peer_not_timed, "problems": problems(self)}
 
 
 def problems(figures: Figures) -> list[str]:
@@ -130,7 +143,18 @@ def problems(figures: Figures) -> list[str]:
         found.append(f"pytest: {t['failures']} failed, {t['errors']} errors")
     if not figures.dry and t["passed"] == 0:
         found.append("pytest passed no test on the GPU")
-    return found
+    return found + _peer_problems(figures)
+
+
+def _peer_problems(figures: Figures) -> list[str]:
+    """vLLM's kernels, where ``--peer`` asked for them (a peer step in steps.tsv)."""
+    if not any(s.name == "peer" for s in figures.steps):
+        return []
+    if not figures.peer:
+        return ["bench --peer made no row"]
+    found = [f"bench --peer: {r['case']}: {r['note']}" for r in figures.peer if "ERROR" in r.get("note", "")]
+    return found + [f"bench --peer: {r['case']}: not measured on both sides" for r in figures.peer
+                    if "ERROR" not in r.get("note", "") and (r.get("ours_us") is None or r.get("vllm_us") is None)]
 
 
 def _num(value, spec: str = ".1f") -> str:
@@ -179,6 +203,22 @@ def _lines_host(rows: list[dict]) -> list[str]:
     return out
 
 
+def _lines_peer(figures: Figures) -> list[str]:
+    if not figures.peer:
+        return [f"== vLLM's own kernels: not timed ({figures.peer_not_timed})"] if figures.peer_not_timed else []
+    out = ["== vLLM's TRITON_ATTN kernel beside ours (bench --peer: us measured; ratio = ours / vLLM's; "
+           "m = model, x = measured / model)",
+           f"{'case':<16} {'ours':>9} {'vLLM':>9} {'ratio':>6} {'ours m':>8} {'x':>5} {'vLLM m':>8} {'x':>5}"]
+    for r in figures.peer:
+        out.append(f"{r['case'][:16]:<16} {_num(r.get('ours_us')):>9} {_num(r.get('vllm_us')):>9} "
+                   f"{_num(r.get('ratio'), '.2f'):>6} {_num(r.get('ours_model_us')):>8} "
+                   f"{_num(r.get('ours_vs_model'), '.2f'):>5} {_num(r.get('vllm_model_us')):>8} "
+                   f"{_num(r.get('vllm_vs_model'), '.2f'):>5}")
+        if r.get("note"):
+            out.append(f"    {r['note'][:160]}")
+    return out
+
+
 def summary(figures: Figures) -> str:
     """The printed summary, cut to :data:`SUMMARY_LIMIT` characters (figures.json has all)."""
     info = figures.info
@@ -192,7 +232,8 @@ def summary(figures: Figures) -> str:
                 **figures.tests)]
     found = problems(figures)
     verdict = ["== verdict: " + ("OK" if not found else f"FAILED ({len(found)})")] + [f"- {p}"[:300] for p in found]
-    body = _lines_assumptions(figures.assumptions) + _lines_bench(figures.bench) + _lines_host(figures.host)
+    body = (_lines_assumptions(figures.assumptions) + _lines_bench(figures.bench) + _lines_peer(figures)
+            + _lines_host(figures.host))
     room = SUMMARY_LIMIT - len("\n".join(head + verdict)) - 200
     kept, used = [], 0
     for line in body:

@@ -14,6 +14,8 @@ import pytest
 
 from dflash_rocm import gpu_report
 from dflash_rocm.ops import ATTENTION, PRECOMPUTE
+from dflash_rocm.peer import source
+from peer_tree import write_attention_tree
 from support import HAS_GPU, HAS_TRITON, bare_interpreter
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,11 +46,12 @@ def bare_python(tmp_path: Path) -> tuple[str, dict]:
     return str(wrapper), env
 
 
-def run_script(checkout: Path, tmp_path: Path, timeout: int) -> subprocess.CompletedProcess:
+def run_script(checkout: Path, tmp_path: Path, timeout: int, *args: str) -> subprocess.CompletedProcess:
     python, env = bare_python(tmp_path)
     env.update(OUT=str(tmp_path / "out"), PYTHON=python)
-    return subprocess.run(["bash", str(checkout / SCRIPT), "--dry"], cwd=checkout, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    env.pop("DFLASH_PEER", None)
+    return subprocess.run(["bash", str(checkout / SCRIPT), "--dry", *args], cwd=checkout, env=env,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 needs_git_and_cpu = pytest.mark.skipif(HAS_GPU or not HAS_TRITON or shutil.which("git") is None
@@ -59,8 +62,10 @@ needs_git_and_cpu = pytest.mark.skipif(HAS_GPU or not HAS_TRITON or shutil.which
 @pytest.mark.slow
 @needs_git_and_cpu
 def test_the_dry_rehearsal_makes_every_row_within_the_budget(tmp_path):
+    """With ``--peer`` (the stand-in vLLM tree of :mod:`peer_tree`): vLLM's kernel timed too."""
     checkout = clean_copy(tmp_path / "clone")
-    result = run_script(checkout, tmp_path, timeout=600)
+    tree = write_attention_tree(tmp_path / "vllm-tree")
+    result = run_script(checkout, tmp_path, 600, "--peer", str(tree))
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     budget = re.fullmatch(r"budget (\d+) s \((.*)\)", result.stdout.splitlines()[0])
@@ -79,7 +84,10 @@ def test_the_dry_rehearsal_makes_every_row_within_the_budget(tmp_path):
     assert any(r["backend"] == "triton" and r["us"] for r in figures["bench"])
     assert {r["op"] for r in figures["host"]} == {ATTENTION.name, PRECOMPUTE.name}
     assert figures["tests"]["tests"] > 0 and figures["tests"]["failures"] == 0
+    assert [(r["case"], r["note"]) for r in figures["peer"]] == [("b1 24 bf16", "")]
+    assert figures["peer"][0]["ours_us"] > 0 and figures["peer"][0]["vllm_us"] > 0
     summary = (out / "summary.txt").read_text()
+    assert "== vLLM's TRITON_ATTN kernel beside ours" in summary and "not timed" not in summary
     assert len(summary) <= gpu_report.SUMMARY_LIMIT
     assert result.stdout.rstrip().endswith(summary.rstrip())  # the summary is printed last
     assert summary.rstrip().endswith("== verdict: OK")
@@ -93,6 +101,26 @@ def test_the_rehearsal_fails_at_once_on_a_copy_without_backends(tmp_path):
     assert result.returncode != 0
     assert "gpu_check: " in result.stdout
     assert "== assumptions" not in result.stdout  # nothing measured from a broken install
+
+
+def tree_without_helpers(tmp_path: Path) -> Path:
+    tree = write_attention_tree(tmp_path / "tree")
+    (tree / source.ATTENTION_OPS / "triton_attention_helpers.py").unlink()
+    return tree
+
+
+@pytest.mark.parametrize("make, expected", [
+    (lambda tmp: tmp / "absent", "no such folder"),
+    (tree_without_helpers, "vllm/v1/attention/ops/triton_attention_helpers.py not found"),
+], ids=["no-folder", "missing-file"])
+@pytest.mark.skipif(shutil.which("bash") is None, reason="the script is a bash script")
+def test_a_bad_peer_path_is_refused_in_one_line_before_anything_runs(tmp_path, make, expected):
+    result = run_script(ROOT, tmp_path, 60, "--peer", str(make(tmp_path)))
+    assert result.returncode == 1
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("budget 540 s") and len(lines) == 2, result.stdout
+    assert lines[1].startswith("gpu_check: --peer ") and expected in lines[1]
+    assert not (tmp_path / "out").exists()  # refused before anything ran
 
 
 # --- the judge, on made-up runs ---------------------------------------------------------
@@ -172,3 +200,52 @@ def test_the_report_command_writes_two_files_and_exits_1_on_a_problem(tmp_path):
     (logs / "host.json").write_text("[]")
     assert gpu_report.main([str(logs), str(tmp_path / "b")]) == 1
     assert json.loads((tmp_path / "b" / "figures.json").read_text())["problems"]
+
+
+# --- vLLM's kernels beside ours (bench --peer) in the judge ------------------------------
+
+PEER_ROW = dict(case="b8 128k bf16", backend="triton", vllm_runs="kernel_unified_attention", ours_us=300.0,
+                vllm_us=1200.0, ours_model_us=250.0, vllm_model_us=1000.0, ours_error=0.004, vllm_error=0.005,
+                note="", ratio=0.25, ours_vs_model=1.2, vllm_vs_model=1.2)
+
+
+def with_peer(logs: Path, rows=(PEER_ROW,), status: int = 0) -> Path:
+    """``logs`` with a peer step (``--peer`` given) that wrote ``rows``."""
+    with (logs / "steps.tsv").open("a") as f:
+        f.write(f"peer\t{status}\t40\t90\n")
+    (logs / "peer.json").write_text(json.dumps({"device": "H200", "rows": list(rows)}))
+    return logs
+
+
+def test_the_judge_tables_vllms_kernel_beside_ours(tmp_path):
+    figures = gpu_report.Figures.read(with_peer(good_run(tmp_path)), dry=False)
+    assert gpu_report.problems(figures) == []
+    text = gpu_report.summary(figures)
+    assert re.search(r"b8 128k bf16 +300\.0 +1200\.0 +0\.25 +250\.0 +1\.20 +1000\.0 +1\.20\n", text)
+    assert text.endswith("== verdict: OK")
+
+
+def test_without_peer_the_summary_says_vllms_kernels_were_not_timed_and_why(tmp_path):
+    logs = good_run(tmp_path)
+    (logs / "peer.none").write_text("no vLLM tree given (--peer PATH or DFLASH_PEER=PATH)\n")
+    figures = gpu_report.Figures.read(logs, dry=False)
+    assert gpu_report.problems(figures) == []  # not asked for: no failure
+    text = gpu_report.summary(figures)
+    assert "== vLLM's own kernels: not timed (no vLLM tree given (--peer PATH or DFLASH_PEER=PATH))" in text
+    assert json.loads(json.dumps(figures.as_dict()))["peer_not_timed"].startswith("no vLLM tree given")
+
+
+@pytest.mark.parametrize("spoil, expected", [
+    (lambda logs: with_peer(logs, status=1), "step peer exit 1"),
+    (lambda logs: with_peer(logs, rows=()), "bench --peer made no row"),
+    (lambda logs: with_peer(logs, rows=[{**PEER_ROW, "vllm_us": None, "note": "ERROR output differs from the "
+                                                                                "reference beyond 0.02: vLLM 0.9"}]),
+     "bench --peer: b8 128k bf16: ERROR output differs"),
+    (lambda logs: with_peer(logs, rows=[{**PEER_ROW, "vllm_us": None}]), "b8 128k bf16: not measured on both sides"),
+], ids=["step-failed", "no-rows", "wrong-output", "unmeasured"])
+def test_a_failed_peer_step_fails_the_run(tmp_path, spoil, expected):
+    """Asked for (a peer step ran), vLLM's kernels beside ours are part of the verdict."""
+    logs = good_run(tmp_path)
+    spoil(logs)
+    found = gpu_report.problems(gpu_report.Figures.read(logs, dry=False))
+    assert any(expected in problem for problem in found), found

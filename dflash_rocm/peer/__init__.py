@@ -11,5 +11,6 @@ roofline plus the launch gap (:mod:`.unfused`), a lower bound of vLLM's time, be
 precompute (:mod:`.precompute`). The step model (:mod:`.step`) puts both operations into
 one decode step of a deployment; :mod:`.fc` models vLLM's ``fc`` context projection under
 tensor parallelism (``inspect --tp``), replicated as vLLM builds it against column-parallel.
-Everything here is modelled; nothing ran on a GPU.
+All of that is modelled. :mod:`.bench` (``bench --peer``) is the one measurement: vLLM's
+TRITON_ATTN kernel run on this device beside ours, checked against the reference, timed.
 """

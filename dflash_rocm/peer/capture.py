@@ -42,14 +42,16 @@ class Recorder:
 
 @contextlib.contextmanager
 def recording(*modules: types.ModuleType) -> Iterator[list[Launch]]:
-    """Every Triton kernel launched from ``modules`` inside the block is recorded, not run."""
+    """Every Triton kernel launched from ``modules`` inside the block is recorded, not run
+    (compiled kernels, and those Triton's interpreter runs under ``TRITON_INTERPRET=1``)."""
+    from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
     launches: list[Launch] = []
     replaced = []
     for module in modules:
         for name, value in vars(module).items():
-            if isinstance(value, JITFunction):
+            if isinstance(value, (JITFunction, InterpretedFunction)):
                 replaced.append((module, name, value))
     for module, name, kernel in replaced:
         setattr(module, name, Recorder(kernel, launches))

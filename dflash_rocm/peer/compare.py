@@ -161,38 +161,49 @@ def _with_argument(launch: Launch, name: str, value) -> Launch:
     return replace(launch, args=tuple(args))
 
 
+def unified_attention_arguments(module, case: sweep.Case, target: Target, three_d: bool, tensors: dict,
+                                descale: torch.Tensor) -> dict:
+    """The keyword arguments TRITON_ATTN passes vLLM 0.34's ``unified_attention`` for ``case``
+    (``three_d``: with vLLM#57409's split-KV scratch, see the module docstring): ``tensors``
+    gives ``q``, ``out``, ``k``, ``v``, ``cu_seqlens_q``, ``seq_lens`` and ``block_table`` (on
+    ``meta`` to record the launches, on the device to run them); ``descale`` is the fp8 KV
+    scale, ``[1, 1]``. The builder's scratch is allocated beside ``q``."""
+    s = case.shape
+    threshold = MIN_LAUNCH_GRID_SIZE_2D // s.kv_heads
+    segments = (ROCM_SEGMENTS if target.amd else NUM_PAR_SOFTMAX_SEGMENTS) if three_d else NUM_PAR_SOFTMAX_SEGMENTS
+    rows = min(threshold, case.batch) * (case.query_len if three_d else min(case.query_len, MAX_3D_QUERY_LEN_034))
+    padded = 1 << (s.head_dim - 1).bit_length()
+    scratch = dict(dtype=torch.float32, device=tensors["q"].device)
+    descale = descale.expand(case.batch, s.kv_heads)
+    seq_threshold_3d = max(threshold, case.batch * case.query_len) if three_d else threshold
+    return dict(q=tensors["q"], k=tensors["k"], v=tensors["v"], out=tensors["out"],
+                cu_seqlens_q=tensors["cu_seqlens_q"], max_seqlen_q=case.query_len, seqused_k=tensors["seq_lens"],
+                max_seqlen_k=case.seq_len, softmax_scale=s.head_dim ** -0.5, causal=s.causal or three_d,
+                window_size=(s.sliding_window - 1, 0) if s.sliding_window else (-1, -1),
+                block_table=tensors["block_table"], softcap=0.0, q_descale=None, k_descale=descale,
+                v_descale=descale, seq_threshold_3D=seq_threshold_3d,
+                num_par_softmax_segments=segments,
+                softmax_segm_output=torch.empty(rows, s.q_heads, segments, padded, **scratch),
+                softmax_segm_max=torch.empty(rows, s.q_heads, segments, **scratch),
+                softmax_segm_expsum=torch.empty(rows, s.q_heads, segments, **scratch),
+                sinks=torch.empty(s.q_heads, **scratch) if s.sinks else None,
+                kv_quant_mode=module.KVQuantMode.FP8_PER_TENSOR if case.fp8 else module.KVQuantMode.NONE)
+
+
 def triton_attn_launches(root: Path, case: sweep.Case, target: Target, split: bool) -> tuple[list[Launch], str]:
     """The launches vLLM 0.34's ``unified_attention`` makes for ``case`` as TRITON_ATTN calls
     it (``split``: under vLLM#57409's rule, see the module docstring), and a note."""
     module = source.load(root, "unified", target)
-    s = case.shape
     dtype = target.fp8_dtype if case.fp8 else torch.bfloat16
     key, value = _caches(case, dtype, packed=False)
-    t = _common(case)
-    threshold = MIN_LAUNCH_GRID_SIZE_2D // s.kv_heads
     refusal = split_kv_refusal(case) if split else ""
     three_d = split and not refusal
-    segments = (ROCM_SEGMENTS if target.amd else NUM_PAR_SOFTMAX_SEGMENTS) if three_d else NUM_PAR_SOFTMAX_SEGMENTS
-    rows = min(threshold, case.batch) * (case.query_len if three_d else min(case.query_len, MAX_3D_QUERY_LEN_034))
-    padded = 1 << (s.head_dim - 1).bit_length()
-    scratch = dict(dtype=torch.float32, device=META)
-    descale = torch.empty(1, 1, **scratch).expand(case.batch, s.kv_heads)
-    mode = module.KVQuantMode.FP8_PER_TENSOR if case.fp8 else module.KVQuantMode.NONE
-    window = (s.sliding_window - 1, 0) if s.sliding_window else (-1, -1)
-    kwargs = dict(q=t["q"], k=key, v=value, out=t["out"], cu_seqlens_q=t["cu_seqlens_q"], max_seqlen_q=case.query_len,
-                  seqused_k=t["seq_lens"], max_seqlen_k=case.seq_len, softmax_scale=s.head_dim ** -0.5,
-                  causal=s.causal or three_d, window_size=window, block_table=t["block_table"], softcap=0.0,
-                  q_descale=None, k_descale=descale, v_descale=descale,
-                  seq_threshold_3D=max(threshold, case.batch * case.query_len) if three_d else threshold,
-                  num_par_softmax_segments=segments,
-                  softmax_segm_output=torch.empty(rows, s.q_heads, segments, padded, **scratch),
-                  softmax_segm_max=torch.empty(rows, s.q_heads, segments, **scratch),
-                  softmax_segm_expsum=torch.empty(rows, s.q_heads, segments, **scratch),
-                  sinks=torch.empty(s.q_heads, **scratch) if s.sinks else None, kv_quant_mode=mode)
+    kwargs = unified_attention_arguments(module, case, target, three_d, {**_common(case), "k": key, "v": value},
+                                         torch.empty(1, 1, dtype=torch.float32, device=META))
     gate = _attribute(module, "MAX_3D_QUERY_LEN", case.query_len) if three_d else contextlib.nullcontext()
     with source.host_context(root, "unified", target), gate, capture.recording(module) as launches:
         module.unified_attention(**kwargs)
-    if three_d and not s.causal:
+    if three_d and not case.shape.causal:
         launches[0] = _with_argument(launches[0], "USE_CAUSAL", False)
     if split and refusal:
         return launches, f"#57409 keeps 2D ({refusal}): vLLM runs the 2D launch"
