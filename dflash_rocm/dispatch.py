@@ -108,12 +108,14 @@ def planned_reasons(name: str, op: Op, call, platform: Platform, switches: Switc
     return cls.not_supported_reasons(op, call, platform, switches)
 
 
-def planned(op: Op, call, backend: str | None) -> Planned:
+def planned(op: Op, call, backend: str | None, environment: tuple | None = None) -> Planned:
     """The plan of ``call`` for the requested ``backend`` (``None``: the environment's
-    choice, else ``auto``): kept per planning record, made on first use."""
+    choice, else ``auto``): kept per planning record, made on first use. ``environment``:
+    the planning variables as a plan object read them when it was made
+    (:func:`dflash_rocm.planning.environment`; None: read them now)."""
     if backend is not None and type(backend) is not str:
         named_backend(backend, None)  # refused before it reaches the key (unhashable, a TypeError naming it)
-    record = planning_record(op.name, backend, call)
+    record = planning_record(op.name, backend, call, environment)
     if record.keepable:
         found = _plans.get(record)
         if found is not None:

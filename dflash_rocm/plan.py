@@ -16,15 +16,16 @@ memory with what the call reads.
 
 The precompute's plan, :func:`plan_context_kv`, keeps what a serving engine fixes for a
 model's life (weights, each layer's caches, fp8 scales) with their part of the checks'
-key taken once; :meth:`ContextKVPlan.run` takes each step's states, positions and slot
-mappings and checks those as :func:`dflash_rocm.precompute_and_store_context_kv` does.
+key taken once, and the planning variables as they were when it was made;
+:meth:`ContextKVPlan.run` takes each step's states, positions and slot mappings and checks
+those as :func:`dflash_rocm.precompute_and_store_context_kv` does.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import dispatch
+from . import dispatch, planning
 from .ops import ATTENTION, PRECOMPUTE
 from .ops.attention.validation import batch_memory, check_out_apart
 from .ops.precompute.validation import ModelArguments, bound_precompute_call, model_arguments
@@ -152,12 +153,16 @@ def plan_draft_attention(query: torch.Tensor, key_cache, value_cache, block_tabl
 
 
 class ContextKVPlan(_BoundToMemory):
-    """The precompute of one model's weights into one set of caches (see the module)."""
+    """The precompute of one model's weights into one set of caches (see the module). The
+    planning variables (``DFLASH_ROCM_*``: :func:`dflash_rocm.planning.environment`) are
+    read once, when the plan is made, as a draft-attention plan reads them: a changed
+    variable reaches the plans made after it."""
 
-    __slots__ = ("_model", "_backend")
+    __slots__ = ("_model", "_backend", "_environment")
 
     def __init__(self, model: ModelArguments, backend: str | None):
         self._model, self._backend = model, backend
+        self._environment = planning.environment()
 
     def run(self, context_states: torch.Tensor, positions: torch.Tensor, slot_mapping, *, return_kv: bool = False,
             validate: bool = True):
@@ -166,7 +171,7 @@ class ContextKVPlan(_BoundToMemory):
         planned on its first run and kept."""
         call = bound_precompute_call(self._model, context_states, positions, slot_mapping, return_kv=return_kv,
                                      validate=validate)
-        return dispatch.planned(PRECOMPUTE, call, self._backend)(call)
+        return dispatch.planned(PRECOMPUTE, call, self._backend, self._environment)(call)
 
 
 def plan_context_kv(weights, key_caches, value_caches, *, k_scales=None, v_scales=None,

@@ -60,8 +60,11 @@ class Switches(NamedTuple):
 
 
 def environment() -> tuple[str | None, ...]:
-    """The raw values of :data:`PLANNING_VARIABLES` now (None: unset): read on every call,
-    parsed only when a plan is made (:func:`parse_switches`)."""
+    """The raw values of :data:`PLANNING_VARIABLES` now (None: unset): read on every call
+    of the public functions and once per plan object (``plan_draft_attention``,
+    ``plan_context_kv``), parsed only when a plan is made (:func:`parse_switches`). Six
+    lookups cost 4-5 us, most of it the ``KeyError`` ``os.environ`` raises and catches for
+    each unset variable (docs/benchmarks.md)."""
     return tuple([os.environ.get(name) for name in _VARIABLE_NAMES])  # (a list is built faster than a generator runs)
 
 
@@ -242,11 +245,14 @@ class PlanningRecord(NamedTuple):
         return self.structure is not None
 
 
-def planning_record(op: str, backend: str | None, call) -> PlanningRecord:
-    """The record of ``call`` (of ``op``, for the backend asked for): see the module."""
+def planning_record(op: str, backend: str | None, call, variables: tuple | None = None) -> PlanningRecord:
+    """The record of ``call`` (of ``op``, for the backend asked for): see the module.
+    ``variables``: :func:`environment`'s values as read earlier (a plan object reads them
+    once, when it is made); None: read now."""
     structure, bounds, memory = call.planning_parts()
     return PlanningRecord(op=op, backend=backend, structure=structure, bounds=bounds, memory=memory,
-                          device=call.device, simulated=simulated_platform(), environment=environment(),
+                          device=call.device, simulated=simulated_platform(),
+                          environment=environment() if variables is None else variables,
                           settings=_settings,
                           tuning=tuning.generation(), deterministic=torch.are_deterministic_algorithms_enabled())
 

@@ -40,7 +40,7 @@ while [ $# -gt 0 ]; do
     shift
 done
 # seconds per step; they add up to BUDGET (without --peer the peer step's share goes to the tests)
-T_INSTALL=30 T_INFO=25 T_ASSUME=125 T_BENCH=95 T_PEER=90 T_HOST=45 T_TESTS=110 T_REPORT=20
+T_INSTALL=30 T_INFO=40 T_ASSUME=110 T_BENCH=95 T_PEER=90 T_HOST=45 T_TESTS=110 T_REPORT=20
 [ -n "$PEER" ] || { T_TESTS=$((T_TESTS + T_PEER)); T_PEER=0; }
 echo "budget $BUDGET s (install $T_INSTALL, info $T_INFO, assumptions $T_ASSUME, bench $T_BENCH, peer $T_PEER," \
      "host $T_HOST, tests $T_TESTS, report $T_REPORT)"

@@ -170,6 +170,40 @@ def test_a_precompute_plan_keeps_its_caches_when_the_callers_list_changes():
     assert not torch.equal(p["key_caches"][0], planned[0])  # the planned cache was written
 
 
+def test_a_plan_reads_the_planning_variables_when_it_is_made(monkeypatch):
+    """Both plans read ``DFLASH_ROCM_*`` once, when made: a variable set later reaches the
+    plans made after it, not a plan already made; a plan's
+    runs never look the environment up."""
+    monkeypatch.delenv("DFLASH_ROCM_BACKEND", raising=False)
+    p = precompute_args()
+    run = (p["context_states"], p["positions"], p["slot_mapping"])
+    before = dflash_rocm.plan_context_kv(p["weights"], p["key_caches"], p["value_caches"])
+    monkeypatch.setenv("DFLASH_ROCM_BACKEND", "reference")
+    after = dflash_rocm.plan_context_kv(p["weights"], p["key_caches"], p["value_caches"])
+    dflash_rocm.reset_dispatch_counts()
+    reads = []
+    monkeypatch.setattr(dflash_rocm.planning.os, "environ", _Watched(reads))
+    before.run(*run)
+    after.run(*run)
+    assert reads == []
+    counts = dflash_rocm.dispatch_counts()
+    assert counts.get(("precompute_and_store_context_kv", "reference")) == 1 and sum(counts.values()) == 2
+
+
+class _Watched(dict):
+    """An environment whose every lookup is noted (and holds what ``os.environ`` held)."""
+
+    def __init__(self, reads):
+        import os
+
+        super().__init__(os.environ)
+        self.reads = reads
+
+    def get(self, name, default=None):
+        self.reads.append(name)
+        return super().get(name, default)
+
+
 def test_a_precompute_plan_refuses_states_that_share_memory_with_a_cache():
     p = precompute_args()
     plan = dflash_rocm.plan_context_kv(p["weights"], p["key_caches"], p["value_caches"], backend="reference")
