@@ -182,26 +182,12 @@ def test_a_plan_reads_the_planning_variables_when_it_is_made(monkeypatch):
     after = dflash_rocm.plan_context_kv(p["weights"], p["key_caches"], p["value_caches"])
     dflash_rocm.reset_dispatch_counts()
     reads = []
-    monkeypatch.setattr(dflash_rocm.planning.os, "environ", _Watched(reads))
+    monkeypatch.setattr(dflash_rocm.planning, "environment", lambda: reads.append("read"))
     before.run(*run)
     after.run(*run)
     assert reads == []
     counts = dflash_rocm.dispatch_counts()
     assert counts.get(("precompute_and_store_context_kv", "reference")) == 1 and sum(counts.values()) == 2
-
-
-class _Watched(dict):
-    """An environment whose every lookup is noted (and holds what ``os.environ`` held)."""
-
-    def __init__(self, reads):
-        import os
-
-        super().__init__(os.environ)
-        self.reads = reads
-
-    def get(self, name, default=None):
-        self.reads.append(name)
-        return super().get(name, default)
 
 
 def test_a_precompute_plan_refuses_states_that_share_memory_with_a_cache():
