@@ -279,7 +279,7 @@ def _derived_addresses(backend, weights):
         return derived.weight.data_ptr(), derived.k_norm.data_ptr()
     from dflash_rocm.backends.cpu.precompute import prepared_weights
     derived = prepared_weights(weights)
-    return derived.weight_t.data_ptr(), derived.k_norm.data_ptr()
+    return derived.weight.data_ptr(), derived.k_norm.data_ptr()
 
 
 def test_a_failure_while_setting_up_steps_aside_and_never_fails_the_load(models, run, caplog, monkeypatch):
