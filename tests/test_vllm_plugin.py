@@ -7,8 +7,8 @@ two KV-cache groups) and a batch of prompts of different lengths, with the plugi
 backend named (``triton`` through the interpreter, ``cpu``; which runs which: ``RUNS``):
 greedy output with the plugin equals plain decoding; both operations went through that
 backend (dflash_rocm's dispatch counters); and the draft's proposals at every step, and its
-logits, equal those of vLLM's own DFlash path on the same models. With ``auto`` the
-precompute runs on ``cpu`` and the draft attention stays on vLLM's own CPU kernel. vLLM
+logits, equal those of vLLM's own DFlash path on the same models. With ``auto`` both
+the precompute and the draft attention stay on vLLM's own CPU ops (measured faster). vLLM
 0.34's load order is reproduced on 0.32 (``vllm_harness.vllm034_load_order``): the plugin
 loads and serves.
 
@@ -128,7 +128,10 @@ def test_the_attention_mode_changes_the_proposals(run):
     assert run("v2", "mixed", "vllm").proposals not in (plain, run("v2", "sliding-window", "vllm").proposals)
 
 
-def test_auto_runs_the_precompute_on_cpu_and_leaves_attention_to_vllms_cpu_kernel(models, run, caplog, monkeypatch):
+def test_auto_leaves_the_precompute_and_attention_to_vllms_cpu_ops(models, run, caplog, monkeypatch):
+    """Under auto on vLLM's CPU attention both operations stay on vLLM's own C++ CPU ops
+    (measured faster): nothing is dispatched, the output is vLLM's, and the one line at
+    vLLM's level says why and how to route them through dflash_rocm."""
     import vllm_harness
     from dflash_rocm.vllm_plugin import attention, model
     monkeypatch.setattr(attention, "_warned", set())  # the hand-back is logged once per process
@@ -140,15 +143,16 @@ def test_auto_runs_the_precompute_on_cpu_and_leaves_attention_to_vllms_cpu_kerne
     monkeypatch.setattr(model.engaged_logger, "handle", engaged.append)
     target, draft = models["sliding-window"]
     ours = vllm_harness.generate(target, draft, plugin=True)
-    steps = len(ours.proposals)
-    assert ours.counts == {(PRECOMPUTE, "cpu"): steps}
+    assert ours.draft_class.startswith("DFlashRocm") and len(ours.proposals) > 0
+    assert ours.counts == {}
     assert ours.proposals == run("v2", "sliding-window", "vllm").proposals
     assert ours.outputs == run("v2", "sliding-window", "vllm").outputs
     assert any("draft attention stays on vLLM's CPUAttentionBackendImpl" in r.getMessage() for r in caplog.records)
     assert [(r.name, r.levelno) for r in engaged] == [("vllm.dflash_rocm", logging.INFO)]
-    assert [r.getMessage() for r in engaged] == [
-        "dflash_rocm serves this DFlashQwen3ForCausalLM draft's context-KV precompute on backend auto, the first of "
-        "cpu, triton, reference that serves a call (DFLASH_ROCM_LOG_LEVEL=INFO: details)"]
+    line = engaged[0].getMessage()
+    assert line.startswith("dflash_rocm leaves this DFlashQwen3ForCausalLM draft to vLLM's own CPU path under auto: "
+                           "the cpu backend's precompute measured slower than vLLM's own CPU ops")
+    assert "docs/backends.md" in line and "DFLASH_ROCM_BACKEND=cpu routes both through dflash_rocm" in line
 
 
 @pytest.mark.parametrize("backend", ["cpu"])  # the load path is the backend's; triton serves the same weights

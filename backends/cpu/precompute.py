@@ -4,7 +4,8 @@ Measured on an AVX2 CPU (2 cores, torch 2.13, no AVX512-BF16/AMX): a bf16 or fp1
 there runs through torch's slow non-oneDNN path, 4-7x slower than float32 at these sizes,
 so the GEMM runs in float32 from a float32 copy of the weight unless oneDNN has native
 kernels for the dtype (``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` and the fp16
-twin: AVX512-BF16/AMX CPUs), where it runs in the states' dtype.
+twin: AVX512-BF16/AMX CPUs), where it runs in the states' dtype
+(:func:`dflash_rocm.platform.cpu_gemm_dtype`).
 
 Values are rounded to the states' dtype where vLLM's own sequence rounds them (the
 normed states, the GEMM's output, the normed keys, RoPE's cos/sin table and output; norm
@@ -42,16 +43,8 @@ import torch.nn.functional as F
 from dflash_rocm.contract import FP8_DTYPES, QUERY_DTYPES
 from dflash_rocm.derived import DerivedCache
 from dflash_rocm.ops.precompute import PrecomputeCall
+from dflash_rocm.platform import cpu_gemm_dtype
 from dflash_rocm.weights import ContextKVWeights
-
-
-def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the K/V GEMM runs in for states of ``dtype`` on this CPU."""
-    if dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return dtype
-    if dtype == torch.float16 and torch.ops.mkldnn._is_mkldnn_fp16_supported():
-        return dtype
-    return torch.float32
 
 
 @dataclass(frozen=True)
@@ -114,7 +107,7 @@ def _prepare(w: ContextKVWeights, states_dtype: torch.dtype) -> PreparedWeights:
     wide_keys = float(key_bound.max()) > limit
     # A GEMM in the states' dtype (oneDNN's, on AVX512-FP16/AMX CPUs) rounds its output to
     # that dtype: K that may pass its range is projected in float32.
-    dtype = torch.float32 if wide_states or wide_keys else gemm_dtype(states_dtype)
+    dtype = torch.float32 if wide_states or wide_keys else cpu_gemm_dtype(states_dtype)
     # Detached: parameters that require grad (a live model's) are read without grad.
     return PreparedWeights(
         weight=(rows if folded else w.dense_kv_weight()).detach().to(dtype).contiguous(),
