@@ -155,6 +155,36 @@ def test_auto_leaves_the_precompute_and_attention_to_vllms_cpu_ops(models, run, 
     assert "docs/backends.md" in line and "DFLASH_ROCM_BACKEND=cpu routes both through dflash_rocm" in line
 
 
+def test_auto_leaves_the_precompute_to_vllm_only_with_a_native_gemm_and_vllms_cpu_attention(monkeypatch):
+    """Where the CPU has no native GEMM for the model's dtype (AVX2, bf16) the cpu backend's
+    float32 GEMM beats vLLM's and the plugin serves; a named backend, or a draft layer not on
+    vLLM's CPU attention, is served too."""
+    from types import SimpleNamespace
+
+    from dflash_rocm.vllm_plugin import model
+
+    class CPUAttentionBackendImpl:  # vLLM's CPU impl, by name
+        pass
+
+    class OtherImpl:
+        pass
+
+    def draft(*impls):
+        layers = [SimpleNamespace(self_attn=SimpleNamespace(attn=SimpleNamespace(impl=i()))) for i in impls]
+        return SimpleNamespace(model=SimpleNamespace(layers=layers))
+
+    cpu_draft = draft(CPUAttentionBackendImpl, CPUAttentionBackendImpl)
+    monkeypatch.delenv("DFLASH_ROCM_BACKEND", raising=False)
+    monkeypatch.setattr(model, "cpu_gemm_dtype", lambda dtype: dtype)  # AVX512-BF16 / AMX
+    assert model._left_to_vllms_cpu_ops(cpu_draft, torch.bfloat16)
+    assert not model._left_to_vllms_cpu_ops(draft(CPUAttentionBackendImpl, OtherImpl), torch.bfloat16)
+    monkeypatch.setenv("DFLASH_ROCM_BACKEND", "cpu")
+    assert not model._left_to_vllms_cpu_ops(cpu_draft, torch.bfloat16)
+    monkeypatch.delenv("DFLASH_ROCM_BACKEND")
+    monkeypatch.setattr(model, "cpu_gemm_dtype", lambda dtype: torch.float32)  # AVX2
+    assert not model._left_to_vllms_cpu_ops(cpu_draft, torch.bfloat16)
+
+
 @pytest.mark.parametrize("backend", ["cpu"])  # the load path is the backend's; triton serves the same weights
 def test_vllm_034_load_order_loads_and_serves(backend, models, run):
     """vLLM 0.34 builds the draft's derived buffers in process_weights_after_loading (and
