@@ -304,7 +304,7 @@ def _bench_vllm(args) -> int:
     if args.csv or args.plot:
         raise ValueError("--vllm: writes a report and --json only (no --csv, --plot)")
     _check_outputs({"--json": args.json})
-    workload = vllm_bench.SMOKE if args.quick else vllm_bench.FULL
+    workload = vllm_bench.SMOKE if args.quick and args.size == "tiny" else vllm_bench.WORKLOADS[args.size]
     workload = dataclasses.replace(workload, dtype={"bf16": "bfloat16", "fp16": "float16",
                                                     "fp32": "float32"}[args.dtype])
     pairs = args.pairs if args.pairs is not None else (1 if args.quick else 3)
@@ -507,6 +507,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="end to end instead: one small DFlash generation in vLLM with and without the plugin "
                             "(one process per run, interleaved pairs; --quick: a short smoke run)")
     bench.add_argument("--pairs", type=int, help="--vllm: interleaved (vLLM, plugin) pairs (default 3; 1 with --quick)")
+    bench.add_argument("--size", choices=("tiny", "draft"), default="tiny",
+                       help="--vllm: the tiny models, or a draft of Qwen3-8B-DFlash-b16's shapes (random weights) on a "
+                            "5-layer target of its width (2 prompts, 16 tokens)")
     bench.add_argument("--host", action="store_true",
                        help="host microseconds per call instead: launches captured, their own cost measured apart")
     bench.add_argument("--assumptions", action="store_true",

@@ -49,6 +49,18 @@ class Platform:
         return arch_info(self.arch) if self.vendor in ("rocm", "cuda") else None
 
 
+def cpu_gemm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a CPU GEMM of ``dtype`` operands runs fast in: ``dtype`` itself where
+    oneDNN has native kernels for it (AVX512-BF16/AMX for bf16, AVX512-FP16/AMX for fp16),
+    else float32 (torch's non-oneDNN bf16/fp16 GEMM is 4-7x slower than float32 there,
+    measured on the AVX2 EPYC of docs/benchmarks.md's Machines)."""
+    if dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return dtype
+    if dtype == torch.float16 and torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        return dtype
+    return torch.float32
+
+
 def parse_gcn_arch(gcn_arch_name: str) -> str:
     """``'gfx942:sramecc+:xnack-'`` -> ``'gfx942'`` (feature flags dropped)."""
     arch = gcn_arch_name.strip().split(":", 1)[0].lower()

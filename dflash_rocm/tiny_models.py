@@ -18,6 +18,7 @@ to every layer, so only then is vLLM's own CPU path correct to compare against).
 
 import json
 import os
+from typing import NamedTuple
 
 import torch
 from safetensors.torch import save_file
@@ -36,6 +37,29 @@ MASK_ID = 3
 EOS_ID = 2
 ROPE_THETA = 1_000_000.0
 MAX_POS = 2048
+
+
+class Sizes(NamedTuple):
+    """A target and draft's dimensions (one vocabulary, :data:`VOCAB`, for every size)."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    target_layers: int
+    draft_layers: int
+    target_layer_ids: tuple[int, ...]  # DFlash semantics: hidden state *after* layer i
+
+
+TINY = Sizes(hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, inter=INTER,
+             target_layers=TARGET_LAYERS, draft_layers=DRAFT_LAYERS, target_layer_ids=tuple(TARGET_LAYER_IDS))
+# z-lab/Qwen3-8B-DFlash-b16's draft (dflash_rocm.workloads.SHAPES: hidden 4096, 32 query and 8 KV heads of 128,
+# 5 layers; MLP 12288 and 5 target taps, fc [4096, 5 x 4096], as dflash_rocm.peer's step model has them) beside a
+# target of Qwen3-8B's layer width cut to 5 layers (the real one has 36): the taps are its 5 layers, not the
+# published ones. About 1 G parameters each (2 GB in bf16), so both fit a 24 GiB CPU machine.
+DRAFT_SIZED = Sizes(hidden=4096, heads=32, kv_heads=8, head_dim=128, inter=12288, target_layers=5, draft_layers=5,
+                    target_layer_ids=(0, 1, 2, 3, 4))
 
 
 def make_tokenizer(out):
@@ -66,15 +90,15 @@ def make_tokenizer(out):
         json.dump({k: v for k, v in cfg.items() if k.endswith("_token")}, f, indent=2)
 
 
-def common_cfg(num_layers):
+def common_cfg(num_layers, sizes=TINY):
     return {
         "model_type": "qwen3",
-        "hidden_size": HIDDEN,
-        "intermediate_size": INTER,
+        "hidden_size": sizes.hidden,
+        "intermediate_size": sizes.inter,
         "num_hidden_layers": num_layers,
-        "num_attention_heads": HEADS,
-        "num_key_value_heads": KV_HEADS,
-        "head_dim": HEAD_DIM,
+        "num_attention_heads": sizes.heads,
+        "num_key_value_heads": sizes.kv_heads,
+        "head_dim": sizes.head_dim,
         "vocab_size": VOCAB,
         "hidden_act": "silu",
         "rms_norm_eps": 1e-6,
@@ -110,30 +134,55 @@ def make_target(out, g, m, n):
     lm[:, R] = rand(g, VOCAB, 64)
     lm[: len(SPECIALS)] = 0.0  # never generate special tokens
     w["lm_head.weight"] = lm
-    s = 0.02
     for i in range(TARGET_LAYERS):
-        p = f"model.layers.{i}."
-        w[p + "self_attn.q_proj.weight"] = rand(g, HEADS * HEAD_DIM, HIDDEN, std=s)
-        w[p + "self_attn.k_proj.weight"] = rand(g, KV_HEADS * HEAD_DIM, HIDDEN, std=s)
-        w[p + "self_attn.v_proj.weight"] = rand(g, KV_HEADS * HEAD_DIM, HIDDEN, std=s)
-        w[p + "self_attn.o_proj.weight"] = rand(g, HIDDEN, HEADS * HEAD_DIM, std=s)
-        w[p + "self_attn.q_norm.weight"] = torch.ones(HEAD_DIM)
-        w[p + "self_attn.k_norm.weight"] = torch.ones(HEAD_DIM)
-        w[p + "mlp.gate_proj.weight"] = rand(g, INTER, HIDDEN, std=s)
-        w[p + "mlp.up_proj.weight"] = rand(g, INTER, HIDDEN, std=s)
-        w[p + "mlp.down_proj.weight"] = rand(g, HIDDEN, INTER, std=s)
-        w[p + "input_layernorm.weight"] = torch.ones(HIDDEN)
-        w[p + "post_attention_layernorm.weight"] = torch.ones(HIDDEN)
+        w.update(random_layer(g, f"model.layers.{i}.", TINY))
     w["model.norm.weight"] = torch.ones(HIDDEN)
+    write_target(out, w, TINY)
+
+
+def random_layer(g, prefix, sizes, std=0.02, dtype=torch.float32):
+    """One Qwen3 decoder layer's weights: random projections, unit norms."""
+    H, inner, kv = sizes.hidden, sizes.heads * sizes.head_dim, sizes.kv_heads * sizes.head_dim
+
+    def r(*shape):
+        return rand(g, *shape, std=std).to(dtype)
+
+    return {prefix + "self_attn.q_proj.weight": r(inner, H), prefix + "self_attn.k_proj.weight": r(kv, H),
+            prefix + "self_attn.v_proj.weight": r(kv, H), prefix + "self_attn.o_proj.weight": r(H, inner),
+            prefix + "self_attn.q_norm.weight": torch.ones(sizes.head_dim, dtype=dtype),
+            prefix + "self_attn.k_norm.weight": torch.ones(sizes.head_dim, dtype=dtype),
+            prefix + "mlp.gate_proj.weight": r(sizes.inter, H), prefix + "mlp.up_proj.weight": r(sizes.inter, H),
+            prefix + "mlp.down_proj.weight": r(H, sizes.inter),
+            prefix + "input_layernorm.weight": torch.ones(H, dtype=dtype),
+            prefix + "post_attention_layernorm.weight": torch.ones(H, dtype=dtype)}
+
+
+def write_target(out, w, sizes):
+    """The target's weights ``w``, its config, generation config and tokenizer into ``out``."""
     save_file({k: v.contiguous() for k, v in w.items()},
               os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    cfg = common_cfg(TARGET_LAYERS)
+    cfg = common_cfg(sizes.target_layers, sizes)
     cfg["architectures"] = ["Qwen3ForCausalLM"]
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     with open(os.path.join(out, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": EOS_ID, "pad_token_id": 1}, f)
     make_tokenizer(out)
+
+
+def write_draft(out, w, sizes):
+    """The DFlash draft's weights ``w`` and config into ``out``."""
+    save_file({k: v.contiguous() for k, v in w.items()},
+              os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    cfg = common_cfg(sizes.draft_layers, sizes)
+    cfg["architectures"] = ["DFlashDraftModel"]
+    cfg["dflash_config"] = {"mask_token_id": MASK_ID,
+                            "target_layer_ids": list(sizes.target_layer_ids)}
+    cfg["num_target_layers"] = sizes.target_layers
+    cfg["block_size"] = 8  # informational (real DFlash ckpts carry it); vLLM uses
+    #                        speculative_config.num_speculative_tokens
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
 
 
 def make_draft(out, g, m, n, AB, leak=0.1, same_k_norm=False):
@@ -202,17 +251,7 @@ def make_draft(out, g, m, n, AB, leak=0.1, same_k_norm=False):
                           std=(HIDDEN * len(TARGET_LAYER_IDS)) ** -0.5)
     w["hidden_norm.weight"] = torch.ones(HIDDEN)
     w["norm.weight"] = torch.ones(HIDDEN)
-    save_file({k: v.contiguous() for k, v in w.items()},
-              os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    cfg = common_cfg(DRAFT_LAYERS)
-    cfg["architectures"] = ["DFlashDraftModel"]
-    cfg["dflash_config"] = {"mask_token_id": MASK_ID,
-                            "target_layer_ids": TARGET_LAYER_IDS}
-    cfg["num_target_layers"] = TARGET_LAYERS
-    cfg["block_size"] = 8  # informational (real DFlash ckpts carry it); vLLM uses
-    #                        speculative_config.num_speculative_tokens
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
+    write_draft(out, w, TINY)
 
 
 def write_models(out, *, seed=0, leak=0.1, same_k_norm=False, dflash_config=None, draft_config=None):
@@ -244,6 +283,31 @@ def write_models(out, *, seed=0, leak=0.1, same_k_norm=False, dflash_config=None
         cfg.update(draft_config or {})
         with open(path, "w") as f:
             json.dump(cfg, f, indent=2)
+    return os.path.join(out, "target"), os.path.join(out, "draft")
+
+
+def write_random_models(out, sizes, *, seed=0):
+    """Write ``out/target`` and ``out/draft`` at ``sizes`` with plain random bf16 weights
+    (std 0.02 projections, unit norms; one K-norm weight for every draft layer, as vLLM's
+    CPU path needs): no designed behaviour, so the draft's proposals are rarely accepted.
+    For timing at real widths (``bench --vllm --size draft``), not for checking proposals."""
+    g = torch.Generator().manual_seed(seed)
+    H, dtype = sizes.hidden, torch.bfloat16
+    target = {"model.embed_tokens.weight": rand(g, VOCAB, H).to(dtype),
+              "lm_head.weight": rand(g, VOCAB, H, std=H ** -0.5).to(dtype),
+              "model.norm.weight": torch.ones(H, dtype=dtype)}
+    for i in range(sizes.target_layers):
+        target.update(random_layer(g, f"model.layers.{i}.", sizes, dtype=dtype))
+    os.makedirs(os.path.join(out, "target"), exist_ok=True)
+    write_target(os.path.join(out, "target"), target, sizes)
+    del target
+    taps = len(sizes.target_layer_ids)
+    draft = {"fc.weight": rand(g, H, H * taps, std=(H * taps) ** -0.5).to(dtype),
+             "hidden_norm.weight": torch.ones(H, dtype=dtype), "norm.weight": torch.ones(H, dtype=dtype)}
+    for i in range(sizes.draft_layers):
+        draft.update(random_layer(g, f"layers.{i}.", sizes, dtype=dtype))
+    os.makedirs(os.path.join(out, "draft"), exist_ok=True)
+    write_draft(os.path.join(out, "draft"), draft, sizes)
     return os.path.join(out, "target"), os.path.join(out, "draft")
 
 

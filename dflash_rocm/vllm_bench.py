@@ -10,9 +10,12 @@ its generate time (wall and process CPU time), the time spent inside the draft's
 context-KV precompute and draft-layer attention calls (timed around vLLM's own call
 sites, so both paths are timed alike), its decoding steps and its tokens.
 
-The models are the tiny random Qwen3 target and DFlash draft of :mod:`.tiny_models`, run
-in the chosen dtype; both draft layers share one K-norm weight, so vLLM's own CPU path
-(whose grouped ``rms_norm`` applies row 0 to every layer) computes the same draft. Low-bit
+The models (``--size``) are the tiny random Qwen3 target and DFlash draft of
+:mod:`.tiny_models`, or a draft of Qwen3-8B-DFlash-b16's shapes with random weights on a
+5-layer target of its width (``--size draft``: where compute, not host time, dominates;
+fewer, shorter prompts), run in the chosen dtype. Every draft layer has the same K-norm
+weight, so vLLM's own CPU path (whose grouped ``rms_norm`` applies row 0 to every layer)
+computes the same draft. Low-bit
 rounding differences can still flip a near-tied proposal of the random draft and change
 how many steps decoding takes; the report gives the steps and the time per step.
 """
@@ -42,6 +45,7 @@ class Workload:
     dtype: str = "bfloat16"
     seed: int = 0
     repeats: int = 3  # timed generations per run; the fastest counts
+    size: str = "tiny"  # the models: a key of SIZES
 
     def prompt_ids(self) -> list[list[int]]:
         import torch
@@ -57,13 +61,28 @@ class Workload:
         return self.max_prompt_len + self.max_tokens + self.num_speculative_tokens + 64
 
     def describe(self) -> str:
-        return (f"{self.prompts} prompts of {self.min_prompt_len}-{self.max_prompt_len} tokens, "
+        return (f"{SIZES[self.size]}; {self.prompts} prompts of {self.min_prompt_len}-{self.max_prompt_len} tokens, "
                 f"{self.max_tokens} greedy tokens each, {self.num_speculative_tokens} speculative tokens, "
                 f"{self.dtype}, fastest of {self.repeats} timed generation(s) per run")
 
 
 FULL = Workload()
 SMOKE = Workload(prompts=2, min_prompt_len=40, max_prompt_len=80, max_tokens=16, repeats=1)
+# Fewer and shorter prompts than FULL: at these widths one generation takes tens of seconds on 2 CPU cores.
+DRAFT = Workload(prompts=2, min_prompt_len=64, max_prompt_len=128, max_tokens=16, repeats=1, size="draft")
+SIZES = {"tiny": "the tiny random models (hidden 128)",
+         "draft": "a draft of Qwen3-8B-DFlash-b16's shapes (random bf16 weights: hidden 4096, 32/8 heads of 128, "
+                  "MLP 12288, 5 layers, 5 taps) on a 5-layer target of Qwen3-8B's width"}
+WORKLOADS = {"tiny": FULL, "draft": DRAFT}  # bench --vllm --size
+
+
+def write_workload_models(root: str, workload: Workload) -> tuple[str, str]:
+    """The target and draft paths of ``workload.size``'s models, written under ``root``."""
+    from .tiny_models import DRAFT_SIZED, write_models, write_random_models
+
+    if workload.size == "draft":
+        return write_random_models(root, DRAFT_SIZED)
+    return write_models(root, same_k_norm=True)
 
 
 @dataclass
@@ -261,11 +280,9 @@ def _worker_command(target: str, draft: str, workload: Workload, plugin: bool, b
 def run_pairs(workload: Workload = FULL, pairs: int = 3, backend: str | None = None, progress=None,
               timeout_s: float = 900) -> Report:
     """``pairs`` (vLLM, plugin) runs, each in a fresh process; the order within a pair alternates."""
-    from .tiny_models import write_models
-
     runs: list[Run] = []
     with tempfile.TemporaryDirectory(prefix="dflash-bench-vllm-") as root:
-        target, draft = write_models(root, same_k_norm=True)
+        target, draft = write_workload_models(root, workload)
         for i in range(pairs):
             pair = {}
             for plugin in ((False, True) if i % 2 == 0 else (True, False)):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dflash_rocm import bench, cli, floors
-from dflash_rocm.platform import platform_for_arch
+from dflash_rocm.platform import cpu_gemm_dtype, platform_for_arch
 from support import needs_interpreter
 
 
@@ -170,8 +170,9 @@ def test_the_plugin_reads_the_smoke_drafts_cpu_pages_exactly_where_vllm_does_not
 @pytest.mark.slow
 def test_bench_vllm_smoke_reports_the_ratios_and_identical_output(tmp_path, capsys):
     """One short pair end to end (the ratio is reported, not asserted: this is a smoke test).
-    The plugin serves the precompute where it reads vLLM's CPU pages; on AMX CPUs vLLM packs
-    the bf16 pages and the plugin leaves both operations to it (README, "On CPU")."""
+    The plugin serves the precompute where it reads vLLM's CPU pages and the CPU has no
+    native bf16 GEMM (AVX2); with one (AVX512-BF16), or on AMX CPUs, where vLLM packs the bf16
+    pages, it leaves both operations to vLLM (docs/vllm.md, "On CPU")."""
     path = tmp_path / "e2e.json"
     rc = cli.main(["bench", "--vllm", "--quick", "--quiet", "--json", str(path)])
     out = capsys.readouterr().out
@@ -182,5 +183,42 @@ def test_bench_vllm_smoke_reports_the_ratios_and_identical_output(tmp_path, caps
     vllm_run, plugin_run = sorted(report["runs"], key=lambda r: r["plugin"])
     assert vllm_run["served_by"] == {}
     served = {"precompute_and_store_context_kv/cpu": plugin_run["precompute_calls"]}
-    assert plugin_run["served_by"] == (served if plugin_reads_the_smoke_drafts_vllm_cpu_pages() else {})
+    serves = plugin_reads_the_smoke_drafts_vllm_cpu_pages() and cpu_gemm_dtype(torch.bfloat16) != torch.bfloat16
+    assert plugin_run["served_by"] == (served if serves else {})
     assert plugin_run["precompute_calls"] > 0 and plugin_run["attention_calls"] > 0
+
+
+def test_bench_vllm_draft_size_has_qwen3_8b_dflash_shapes_and_writes_them(tmp_path):
+    """``bench --vllm --size draft``: the draft's dimensions are Qwen3-8B-DFlash-b16's (the
+    repository's shape table and step model), its taps are layers of the target, and
+    the writer puts the sizes it is given into both configs and the fc's width (checked
+    on a small Sizes: the real ones are 4 GB)."""
+    from safetensors import safe_open
+
+    from dflash_rocm.peer.step import DRAFTS
+    from dflash_rocm.tiny_models import DRAFT_SIZED, Sizes, write_random_models
+    from dflash_rocm.vllm_bench import WORKLOADS
+    from dflash_rocm.workloads import SHAPES
+
+    shape, inter = DRAFTS["qwen3-8b"]
+    assert shape == SHAPES["qwen3-8b-dflash-b16"]
+    assert (DRAFT_SIZED.hidden, DRAFT_SIZED.heads, DRAFT_SIZED.kv_heads, DRAFT_SIZED.head_dim, DRAFT_SIZED.inter,
+            DRAFT_SIZED.draft_layers) == (shape.hidden, shape.q_heads, shape.kv_heads, shape.head_dim, inter,
+                                          shape.layers)
+    assert len(DRAFT_SIZED.target_layer_ids) == 5 and max(DRAFT_SIZED.target_layer_ids) < DRAFT_SIZED.target_layers
+    assert WORKLOADS["draft"].size == "draft" and WORKLOADS["tiny"].size == "tiny"
+
+    small = Sizes(hidden=64, heads=4, kv_heads=2, head_dim=16, inter=96, target_layers=3, draft_layers=2,
+                  target_layer_ids=(0, 2))
+    target, draft = write_random_models(str(tmp_path), small)
+    for path, layers in ((target, 3), (draft, 2)):
+        cfg = json.loads((tmp_path / path / "config.json").read_text())
+        assert (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"],
+                cfg["intermediate_size"], cfg["num_hidden_layers"]) == (64, 4, 2, 16, 96, layers)
+    assert json.loads((tmp_path / draft / "config.json").read_text())["dflash_config"]["target_layer_ids"] == [0, 2]
+    with safe_open(f"{draft}/model.safetensors", "pt") as f:
+        assert f.get_slice("fc.weight").get_shape() == [64, 128]
+        assert f.get_slice("layers.1.self_attn.k_proj.weight").get_shape() == [32, 64]
+        assert f.get_slice("layers.1.mlp.up_proj.weight").get_shape() == [96, 64]
+        k_norms = [f.get_tensor(f"layers.{i}.self_attn.k_norm.weight") for i in range(2)]
+    assert torch.equal(k_norms[0], k_norms[1])  # one K-norm for every layer: vLLM's CPU path computes the same

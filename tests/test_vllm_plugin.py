@@ -7,8 +7,8 @@ two KV-cache groups) and a batch of prompts of different lengths, with the plugi
 backend named (``triton`` through the interpreter, ``cpu``; which runs which: ``RUNS``):
 greedy output with the plugin equals plain decoding; both operations went through that
 backend (dflash_rocm's dispatch counters); and the draft's proposals at every step, and its
-logits, equal those of vLLM's own DFlash path on the same models. With ``auto`` the
-precompute runs on ``cpu`` and the draft attention stays on vLLM's own CPU kernel. vLLM
+logits, equal those of vLLM's own DFlash path on the same models. With ``auto`` both
+the precompute and the draft attention stay on vLLM's own CPU ops (measured faster). vLLM
 0.34's load order is reproduced on 0.32 (``vllm_harness.vllm034_load_order``): the plugin
 loads and serves.
 
@@ -128,7 +128,10 @@ def test_the_attention_mode_changes_the_proposals(run):
     assert run("v2", "mixed", "vllm").proposals not in (plain, run("v2", "sliding-window", "vllm").proposals)
 
 
-def test_auto_runs_the_precompute_on_cpu_and_leaves_attention_to_vllms_cpu_kernel(models, run, caplog, monkeypatch):
+def test_auto_leaves_the_precompute_and_attention_to_vllms_cpu_ops(models, run, caplog, monkeypatch):
+    """Under auto on vLLM's CPU attention both operations stay on vLLM's own C++ CPU ops
+    (measured faster): nothing is dispatched, the output is vLLM's, and the one line at
+    vLLM's level says why and how to route them through dflash_rocm."""
     import vllm_harness
     from dflash_rocm.vllm_plugin import attention, model
     monkeypatch.setattr(attention, "_warned", set())  # the hand-back is logged once per process
@@ -140,15 +143,46 @@ def test_auto_runs_the_precompute_on_cpu_and_leaves_attention_to_vllms_cpu_kerne
     monkeypatch.setattr(model.engaged_logger, "handle", engaged.append)
     target, draft = models["sliding-window"]
     ours = vllm_harness.generate(target, draft, plugin=True)
-    steps = len(ours.proposals)
-    assert ours.counts == {(PRECOMPUTE, "cpu"): steps}
+    assert ours.draft_class.startswith("DFlashRocm") and len(ours.proposals) > 0
+    assert ours.counts == {}
     assert ours.proposals == run("v2", "sliding-window", "vllm").proposals
     assert ours.outputs == run("v2", "sliding-window", "vllm").outputs
     assert any("draft attention stays on vLLM's CPUAttentionBackendImpl" in r.getMessage() for r in caplog.records)
     assert [(r.name, r.levelno) for r in engaged] == [("vllm.dflash_rocm", logging.INFO)]
-    assert [r.getMessage() for r in engaged] == [
-        "dflash_rocm serves this DFlashQwen3ForCausalLM draft's context-KV precompute on backend auto, the first of "
-        "cpu, triton, reference that serves a call (DFLASH_ROCM_LOG_LEVEL=INFO: details)"]
+    line = engaged[0].getMessage()
+    assert line.startswith("dflash_rocm leaves this DFlashQwen3ForCausalLM draft to vLLM's own CPU path under auto: "
+                           "the cpu backend's precompute measured slower than vLLM's own CPU ops")
+    assert "docs/backends.md" in line and "DFLASH_ROCM_BACKEND=cpu routes both through dflash_rocm" in line
+
+
+def test_auto_leaves_the_precompute_to_vllm_only_with_a_native_gemm_and_vllms_cpu_attention(monkeypatch):
+    """Where the CPU has no native GEMM for the model's dtype (AVX2, bf16) the cpu backend's
+    float32 GEMM beats vLLM's and the plugin serves; a named backend, or a draft layer not on
+    vLLM's CPU attention, is served too."""
+    from types import SimpleNamespace
+
+    from dflash_rocm.vllm_plugin import model
+
+    class CPUAttentionBackendImpl:  # vLLM's CPU impl, by name
+        pass
+
+    class OtherImpl:
+        pass
+
+    def draft(*impls):
+        layers = [SimpleNamespace(self_attn=SimpleNamespace(attn=SimpleNamespace(impl=i()))) for i in impls]
+        return SimpleNamespace(model=SimpleNamespace(layers=layers))
+
+    cpu_draft = draft(CPUAttentionBackendImpl, CPUAttentionBackendImpl)
+    monkeypatch.delenv("DFLASH_ROCM_BACKEND", raising=False)
+    monkeypatch.setattr(model, "cpu_gemm_dtype", lambda dtype: dtype)  # AVX512-BF16 / AMX
+    assert model._left_to_vllms_cpu_ops(cpu_draft, torch.bfloat16)
+    assert not model._left_to_vllms_cpu_ops(draft(CPUAttentionBackendImpl, OtherImpl), torch.bfloat16)
+    monkeypatch.setenv("DFLASH_ROCM_BACKEND", "cpu")
+    assert not model._left_to_vllms_cpu_ops(cpu_draft, torch.bfloat16)
+    monkeypatch.delenv("DFLASH_ROCM_BACKEND")
+    monkeypatch.setattr(model, "cpu_gemm_dtype", lambda dtype: torch.float32)  # AVX2
+    assert not model._left_to_vllms_cpu_ops(cpu_draft, torch.bfloat16)
 
 
 @pytest.mark.parametrize("backend", ["cpu"])  # the load path is the backend's; triton serves the same weights
@@ -279,7 +313,7 @@ def _derived_addresses(backend, weights):
         return derived.weight.data_ptr(), derived.k_norm.data_ptr()
     from dflash_rocm.backends.cpu.precompute import prepared_weights
     derived = prepared_weights(weights)
-    return derived.weight_t.data_ptr(), derived.k_norm.data_ptr()
+    return derived.weight.data_ptr(), derived.k_norm.data_ptr()
 
 
 def test_a_failure_while_setting_up_steps_aside_and_never_fails_the_load(models, run, caplog, monkeypatch):

@@ -4,7 +4,8 @@ Measured on an AVX2 CPU (2 cores, torch 2.13, no AVX512-BF16/AMX): a bf16 or fp1
 there runs through torch's slow non-oneDNN path, 4-7x slower than float32 at these sizes,
 so the GEMM runs in float32 from a float32 copy of the weight unless oneDNN has native
 kernels for the dtype (``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` and the fp16
-twin: AVX512-BF16/AMX CPUs), where it runs in the states' dtype.
+twin: AVX512-BF16/AMX CPUs), where it runs in the states' dtype
+(:func:`dflash_rocm.platform.cpu_gemm_dtype`).
 
 Values are rounded to the states' dtype where vLLM's own sequence rounds them (the
 normed states, the GEMM's output, the normed keys, RoPE's cos/sin table and output; norm
@@ -20,6 +21,11 @@ dtype (bounds from the weights, once: ``|xn_c| <= sqrt(H) |w_c|``, ``|kv_r| <= s
 ||w * W_r|| + |b_r|``), those stay float32 instead of being rounded there (vLLM's
 sequence would overflow; SPEC's order does not).
 
+The GEMM reads the weight as stored, ``[L*2*Hk*D, H]`` (``F.linear``, as vLLM's sequence):
+oneDNN's bf16 GEMM for the Qwen3-8B draft's 16 x 4096 x 10240 took 11.4 ms that way against
+17.6 ms from a transposed contiguous copy (measured on the AVX-512 EPYC of benchmarks.md's
+Machines, one thread, busy machine).
+
 The epilogue works on all layers at once: K-norm, RoPE written straight into the output
 dtype, then one indexed copy per layer and cache. ``torch.compile`` was measured as an
 alternative: 20 s to compile, then 30% faster at draft sizes (tens of microseconds a
@@ -32,27 +38,20 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from dflash_rocm.contract import FP8_DTYPES, QUERY_DTYPES
 from dflash_rocm.derived import DerivedCache
 from dflash_rocm.ops.precompute import PrecomputeCall
+from dflash_rocm.platform import cpu_gemm_dtype
 from dflash_rocm.weights import ContextKVWeights
-
-
-def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the K/V GEMM runs in for states of ``dtype`` on this CPU."""
-    if dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return dtype
-    if dtype == torch.float16 and torch.ops.mkldnn._is_mkldnn_fp16_supported():
-        return dtype
-    return torch.float32
 
 
 @dataclass(frozen=True)
 class PreparedWeights:
-    weight_t: torch.Tensor  # [H, L*2*Hk*D] in gemm dtype (per-layer hidden norm weights folded in)
+    weight: torch.Tensor  # [L*2*Hk*D, H] in gemm dtype (per-layer hidden norm weights folded in)
     bias: torch.Tensor | None  # [L*2*Hk*D] in gemm dtype
-    hidden_norm: torch.Tensor | None  # [H] float32; None when folded into weight_t
+    hidden_norm: torch.Tensor | None  # [H] float32; None when folded into weight
     row_scale: torch.Tensor | None  # [L*2*Hk*D] float32: the folded rows' scales; None when all 1
     wide_states: bool  # the normed states may pass the dtype's range: kept float32, GEMM in float32
     wide_keys: bool  # the projected K may pass the dtype's range: kept float32 until the K RMSNorm
@@ -73,9 +72,8 @@ def _rope_table(cos_sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
 
 
 def _rotate_pairs(y: torch.Tensor, is_neox: bool) -> torch.Tensor:
-    if is_neox:
-        half = y.shape[-1] // 2
-        return torch.cat((y[..., half:], y[..., :half]), dim=-1)
+    if is_neox:  # the halves swapped: one roll by half the width
+        return torch.roll(y, y.shape[-1] // 2, dims=-1)
     return y.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
 
 
@@ -109,10 +107,10 @@ def _prepare(w: ContextKVWeights, states_dtype: torch.dtype) -> PreparedWeights:
     wide_keys = float(key_bound.max()) > limit
     # A GEMM in the states' dtype (oneDNN's, on AVX512-FP16/AMX CPUs) rounds its output to
     # that dtype: K that may pass its range is projected in float32.
-    dtype = torch.float32 if wide_states or wide_keys else gemm_dtype(states_dtype)
+    dtype = torch.float32 if wide_states or wide_keys else cpu_gemm_dtype(states_dtype)
     # Detached: parameters that require grad (a live model's) are read without grad.
     return PreparedWeights(
-        weight_t=(rows if folded else w.dense_kv_weight()).detach().to(dtype).t().contiguous(),
+        weight=(rows if folded else w.dense_kv_weight()).detach().to(dtype).contiguous(),
         bias=None if w.kv_bias is None else w.kv_bias.detach().to(dtype).contiguous(),
         hidden_norm=None if folded else w.hidden_norm_weight.detach().float().contiguous(),
         row_scale=scale if folded and bool((scale != 1).any()) else None,
@@ -134,21 +132,20 @@ def _projected(call: PrecomputeCall, prep: PreparedWeights) -> torch.Tensor:
     w, x = call.weights, call.states
     if x.requires_grad:  # inference-only: read without grad, as the weights are
         x = x.detach()
-    # x * r (* w unless folded) in float32 (type promotion: the caller's states stay untouched), rounded once.
-    normed = torch.mul(x, _rms_factor(x, prep.eps))
-    if prep.hidden_norm is not None:
-        normed.mul_(prep.hidden_norm)
-    if not prep.wide_states:
-        normed = normed.to(call.dtype)
-    normed = normed.to(prep.weight_t.dtype)
+    # x * r (* w unless folded) in float32 (type promotion: the caller's states stay
+    # untouched), rounded once as it is written.
+    normed = torch.empty(x.shape, dtype=torch.float32 if prep.wide_states else call.dtype)
+    if prep.hidden_norm is None:
+        torch.mul(x, _rms_factor(x, prep.eps), out=normed)
+    else:
+        torch.mul(torch.mul(x, _rms_factor(x, prep.eps)), prep.hidden_norm, out=normed)
+    normed = normed.to(prep.weight.dtype)
     if prep.row_scale is not None:  # folded rows past the limit: their scale back, then the bias
-        kv = torch.mm(normed, prep.weight_t).mul_(prep.row_scale)
+        kv = F.linear(normed, prep.weight).mul_(prep.row_scale)
         if prep.bias is not None:
             kv.add_(prep.bias)
-    elif prep.bias is None:
-        kv = torch.mm(normed, prep.weight_t)
     else:
-        kv = torch.addmm(prep.bias, normed, prep.weight_t)
+        kv = F.linear(normed, prep.weight, prep.bias)
     kv = kv.to(torch.float32 if prep.wide_keys else call.dtype)
     kv = kv.view(call.num_tokens, w.num_layers, 2, w.num_kv_heads, w.head_dim)
     if w.v_scale is not None:
@@ -159,13 +156,15 @@ def _projected(call: PrecomputeCall, prep: PreparedWeights) -> torch.Tensor:
 def _normed_rotated_keys(call: PrecomputeCall, k: torch.Tensor, prep: PreparedWeights) -> torch.Tensor:
     """Per-layer K RMSNorm then RoPE of ``k`` (``[N, L, Hk, D]``), in the states' dtype."""
     w = call.weights
-    N, R = k.shape[0], w.rotary_dim
+    R = w.rotary_dim
     normed = torch.empty(k.shape, dtype=call.dtype)
     torch.mul(torch.mul(k, _rms_factor(k, prep.eps)), prep.k_norm, out=normed)
-    rope = prep.rope.index_select(0, call.positions).view(N, 1, 1, 2 * R)
-    y = normed[..., :R]
+    cos, sin = prep.rope.index_select(0, call.positions).view(-1, 1, 1, 2 * R).chunk(2, dim=-1)
     out = torch.empty(k.shape, dtype=call.dtype)
-    torch.addcmul(y * rope[..., :R], _rotate_pairs(y, w.is_neox), rope[..., R:], out=out[..., :R])
+    if R == w.head_dim and not w.nope_layers:  # the whole head of every layer rotates: no slices
+        return torch.addcmul(normed * cos, _rotate_pairs(normed, w.is_neox), sin, out=out)
+    y = normed[..., :R]
+    torch.addcmul(y * cos, _rotate_pairs(y, w.is_neox), sin, out=out[..., :R])
     if R < w.head_dim:
         out[..., R:] = normed[..., R:]
     for layer in w.nope_layers:  # NoPE layers keep their normed K
@@ -208,18 +207,19 @@ class _Slots:
 
 def run_precompute(call: PrecomputeCall):
     prep = prepared_weights(call.weights, call.dtype)
-    kv = _projected(call, prep)
-    k, v = _normed_rotated_keys(call, kv[:, :, 0], prep), kv[:, :, 1].to(call.dtype)
+    k, v = _projected(call, prep).unbind(2)
+    k, v = _normed_rotated_keys(call, k, prep), v.to(call.dtype)
     k_store, v_store = k, v
     if call.is_fp8:
         k_store = _quantized(k, call.cache_dtype, call.k_scales)
         v_store = _quantized(v, call.cache_dtype, call.v_scales)
+    k_layers, v_layers = k_store.unbind(1), v_store.unbind(1)
     resolved: dict[int, _Slots] = {}
     for layer in call.written_layers:
         mapping = call.slot_mappings[layer]
         slots = resolved.get(id(mapping))
         if slots is None:
             slots = resolved[id(mapping)] = _Slots(mapping)
-        slots.write(call.key_caches[layer], k_store[:, layer])
-        slots.write(call.value_caches[layer], v_store[:, layer])
+        slots.write(call.key_caches[layer], k_layers[layer])
+        slots.write(call.value_caches[layer], v_layers[layer])
     return (k.transpose(0, 1), v.transpose(0, 1)) if call.return_kv else None

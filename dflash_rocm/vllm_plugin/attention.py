@@ -7,7 +7,8 @@ layers' ``forward`` is replaced, by giving each draft layer's impl a subclass of
 class. Target layers are untouched. Whatever dflash_rocm cannot read (an unknown cache
 layout, per-sequence causality) goes back to the original ``forward``, logged once. Under
 ``auto``, draft layers on vLLM's CPU attention keep vLLM's kernel (see
-:func:`handed_back_to_vllm`); the context-KV precompute still goes through dflash_rocm.
+:func:`handed_back_to_vllm`), and so does the context-KV precompute
+(:func:`.model._left_to_vllms_cpu_ops`).
 """
 
 from __future__ import annotations
@@ -157,8 +158,8 @@ def install(draft_model) -> list[str]:
             if _VLLM_CPU_IMPL not in _warned:
                 _warned.add(_VLLM_CPU_IMPL)
                 logger.info("draft attention stays on vLLM's %s: its CPU kernel serves draft layers correctly and "
-                            "faster at draft sizes (DFLASH_ROCM_BACKEND=cpu routes it through dflash_rocm); the "
-                            "context-KV precompute still runs through dflash_rocm", type(impl).__name__)
+                            "faster at draft sizes (DFLASH_ROCM_BACKEND=cpu routes it through dflash_rocm)",
+                            type(impl).__name__)
             continue
         impl.__class__ = draft_impl_class(type(impl))
         # SPEC.md's window W counts the query's own position (HF meaning), as the draft config does.

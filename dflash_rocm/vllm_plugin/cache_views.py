@@ -31,8 +31,9 @@ class VllmBackend:
 BACKENDS: tuple[VllmBackend, ...] = (
     VllmBackend("CPU_ATTN", "CPUAttentionBackendImpl",
                 "[B, Hk, bs, 2D]; per (block, head) page K^T [D, bs] then V [bs, D] (ISA vec/vec16); amx packed",
-                "precompute served (strided views); attention left to vLLM's faster CPU kernel under auto, "
-                "served when a backend is named; amx pages stay on vLLM"),
+                "precompute served (strided views), left to vLLM's faster CPU ops under auto where the CPU has a "
+                "native GEMM for the dtype; attention left to vLLM's faster CPU kernel under auto; both served when "
+                "a backend is named; amx pages stay on vLLM"),
     VllmBackend("ROCM_SEGMENTED_ATTN", "RocmSegmentedAttentionImpl", "[B, 2, bs, Hk*D], token-major slots",
                 "served (strided views)"),
     VllmBackend("ROCM_AITER_UNIFIED_ATTN", "RocmAiterUnifiedAttentionImpl",

