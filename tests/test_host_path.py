@@ -240,7 +240,7 @@ def test_a_repeat_call_consults_few_memo_tables(monkeypatch, path, most):
     import functools
     import sys
 
-    from dflash_rocm import dispatch, launches, platform
+    from dflash_rocm import dispatch, launches, planning, platform
     from dflash_rocm.backends.triton.launcher import Launcher
     from dflash_rocm.workloads import SHAPES, attention_inputs, precompute_inputs
 
@@ -267,17 +267,18 @@ def test_a_repeat_call_consults_few_memo_tables(monkeypatch, path, most):
             monkeypatch.setattr(direct, "current_device", lambda: 0)
             monkeypatch.setattr(launch_plan, "direct", direct)
     run()  # through the stand-in JIT, whose kernel the launchers keep
-    tables, caches = set(), []
+    tables, caches = {}, []
 
     def profile(frame, event, arg):
         if event == "c_call" and isinstance(arg, functools._lru_cache_wrapper):
             caches.append(arg.__wrapped__.__qualname__)
-        elif event == "c_call" and getattr(arg, "__name__", "") == "get" and isinstance(arg.__self__, dict):
-            tables.add(id(arg.__self__))
+        elif (event == "c_call" and getattr(arg, "__name__", "") == "get" and isinstance(arg.__self__, dict)
+              and arg.__self__ is not planning._STORED):  # (the environment's own mapping: read, not a memo)
+            tables[id(arg.__self__)] = f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_code.co_qualname}"
 
     sys.setprofile(profile)
     try:
         run()
     finally:
         sys.setprofile(None)
-    assert tables and len(tables) <= most and not caches, (len(tables), caches)  # (empty: the probe saw nothing)
+    assert tables and len(tables) <= most and not caches, (sorted(tables.values()), caches)  # (empty: saw nothing)
