@@ -59,41 +59,28 @@ class Switches(NamedTuple):
     cache_dir: str  # DFLASH_ROCM_CACHE_DIR ("": the default location): where tuned tables are kept
 
 
-# The one private attribute of the standard library this package reads (the rule: only
-# where `bench --host` shows it saves more than 1 us): os.environ's own mapping, looked up
-# with the names as it stores them. os.environ.get encodes the name and, for an unset
-# variable, raises and catches KeyError twice: the six reads cost 4.5 us a call, six lookups
-# in the mapping 0.4 us (AVX-512 EPYC, docs/benchmarks.md "Host path"). Values come back as
-# stored (bytes on POSIX) and are decoded only when a plan is made (:func:`variable_text`).
-_STORED = os.environ._data
-_STORED_NAMES = tuple(os.environ.encodekey(name) for name in _VARIABLE_NAMES)
+def environment() -> tuple[str | None, ...]:
+    """The raw values of :data:`PLANNING_VARIABLES` now (None: unset): read on every call
+    of the public functions and once per plan object (``plan_draft_attention``,
+    ``plan_context_kv``), parsed only when a plan is made (:func:`parse_switches`). The six
+    reads cost about 4.5 us (each unset variable raises and catches ``KeyError`` inside
+    ``os.environ``; docs/benchmarks.md "Host path"): paid by the one-shot calls, not by a
+    plan's runs."""
+    return tuple([os.environ.get(name) for name in _VARIABLE_NAMES])
 
 
-def environment() -> tuple:
-    """The raw values of :data:`PLANNING_VARIABLES` now, as ``os.environ`` stores them
-    (None: unset): read on every call of the public functions and once per plan object
-    (``plan_draft_attention``, ``plan_context_kv``), decoded and parsed only when a plan is
-    made (:func:`parse_switches`, :func:`backend_variable`)."""
-    return tuple([_STORED.get(name) for name in _STORED_NAMES])
-
-
-def variable_text(stored) -> str | None:
-    """A value as :func:`environment` holds it, as ``os.environ.get`` returns it."""
-    return None if stored is None else os.environ.decodevalue(stored)
-
-
-def parse_switches(raw: tuple) -> Switches:
+def parse_switches(raw: tuple[str | None, ...]) -> Switches:
     """The switches of ``raw`` (:func:`environment`'s values); a bad value is refused with
     one warning and its default applies (:meth:`dflash_rocm.envs.EnvVar.setting_of`)."""
-    _, tail_merge, query_limit, tune, aiter, cache_dir = map(variable_text, raw)
+    _, tail_merge, query_limit, tune, aiter, cache_dir = raw
     return Switches(tail_merge=envs.TAIL_MERGE.setting_of(tail_merge),
                     query_limit=envs.QUERY_LIMIT.setting_of(query_limit), tune=envs.TUNE.setting_of(tune),
                     aiter=envs.AITER.setting_of(aiter), cache_dir=envs.CACHE_DIR.setting_of(cache_dir))
 
 
-def backend_variable(raw: tuple) -> str | None:
-    """``DFLASH_ROCM_BACKEND`` as :func:`environment`'s ``raw`` holds it, decoded (None: unset)."""
-    return variable_text(raw[0])
+def backend_variable(raw: tuple[str | None, ...]) -> str | None:
+    """``DFLASH_ROCM_BACKEND`` as :func:`environment`'s ``raw`` holds it (None: unset)."""
+    return raw[0]
 
 
 def switches() -> Switches:
