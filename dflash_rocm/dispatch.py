@@ -24,7 +24,7 @@ import collections
 import logging
 import os
 import threading
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 
@@ -52,12 +52,13 @@ class BackendUnavailable(RuntimeError):
 
 
 class Planned:
-    """A call structure's plan: the backend that serves it and what runs one call."""
+    """A call structure's plan: the backend that serves it and its runner (what runs one
+    call, and what it declares about CUDA graph capture)."""
 
-    __slots__ = ("backend", "op", "run", "_counted")
+    __slots__ = ("backend", "op", "runner", "run", "_counted")
 
-    def __init__(self, backend: str, op: Op, run: Callable[[Any], Any]):
-        self.backend, self.op, self.run = backend, op, run
+    def __init__(self, backend: str, op: Op, runner: Runner):
+        self.backend, self.op, self.runner, self.run = backend, op, runner, runner.run
         self._counted = (op.name, backend)
 
     def __call__(self, call):
@@ -119,6 +120,8 @@ def planned(op: Op, call, backend: str | None, environment: tuple | None = None)
     if record.keepable:
         found = _plans.get(record)
         if found is not None:
+            if found.runner.capture_support is CaptureSupport.NEVER and capture.graph_capturing(call.device):
+                raise refused_in_capture(op, found.backend, found.runner, call)  # kept from an eager call
             return found
     facts = call_facts(call)
     chosen = choose(op, record, facts, named_backend(record.backend, backend_variable(record.environment)))
@@ -127,7 +130,7 @@ def planned(op: Op, call, backend: str | None, environment: tuple | None = None)
     if not isinstance(runner, Runner):
         raise TypeError(f"{impl.__qualname__}.plan returned {type(runner).__name__}; a plan is a "
                         "dflash_rocm.backend.Runner")
-    made = Planned(chosen.name, op, runner.run)
+    made = Planned(chosen.name, op, runner)
     keep = record.keepable
     if capture.graph_capturing(call.device):  # more than keep-or-not: the runners' declarations are applied here
         keep = kept_from_capture(op, chosen.name, runner, call) and keep
@@ -139,17 +142,23 @@ def planned(op: Op, call, backend: str | None, environment: tuple | None = None)
     return made
 
 
+def refused_in_capture(op: Op, name: str, runner: Runner, call) -> BackendUnavailable:
+    """The refusal of a ``NEVER`` runner's call inside a CUDA graph capture."""
+    return BackendUnavailable(name, op.name, {name: [
+        f"{type(runner).__name__} cannot run inside a CUDA graph capture (capture_support NEVER: it reads "
+        "the call's tensors on the host)"]}, call.describe())
+
+
 def kept_from_capture(op: Op, name: str, runner: Runner, call) -> bool:
     """Whether a plan first made while a CUDA graph is captured may be kept, by what its
     runner declares (:class:`~dflash_rocm.capture.CaptureSupport`): ``ALWAYS``, yes;
     ``AFTER_EAGER_CALL``, no (it serves that graph alone; said once per op and backend);
     ``NEVER``, the call is refused (:class:`BackendUnavailable`, before anything is
-    written). Consulted only when a plan is made, never on a call that finds one."""
+    written). Consulted when a plan is made; a call that finds a kept ``NEVER`` plan inside
+    a capture is refused the same way (:func:`planned`)."""
     support = runner.capture_support
     if support is CaptureSupport.NEVER:
-        raise BackendUnavailable(name, op.name, {name: [
-            f"{type(runner).__name__} cannot run inside a CUDA graph capture (capture_support NEVER: it reads "
-            "the call's tensors on the host)"]}, call.describe())
+        raise refused_in_capture(op, name, runner, call)
     if support is CaptureSupport.ALWAYS:
         return True
     with _lock:

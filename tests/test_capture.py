@@ -238,6 +238,18 @@ def test_never_a_capture_is_refused_before_anything_is_written(monkeypatch, fres
     assert not torch.all(out == 7.0)
 
 
+
+def test_never_a_capture_that_finds_a_plan_kept_from_an_eager_call_is_refused(monkeypatch, fresh_dispatch):
+    """An eager call keeps the reference's plan; a capture that then finds it is refused
+    all the same, before anything is written."""
+    inputs = attention_inputs(SHAPE, 1, 40, torch.float16, torch.float16, torch.device("cpu"))
+    out = torch.zeros_like(inputs.query)
+    dflash_rocm.draft_attention(*inputs.args(), **inputs.kwargs, out=out, backend="reference")
+    out.fill_(7.0)
+    with graph_capture(monkeypatch), pytest.raises(BackendUnavailable, match="capture_support NEVER"):
+        dflash_rocm.draft_attention(*inputs.args(), **inputs.kwargs, out=out, backend="reference")
+    assert torch.all(out == 7.0)
+
 # Where the predicate may be asked, and why (everyone else keeps through keep_unless_captured
 # or refuses through refuse_in_capture).
 ASKS_THE_PREDICATE = {
