@@ -261,12 +261,13 @@ def modelled_us(plan: BenchPlan, backend: str, op: str, shape: DraftShape, **cas
     printed beside the measured time so a first GPU run shows how far the model is off.
     None where there is no model (a CPU, an unmodelled architecture or backend); raises
     when the model fails (the row says so: a broken model never just drops its column)."""
-    platform = platform_for(plan.device)
-    modelled_backend = "rocm" if platform.vendor == "rocm" else "triton"
-    if backend != modelled_backend or dispatch.backend(backend) is None:
-        return None
     from .audit import run, sweep
     from .audit.compiler import FactsCache, default_cache_dir
+    from .audit.targets import modelled_backend
+
+    platform = platform_for(plan.device)
+    if backend != modelled_backend(platform.vendor) or dispatch.backend(backend) is None:
+        return None
 
     target = run.target_for(platform, peak_for(platform))
     if target is None:

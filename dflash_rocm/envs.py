@@ -10,7 +10,7 @@ set is refused where it is used, with a ``ValueError`` that names the variable a
 accepted values: a typo must not silently mean "off". The variables that decide what runs
 (:data:`DECIDING`: which backend, whether the vLLM plugin serves) are refused with that
 ``ValueError`` wherever they are read (:func:`check_deciding`: the CLI's commands print it
-as one line, the vLLM plugin raises it when vLLM loads it). Where an operation reads a knob
+as one line, the vLLM plugin logs it as one error line and steps aside). Where an operation reads a knob
 (:meth:`EnvVar.setting`), the refusal is a warning and the default applies: no
 environment fault fails a call. ``TRITON_INTERPRET`` is the one
 exception: Triton itself decides whether kernels are interpreted, so we read it exactly

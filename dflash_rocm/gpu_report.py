@@ -86,8 +86,10 @@ def junit_counts(path: Path) -> dict[str, int]:
 
 
 def modelled_backend(info: dict) -> str:
-    """The backend ``dflash-rocm inspect`` models on this device."""
-    return "rocm" if info.get("device", {}).get("vendor") == "rocm" else "triton"
+    """The backend ``dflash-rocm inspect`` models on the device ``info`` describes."""
+    from .audit.targets import modelled_backend as for_vendor
+
+    return for_vendor(info.get("device", {}).get("vendor", ""))
 
 
 @dataclass

@@ -194,9 +194,9 @@ def _facts(value: Any, address: str | None, seen: dict[int, Any]) -> Any:
 
 
 def _with_facts(value: Any, addresses: dict[str, str], seen: dict[int, Any]) -> Any:
-    """A shallow copy of the frozen dataclass ``value`` (checked when it was built, on its
-    tensors) with every field replaced by its facts, set as a frozen dataclass's own
-    ``__init__`` sets fields (``object.__setattr__``)."""
+    """A shallow copy of the dataclass ``value`` (checked when it was built, on its tensors)
+    with every field replaced by its facts, each set through ``object.__setattr__``, as a
+    frozen dataclass's own ``__init__`` sets fields (the weights are frozen)."""
     facts = copy.copy(value)
     for field in dataclasses.fields(value):
         object.__setattr__(facts, field.name, _facts(getattr(value, field.name), addresses.get(field.name), seen))

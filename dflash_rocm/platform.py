@@ -34,15 +34,6 @@ class Platform:
     # through the Triton interpreter and only an explicitly named backend uses it.
     simulated: bool = False
 
-    def __post_init__(self) -> None:
-        # Hashed with every planning record (dflash_rocm.planning): worked out once, here,
-        # set as a frozen dataclass sets its own fields.
-        object.__setattr__(self, "_hash", hash((self.vendor, self.arch, self.family, self.wave_size,
-                                                self.compute_units, self.lds_bytes, self.name, self.simulated)))
-
-    def __hash__(self) -> int:
-        return self._hash
-
     @property
     def arch_info(self) -> ArchInfo | None:
         """The architecture's record (None for CPUs and other non-GPU devices)."""

@@ -95,3 +95,9 @@ TARGETS: dict[str, Target] = {t.arch: t for t in (
             0.6e-6, 0.25e-6, 2.0e-6, 1, 4),
     _target("sm_90", "H200", 4, 1.83e9, 16, 228 * KiB, 50 * MiB, 1, 5.5e12, 0, 0.0, 0.7e-6, 0.25e-6, 1.0e-6, 1, 8),
 )}
+
+
+def modelled_backend(vendor: str) -> str:
+    """The backend the audit models on a GPU of ``vendor`` (a platform's vendor): ``rocm``
+    on AMD (its launch tables), ``triton`` elsewhere."""
+    return "rocm" if vendor == "rocm" else "triton"

@@ -32,7 +32,7 @@ import torch
 
 from dflash_rocm import dispatch
 from dflash_rocm.api import draft_attention
-from dflash_rocm.audit import run
+from dflash_rocm.audit import run, targets
 from dflash_rocm.audit.compiler import FactsCache, default_cache_dir
 from dflash_rocm.audit.targets import TARGETS, Target
 from dflash_rocm.bench import MAX_CACHE_TOKENS
@@ -95,7 +95,7 @@ def _over(a: float | None, b: float | None) -> float | None:
 
 def modelled_backend(device: torch.device) -> str:
     """Ours: the backend ``inspect`` models on this device (as :func:`dflash_rocm.bench.modelled_us`)."""
-    return "rocm" if platform_for(device).vendor == "rocm" else "triton"
+    return targets.modelled_backend(platform_for(device).vendor)
 
 
 def device_target(device: torch.device) -> Target | None:

@@ -282,11 +282,10 @@ def peer_paths(root: Path, case: sweep.Case, target: Target, cache: FactsCache) 
 def ours_us(case: sweep.Case, target: Target, cache: FactsCache) -> tuple[float | None, str]:
     """The package's modelled microseconds for ``case`` (the launch table's plan), and an
     error note."""
-    result = run.model_case(case, target, cache)
-    errors = [launch.error for launch in result.launches if launch.error]
-    if result.skipped or errors:
-        return None, result.skipped or errors[0][:200]
-    return result.modelled_s * 1e6, ""
+    try:
+        return run.model_case(case, target, cache).required_us(), ""
+    except ValueError as why:
+        return None, str(why)[:200]
 
 
 def peer_cases(targets=PEER_TARGETS, batches=BATCHES, contexts=CONTEXTS, variants=VARIANTS) -> list[PeerCase]:

@@ -157,9 +157,10 @@ def resolve_tree(path: str) -> Path:
         root = Path(path).expanduser()
         if root.name == "vllm" and (root / "__init__.py").exists():
             root = root.parent
-    if not (root / FILES["unified"]).is_file():
-        raise ValueError(f"--peer {path}: {root / FILES['unified']} not found (give an unpacked vLLM tree: the "
-                         "folder holding vllm/, e.g. from `pip download --no-deps vllm==0.34.0` and unzip)")
+    for name in ("unified", *SIBLINGS["unified"]):
+        if not (root / FILES[name]).is_file():
+            raise ValueError(f"--peer {path}: {root / FILES[name]} not found (give an unpacked vLLM tree: the "
+                             "folder holding vllm/, e.g. from `pip download --no-deps vllm==0.34.0` and unzip)")
     return root
 
 
@@ -191,6 +192,9 @@ def load(root: Path, name: str, target: Target) -> types.ModuleType:
             del sys.modules[private]
             raise ValueError(f"--peer: {path} imports {exc.name or exc}, which the loader does not stand in "
                              "for (a vLLM this tool does not know)") from None
+        except BaseException:
+            del sys.modules[private]  # a half-loaded module is never handed out later
+            raise
     return module
 
 

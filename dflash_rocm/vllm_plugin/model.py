@@ -114,7 +114,8 @@ class ServedDraft:
         if self._dflash_weights is None:  # the first load (or the precompute is vLLM's for good)
             with self._own_buffers_guarded():
                 loaded = super().load_weights(weights)
-            if self._dflash_precompute_off is None and not self._dflash_loaded and self._dflash_weights is None:
+            if (self._dflash_precompute_off is None and not self._dflash_loaded and self._dflash_weights is None
+                    and not self._dflash_vllm_serves_precompute):
                 self._take_weights()
             self._dflash_loaded = True
             return loaded
@@ -150,10 +151,12 @@ class ServedDraft:
             try:
                 build()
             except Exception as exc:  # noqa: BLE001 - vLLM's own buffers only; the plugin's are held
-                if self._dflash_weights is None and not self._dflash_loaded:
-                    self._take_weights()  # the build is load_weights' last step: the layers are loaded
                 methods = draft_weights.quantized_methods(inner)
-                if not methods or self._dflash_weights is None:
+                if not methods:
+                    raise  # a plain draft's failure is vLLM's
+                if self._dflash_weights is None:
+                    self._take_weights()  # the build follows loading the layers: they are loaded
+                if self._dflash_weights is None:
                     raise
                 self._dflash_vllm_serves_precompute = False  # the plugin's path is the only one
                 attention.warn_once(f"own-buffers:{id(self)}", "%s cannot build its own context-KV "
@@ -195,7 +198,8 @@ class ServedDraft:
             with self._own_buffers_guarded():
                 parent()
         first, self._dflash_hooked = not self._dflash_hooked, True
-        if not self._dflash_loaded and self._dflash_weights is None and self._dflash_precompute_off is None:
+        if (not self._dflash_loaded and self._dflash_weights is None and self._dflash_precompute_off is None
+                and not self._dflash_vllm_serves_precompute):
             self._take_weights(skeleton=True)  # load_weights never ran: a dummy start
         self._dflash_loaded = True
         if self._dflash_update is not None:
@@ -320,7 +324,7 @@ def _model_device(vllm_config) -> torch.device:
 # the Qwen3-8B draft's shapes (hidden 4096, 5 layers, 8 KV heads of 128) at 16 and 64 tokens, 1.07x (one GEMM,
 # the same for both; the difference is the torch epilogue against vLLM's C++ norm, rotary and cache-write ops).
 _CPU_PRECOMPUTE_SLOWER = ("the cpu backend's precompute measured slower than vLLM's own CPU ops (2.5x at the tiny "
-                          "draft, 1.07x at Qwen3-8B-DFlash shapes: docs/backends.md)")
+                          "draft, 1.07x at Qwen3-8B-DFlash shapes, bf16: docs/vllm.md)")
 
 
 def _left_to_vllms_cpu_ops(draft, dtype: torch.dtype) -> bool:
@@ -329,12 +333,13 @@ def _left_to_vllms_cpu_ops(draft, dtype: torch.dtype) -> bool:
     :func:`.attention.handed_back_to_vllm`) and the CPU has a native GEMM for the model's
     ``dtype`` (:func:`~dflash_rocm.platform.cpu_gemm_dtype`: the cpu backend's GEMM is then
     vLLM's own), vLLM's own precompute runs its C++ CPU ops around it, which the cpu backend
-    was measured slower than (``_CPU_PRECOMPUTE_SLOWER``). Without a native bf16/fp16 GEMM
-    (AVX2) the cpu backend's float32 GEMM wins and it serves. Docs' rule: ``auto`` never
-    picks a path measured slower than vLLM's own. Naming a backend
-    (``DFLASH_ROCM_BACKEND=cpu``) routes it through dflash_rocm anyway."""
+    was measured slower than (``_CPU_PRECOMPUTE_SLOWER``, bf16). Without a native bf16/fp16
+    GEMM (AVX2) the cpu backend's float32 GEMM wins and it serves; float32 drafts (not
+    measured) keep the cpu backend too. Docs' rule: ``auto`` never picks a path measured
+    slower than vLLM's own. Naming a backend (``DFLASH_ROCM_BACKEND=cpu``) routes it through
+    dflash_rocm anyway."""
     impls = [layer.self_attn.attn.impl for layer in draft.model.layers]
-    return (bool(impls) and cpu_gemm_dtype(dtype) == dtype
+    return (bool(impls) and dtype in (torch.bfloat16, torch.float16) and cpu_gemm_dtype(dtype) == dtype
             and all(attention.handed_back_to_vllm(impl) for impl in impls))
 
 
