@@ -152,7 +152,9 @@ def test_auto_leaves_the_precompute_and_attention_to_vllms_cpu_ops(models, run, 
     line = engaged[0].getMessage()
     assert line.startswith("dflash_rocm leaves this DFlashQwen3ForCausalLM draft to vLLM's own CPU path under auto: "
                            "the cpu backend's precompute measured slower than vLLM's own CPU ops")
-    assert "docs/backends.md" in line and "DFLASH_ROCM_BACKEND=cpu routes both through dflash_rocm" in line
+    assert "docs/vllm.md" in line and "DFLASH_ROCM_BACKEND=cpu routes both through dflash_rocm" in line
+    # nothing contradicts it: the plugin took no K/V weights and says of none that it serves them
+    assert not any("runs through dflash_rocm" in r.getMessage() for r in caplog.records)
 
 
 def test_auto_leaves_the_precompute_to_vllm_only_with_a_native_gemm_and_vllms_cpu_attention(monkeypatch):

@@ -310,17 +310,23 @@ def _reference_precompute(model, states, positions, slots) -> None:
     plan.run(states, positions, slots)
 
 
+def _refuse_every(tensors, refusal: Exception) -> None:
+    """``dflash_rocm.derived``'s capture rule with every call refused: derives nothing."""
+    raise refusal
+
+
 def update_checks(model, updates, reference: str = "vllm") -> dict:
     """One step's precompute recorded (``dflash_rocm.launches.capture``), the draft updated
     by every ``(name, stream)`` of ``updates`` in turn (:func:`update_draft`), then: vLLM's own precompute for
     the new weights, and the recorded launches replayed by hand (a backend that launches
-    nothing, the CPU one, is called as if a CUDA graph were being captured: it may derive
-    nothing). Returns, per update, how far the replay's cache contents are from vLLM's
+    nothing, the CPU one, is called with every derivation refused, as a capture would: it may
+    derive nothing; its runner is never captured). Returns, per update, how far the replay's
+    cache contents are from vLLM's
     (``reference="held"``: from :func:`_reference_precompute`'s), how far those moved, and
     whether the plugin serves."""
     import torch
 
-    from dflash_rocm import capture, launches
+    from dflash_rocm import derived, launches
     from support import replay
 
     weights = model._dflash_weights
@@ -348,13 +354,13 @@ def update_checks(model, updates, reference: str = "vllm") -> dict:
         with torch.inference_mode():
             if recorded:
                 replay(recorded)
-            else:
-                original = capture.graph_capturing
-                capture.graph_capturing = lambda device: True
+            else:  # a host backend (NEVER captured): any derivation refused, as inside a capture
+                original = derived.refuse_in_capture
+                derived.refuse_in_capture = _refuse_every
                 try:
                     model.precompute_and_store_context_kv(states, positions, slots)
                 finally:
-                    capture.graph_capturing = original
+                    derived.refuse_in_capture = original
         results[how] = {"error": max((c - w).abs().max().item() for c, w in zip(caches, want)),
                          "moved": max((w - b).abs().max().item() for w, b in zip(want, before)),
                          "recorded": len(recorded), "serving": model._dflash_stale is None}

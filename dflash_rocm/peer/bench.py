@@ -131,7 +131,8 @@ class _Vllm:
         tensors = dict(q=inputs.query, out=self.out, k=inputs.key_cache, v=inputs.value_cache,
                        cu_seqlens_q=inputs.query_start_loc, seq_lens=inputs.seq_lens, block_table=inputs.block_table)
         descale = torch.full((1, 1), scale, dtype=torch.float32, device=inputs.query.device)
-        self.kwargs = compare.unified_attention_arguments(module, case, target, False, tensors, descale)
+        self.kwargs = compare.unified_attention_arguments(module=module, case=case, target=target, three_d=False,
+                                                          tensors=tensors, descale=descale)
 
     def __call__(self):
         self.module.unified_attention(**self.kwargs)

@@ -35,8 +35,8 @@ class Recorder:
             bound.apply_defaults()
             values = dict(bound.arguments)
             shape = grid(values) if callable(grid) else grid
-            self.launches.append(Launch(self.kernel, tuple(int(g) for g in shape), tuple(values.values()), {},
-                                        options))
+            self.launches.append(Launch(kernel=self.kernel, grid=tuple(int(g) for g in shape),
+                                        args=tuple(values.values()), constexprs={}, options=options))
         return launch
 
 

@@ -198,8 +198,9 @@ def triton_attn_launches(root: Path, case: sweep.Case, target: Target, split: bo
     key, value = _caches(case, dtype, packed=False)
     refusal = split_kv_refusal(case) if split else ""
     three_d = split and not refusal
-    kwargs = unified_attention_arguments(module, case, target, three_d, {**_common(case), "k": key, "v": value},
-                                         torch.empty(1, 1, dtype=torch.float32, device=META))
+    kwargs = unified_attention_arguments(module=module, case=case, target=target, three_d=three_d,
+                                         tensors={**_common(case), "k": key, "v": value},
+                                         descale=torch.empty(1, 1, dtype=torch.float32, device=META))
     gate = _attribute(module, "MAX_3D_QUERY_LEN", case.query_len) if three_d else contextlib.nullcontext()
     with source.host_context(root, "unified", target), gate, capture.recording(module) as launches:
         module.unified_attention(**kwargs)

@@ -151,12 +151,10 @@ class ServedDraft:
             try:
                 build()
             except Exception as exc:  # noqa: BLE001 - vLLM's own buffers only; the plugin's are held
+                if self._dflash_weights is None and not self._dflash_loaded:
+                    self._take_weights()  # the build is load_weights' last step: the layers are loaded
                 methods = draft_weights.quantized_methods(inner)
-                if not methods:
-                    raise  # a plain draft's failure is vLLM's
-                if self._dflash_weights is None:
-                    self._take_weights()  # the build follows loading the layers: they are loaded
-                if self._dflash_weights is None:
+                if not methods or self._dflash_weights is None:
                     raise
                 self._dflash_vllm_serves_precompute = False  # the plugin's path is the only one
                 attention.warn_once(f"own-buffers:{id(self)}", "%s cannot build its own context-KV "
@@ -333,13 +331,14 @@ def _left_to_vllms_cpu_ops(draft, dtype: torch.dtype) -> bool:
     :func:`.attention.handed_back_to_vllm`) and the CPU has a native GEMM for the model's
     ``dtype`` (:func:`~dflash_rocm.platform.cpu_gemm_dtype`: the cpu backend's GEMM is then
     vLLM's own), vLLM's own precompute runs its C++ CPU ops around it, which the cpu backend
-    was measured slower than (``_CPU_PRECOMPUTE_SLOWER``, bf16). Without a native bf16/fp16
-    GEMM (AVX2) the cpu backend's float32 GEMM wins and it serves; float32 drafts (not
-    measured) keep the cpu backend too. Docs' rule: ``auto`` never picks a path measured
+    was measured slower than (``_CPU_PRECOMPUTE_SLOWER``, bf16; float32 drafts, whose GEMM is
+    float32 on both sides on every CPU, follow by the same reasoning, not measured). Without
+    a native bf16/fp16 GEMM (AVX2) a bf16 draft's cpu-backend float32 GEMM wins and it
+    serves. Docs' rule: ``auto`` never picks a path measured
     slower than vLLM's own. Naming a backend (``DFLASH_ROCM_BACKEND=cpu``) routes it through
     dflash_rocm anyway."""
     impls = [layer.self_attn.attn.impl for layer in draft.model.layers]
-    return (bool(impls) and dtype in (torch.bfloat16, torch.float16) and cpu_gemm_dtype(dtype) == dtype
+    return (bool(impls) and cpu_gemm_dtype(dtype) == dtype
             and all(attention.handed_back_to_vllm(impl) for impl in impls))
 
 
