@@ -72,3 +72,9 @@ def bare_interpreter(cwd) -> tuple[list[str], dict]:
     paths = [p for p in site.getsitepackages() if os.path.isdir(p)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), PWD=str(cwd))
     return [sys.executable, "-S"], env
+
+
+def refuse_every(tensors, refusal: Exception) -> None:
+    """``dflash_rocm.derived``'s capture rule (``refuse_in_capture``) with every call
+    refused: patched in, a host backend that is never captured must derive nothing."""
+    raise refusal

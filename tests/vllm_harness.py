@@ -310,11 +310,6 @@ def _reference_precompute(model, states, positions, slots) -> None:
     plan.run(states, positions, slots)
 
 
-def _refuse_every(tensors, refusal: Exception) -> None:
-    """``dflash_rocm.derived``'s capture rule with every call refused: derives nothing."""
-    raise refusal
-
-
 def update_checks(model, updates, reference: str = "vllm") -> dict:
     """One step's precompute recorded (``dflash_rocm.launches.capture``), the draft updated
     by every ``(name, stream)`` of ``updates`` in turn (:func:`update_draft`), then: vLLM's own precompute for
@@ -327,7 +322,7 @@ def update_checks(model, updates, reference: str = "vllm") -> dict:
     import torch
 
     from dflash_rocm import derived, launches
-    from support import replay
+    from support import refuse_every, replay
 
     weights = model._dflash_weights
     g = torch.Generator().manual_seed(5)
@@ -356,7 +351,7 @@ def update_checks(model, updates, reference: str = "vllm") -> dict:
                 replay(recorded)
             else:  # a host backend (NEVER captured): any derivation refused, as inside a capture
                 original = derived.refuse_in_capture
-                derived.refuse_in_capture = _refuse_every
+                derived.refuse_in_capture = refuse_every
                 try:
                     model.precompute_and_store_context_kv(states, positions, slots)
                 finally:
